@@ -1,0 +1,3 @@
+"""unbubble: bubble-free asynchronous pipeline-parallel training for PyTorch."""
+
+__version__ = "0.1.0"

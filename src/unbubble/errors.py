@@ -1,0 +1,13 @@
+"""Exceptions raised for user-facing problems (bad configs, schedules, files)."""
+
+
+class ConfigError(ValueError):
+    """A configuration value, file or combination is invalid.
+
+    The message names the offending value, what would be valid and, where
+    possible, the option to change (``"a=0 is invalid: must be >= 1 (set --a)"``).
+    """
+
+
+class ScheduleError(RuntimeError):
+    """A schedule is malformed or deadlocks; the message names the first offending action."""
