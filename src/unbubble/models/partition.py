@@ -1,0 +1,246 @@
+"""Split GPT-2 into N contiguous pipeline stages of balanced cost, and build them.
+
+The pipeline runs at the pace of its slowest stage, so the split minimises the largest stage cost.
+Stage 0 also pays for the embeddings and the last stage for the final LayerNorm and the head, whose
+cost 2 * C * V is large for real vocabularies (4.5 blocks of gpt2 at V = 50257, T = 1024): the head
+stage then gets fewer blocks.
+
+Costs are estimated forward FLOPs per token (backward is about 2x forward for every component, so the
+same split balances forward + backward). Measured per-block costs can be passed to
+``partition_by_cost`` instead.
+
+Sources: Kaplan et al. 2020, "Scaling Laws for Neural Language Models", arXiv 2001.08361, Table 1
+(per-component forward FLOPs); Chowdhery et al. 2022, "PaLM", arXiv 2204.02311, Appendix B (counts both
+attention matmuls, QK^T and AV, giving 4 * T * C rather than Kaplan's 2 * T * C).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+
+from unbubble.errors import ConfigError
+from unbubble.models.gpt2 import GPTConfig, GPTStage, count_params
+
+logger = logging.getLogger(__name__)
+
+_TIE_RTOL = 1e-12  # sums of squares closer than this (relative) count as a tie
+
+
+def component_costs(config: GPTConfig, seq_len: int | None = None) -> tuple[float, list[float], float]:
+    """Estimated forward FLOPs per token of the embedding, each block and the head.
+
+    With C = ``n_embd``, T = ``seq_len`` and V = ``vocab_size`` (a multiply-add counts as 2 FLOPs):
+
+    - block: ``24 * C**2 + 4 * T * C``. QKV projection 6C², attention output projection 2C², MLP
+      2 * (2 * C * 4C) = 16C² (Kaplan Table 1), plus 2TC for the scores QK^T and 2TC for the weighted
+      sum AV (PaLM App. B; causal masking is not discounted, as in both sources). LayerNorms, GELU and
+      softmax are neglected.
+    - embedding: ``4 * C`` (Kaplan Table 1): a gather and an add, memory-bound and tiny.
+    - head: ``2 * C * V`` (the de-embedding matmul; the final LayerNorm is neglected).
+
+    Args:
+        config: model shape.
+        seq_len: sequence length T in tokens, 1..``block_size``; defaults to ``block_size``.
+
+    Returns:
+        ``(embedding, [block_0, ..., block_{L-1}], head)`` in FLOPs per token.
+
+    Raises:
+        ConfigError: ``seq_len`` outside 1..``block_size``.
+    """
+    T = _resolve_seq_len(config, seq_len)
+    C, V = config.n_embd, config.vocab_size
+    block = float(24 * C * C + 4 * T * C)
+    return float(4 * C), [block] * config.n_layer, float(2 * C * V)
+
+
+def partition_layers(config: GPTConfig, n_stages: int, seq_len: int | None = None) -> list[range]:
+    """Contiguous, cost-balanced split of the ``n_layer`` blocks into ``n_stages`` stages.
+
+    Uses ``component_costs`` and ``partition_by_cost``: minimises the largest stage cost, where stage
+    0 adds the embedding cost and the last stage the head cost.
+
+    Args:
+        config: model shape.
+        n_stages: number of pipeline stages N, 1..``n_layer``.
+        seq_len: sequence length T used for the attention term; defaults to ``block_size``.
+
+    Returns:
+        N non-empty ``range`` objects of global block indices, in order, covering ``0..n_layer``.
+
+    Raises:
+        ConfigError: ``n_stages`` outside 1..``n_layer`` or ``seq_len`` outside 1..``block_size``.
+    """
+    _check_n_stages(n_stages, config.n_layer)
+    embedding, blocks, head = component_costs(config, seq_len)
+    return partition_by_cost(blocks, n_stages, first_extra=embedding, last_extra=head)
+
+
+def partition_by_cost(
+    block_costs: Sequence[float],
+    n_stages: int,
+    first_extra: float = 0.0,
+    last_extra: float = 0.0,
+) -> list[range]:
+    """Exact minimax contiguous partition of blocks with given costs.
+
+    Stage s costs ``sum(block_costs[stage s]) + first_extra * (s == 0) + last_extra * (s == N-1)``.
+    Among splits that reach the smallest possible maximum, the one with the smallest sum of squared
+    stage costs is taken (the most even one), and remaining ties go to the split with the fewest
+    blocks on the earliest stages (lexicographically smallest block counts): early stages hold the
+    most in-flight activations and weight versions in 1F1B-style and asynchronous schedules.
+
+    Cost: two dynamic programmes over (stage, first block), O(N * L²) time plus O(L³) for the segment
+    sums; well under a millisecond for L = 48.
+
+    Args:
+        block_costs: cost of each block, >= 0 and finite (any unit, e.g. FLOPs/token or seconds).
+        n_stages: number of stages N, 1..``len(block_costs)``.
+        first_extra: extra cost of stage 0 (embedding), >= 0.
+        last_extra: extra cost of stage N-1 (final norm + head), >= 0.
+
+    Returns:
+        N non-empty, contiguous ``range`` objects covering ``0..len(block_costs)``.
+
+    Raises:
+        ConfigError: ``n_stages`` outside 1..L, or a negative or non-finite cost.
+    """
+    L = len(block_costs)
+    _check_n_stages(n_stages, L)
+    for name, value in [("first_extra", first_extra), ("last_extra", last_extra)] + [
+        (f"block_costs[{j}]", c) for j, c in enumerate(block_costs)
+    ]:
+        if not (math.isfinite(value) and value >= 0):
+            raise ConfigError(f"{name}={value!r} is invalid: costs must be finite and >= 0")
+    N = n_stages
+
+    # seg[i][j] = cost of blocks i..j-1; fsum is correctly rounded, so equal multisets give equal sums
+    seg = [[math.fsum(block_costs[i:j]) if j > i else 0.0 for j in range(L + 1)] for i in range(L + 1)]
+
+    def stage_cost(s: int, i: int, j: int) -> float:
+        return seg[i][j] + (first_extra if s == 0 else 0.0) + (last_extra if s == N - 1 else 0.0)
+
+    def ends(s: int, i: int) -> range:
+        # stage s takes blocks i..j-1 and leaves at least one block for each of the N-1-s later stages
+        return range(i + 1, L - (N - 1 - s) + 1)
+
+    def starts(s: int) -> range:
+        return range(s, L - (N - s) + 1)  # stages before s hold at least one block each
+
+    # Phase 1: bottleneck[s][i] = smallest max stage cost of stages s..N-1 covering blocks i..L-1.
+    inf = math.inf
+    bottleneck = [[inf] * (L + 1) for _ in range(N + 1)]
+    bottleneck[N][L] = -inf
+    for s in range(N - 1, -1, -1):
+        for i in starts(s):
+            bottleneck[s][i] = min(max(stage_cost(s, i, j), bottleneck[s + 1][j]) for j in ends(s, i))
+    limit = bottleneck[0][0]
+
+    # Phase 2: among splits whose every stage costs <= limit, the smallest sum of squared costs;
+    # scanning j upward and replacing only on a strict improvement keeps the earliest (fewest) end.
+    sumsq = [[inf] * (L + 1) for _ in range(N + 1)]
+    sumsq[N][L] = 0.0
+    choice = [[-1] * (L + 1) for _ in range(N)]
+    for s in range(N - 1, -1, -1):
+        for i in starts(s):
+            for j in ends(s, i):
+                c = stage_cost(s, i, j)
+                if c > limit or sumsq[s + 1][j] == inf:
+                    continue
+                total = c * c + sumsq[s + 1][j]
+                best = sumsq[s][i]
+                if best == inf or total < best - _TIE_RTOL * abs(best):
+                    sumsq[s][i], choice[s][i] = total, j
+
+    ranges, i = [], 0
+    for s in range(N):
+        j = choice[s][i]
+        ranges.append(range(i, j))
+        i = j
+    return ranges
+
+
+def stage_costs(config: GPTConfig, ranges: Sequence[range], seq_len: int | None = None) -> list[float]:
+    """Estimated forward FLOPs per token of each stage of a partition (see ``component_costs``).
+
+    Args:
+        config: model shape.
+        ranges: the stages' block ranges, e.g. from ``partition_layers``.
+        seq_len: sequence length T; defaults to ``block_size``.
+
+    Returns:
+        One cost per stage, embedding added to stage 0 and head to the last stage.
+    """
+    embedding, blocks, head = component_costs(config, seq_len)
+    costs = [math.fsum(blocks[j] for j in r) for r in ranges]
+    costs[0] += embedding
+    costs[-1] += head
+    return costs
+
+
+def build_gpt_stages(
+    config: GPTConfig,
+    n_stages: int,
+    seed: int,
+    seq_len: int | None = None,
+    only: int | None = None,
+) -> list[GPTStage | None]:
+    """Build the stages of the balanced partition (``partition_layers``).
+
+    Weights do not depend on the partition (see [Note: partition-invariant init] in ``gpt2.py``); with
+    one stage the head is tied to the embedding, otherwise it is untied but starts equal to it.
+
+    Args:
+        config: model shape.
+        n_stages: number of pipeline stages N, 1..``n_layer``.
+        seed: run seed, 0 <= seed < 2**40.
+        seq_len: sequence length T used to balance the partition; defaults to ``block_size``.
+        only: build just this stage (0-based, 0..N-1) and leave the others ``None``, so a per-stage
+            process allocates only its own weights.
+
+    Returns:
+        A list of N entries: ``GPTStage`` objects (CPU, float32), or ``None`` for unbuilt stages.
+
+    Raises:
+        ConfigError: ``n_stages``, ``seq_len``, ``seed`` or ``only`` out of range.
+    """
+    ranges = partition_layers(config, n_stages, seq_len)
+    if only is not None and (isinstance(only, bool) or not isinstance(only, int) or not 0 <= only < n_stages):
+        raise ConfigError(
+            f"only={only!r} is invalid: with stages={n_stages} the stage index must be in 0..{n_stages - 1}"
+        )
+    costs = stage_costs(config, ranges, seq_len)
+    stages: list[GPTStage | None] = []
+    for s, r in enumerate(ranges):
+        if only is not None and s != only:
+            stages.append(None)
+            continue
+        stage = GPTStage(config, r, first=s == 0, last=s == n_stages - 1, seed=seed)
+        logger.info(
+            "stage %d/%d: blocks [%d, %d), %.2fM params, %.3g GFLOP/token forward (%.0f%% of the max)",
+            s, n_stages, r.start, r.stop, count_params(stage) / 1e6, costs[s] / 1e9,
+            100 * costs[s] / max(costs),
+        )
+        stages.append(stage)
+    return stages
+
+
+def _check_n_stages(n_stages: int, n_layer: int) -> None:
+    if isinstance(n_stages, bool) or not isinstance(n_stages, int) or not 1 <= n_stages <= n_layer:
+        raise ConfigError(
+            f"stages={n_stages!r} is invalid: the model has {n_layer} layers, so stages must be in "
+            f"1..{n_layer} (set --stages or pick a deeper --model)"
+        )
+
+
+def _resolve_seq_len(config: GPTConfig, seq_len: int | None) -> int:
+    if seq_len is None:
+        return config.block_size
+    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or not 1 <= seq_len <= config.block_size:
+        raise ConfigError(
+            f"seq_len={seq_len!r} is invalid: must be in 1..block_size={config.block_size} "
+            f"(set --seq-len or a larger --block-size)"
+        )
+    return seq_len
