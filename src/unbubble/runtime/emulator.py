@@ -1,0 +1,68 @@
+"""Single-process emulator: the simulator with real stage executors attached (DESIGN §3)."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from unbubble.runtime.job import PipelineJob
+from unbubble.runtime.telemetry import Listener, RunResult, Telemetry, snapshot
+from unbubble.schedules.actions import Action, ActionKind
+from unbubble.schedules.policy import ListPolicy
+from unbubble.sim.costs import UniformCosts
+from unbubble.sim.engine import ActionRecord, CostModel, run_policies
+
+
+def run_emulator(job: PipelineJob, costs: CostModel | None = None, replay: list[list[Action]] | None = None,
+                 listener: Listener | None = None, modules: list[torch.nn.Module] | None = None) -> RunResult:
+    """Trains ``job`` with every stage in this process, in the order a cost model gives.
+
+    Each action runs for real at its simulated start time, so the run is deterministic:
+    the same job, costs and seed give bit-identical weights. The per-stage action order
+    (``result.trace.order()``) can be replayed by the process engine.
+
+    Args:
+        job: what to train.
+        costs: durations used to order the actions (default: F=1, B=2, U=0, no latency).
+        replay: per-stage action lists to follow instead of the schedule's policies.
+        listener: receives per-step losses and evaluations.
+        modules: pre-built stage modules (else ``job.stage_fn`` builds them).
+
+    Returns:
+        A :class:`RunResult` whose ``trace`` holds measured wall times and ``sim_trace`` the
+        simulated ones.
+
+    Raises:
+        ScheduleError: the schedule deadlocks.
+    """
+    n = job.schedule.n_stages
+    execs = [job.build_executor(s, None if modules is None else modules[s]) for s in range(n)]
+    telemetry = Telemetry(job, listener)
+    mailbox: dict[tuple[int, ActionKind, int], torch.Tensor] = {}
+    t0 = time.perf_counter()
+
+    def execute(action: Action) -> None:
+        ex = execs[action.stage]
+        payload = None
+        if action.kind is ActionKind.F and not ex.is_first:
+            payload = mailbox.pop((action.stage, ActionKind.F, action.mb))
+        elif action.kind is ActionKind.B and not ex.is_last:
+            payload = mailbox.pop((action.stage, ActionKind.B, action.mb))
+        version = ex.version
+        start = time.perf_counter() - t0
+        out = ex.run(action, payload)
+        telemetry.add_record(ActionRecord(action, start, time.perf_counter() - t0, version))
+        if out is not None:
+            dst = action.stage + 1 if action.kind is ActionKind.F else action.stage - 1
+            mailbox[(dst, action.kind, action.mb)] = out
+        if action.kind is ActionKind.U:
+            if ex.is_last and ex.last_step_loss is not None:
+                telemetry.add_step_loss(ex.last_step_loss)
+            if job.wants_snapshot(ex.version):
+                telemetry.add_snapshot(action.stage, ex.version, snapshot(ex.module))
+
+    policies = None if replay is None else [ListPolicy(acts) for acts in replay]
+    sim = run_policies(job.schedule, costs or UniformCosts(), execute, policies)
+    wall = time.perf_counter() - t0
+    return telemetry.result([ex.module.state_dict() for ex in execs], wall, sim_trace=sim)

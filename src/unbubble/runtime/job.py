@@ -1,0 +1,87 @@
+"""What to train: the picklable description every engine runs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from unbubble.runtime.executor import BatchFn, LossFn, StageExecutor
+from unbubble.schedules.registry import Schedule
+
+StageFn = Callable[[int], nn.Module]
+OptimizerFn = Callable[[list[nn.Parameter], int], torch.optim.Optimizer]
+LrLambda = Callable[[int], float]
+
+
+@dataclass
+class PipelineJob:
+    """A pipeline training job, independent of the engine that runs it.
+
+    Every callable must be picklable (a module-level function or a
+    ``functools.partial`` of one) because the process engine rebuilds the job in each
+    stage process.
+
+    Attributes:
+        stage_fn: ``stage_fn(stage) -> nn.Module`` builds 0-based stage ``stage``; called
+            once per stage and process, it must be deterministic (same weights every call).
+        loss_fn: ``loss_fn(last_stage_output, targets) -> scalar`` mean loss.
+        batch_fn: ``batch_fn(k) -> (inputs, targets)`` for global micro-batch id k.
+        optimizer_fn: ``optimizer_fn(params, stage) -> Optimizer`` for one stage.
+        schedule: the pipeline schedule (N, micro-batches per step, steps).
+        lr_lambda: multiplier of the base learning rate after ``u`` local updates
+            (``torch.optim.lr_scheduler.LambdaLR`` semantics); ``None`` keeps it constant.
+        val_fn: ``val_fn() -> list[(inputs, targets)]`` validation micro-batches; ``None``
+            disables evaluation.
+        eval_interval: evaluate the weights of version v (every stage after v updates)
+            for every v that is a multiple of this; 0 evaluates only the final weights.
+        tokens_per_mb: tokens in one micro-batch (for tokens/s); ``None`` reports samples.
+        clip_grad_norm: per-stage gradient clipping (off if None).
+    """
+
+    stage_fn: StageFn
+    loss_fn: LossFn
+    batch_fn: BatchFn
+    optimizer_fn: OptimizerFn
+    schedule: Schedule
+    lr_lambda: LrLambda | None = None
+    val_fn: Callable[[], list[tuple[Any, Any]]] | None = None
+    eval_interval: int = 0
+    tokens_per_mb: int | None = None
+    clip_grad_norm: float | None = None
+
+    def build_executor(self, stage: int, module: nn.Module | None = None) -> StageExecutor:
+        """Builds stage ``stage``'s module, optimizer and executor."""
+        module = self.stage_fn(stage) if module is None else module
+        params = [p for p in module.parameters() if p.requires_grad]
+        optimizer = self.optimizer_fn(params, stage)
+        sched = None if self.lr_lambda is None else torch.optim.lr_scheduler.LambdaLR(optimizer, self.lr_lambda)
+        return StageExecutor(
+            stage, self.schedule.n_stages, module, self.loss_fn if stage == self.schedule.n_stages - 1 else None,
+            self.batch_fn, optimizer, self.schedule.loss_scale, sched, self.clip_grad_norm,
+        )
+
+    def wants_snapshot(self, version: int) -> bool:
+        """True if the weights of ``version`` are to be evaluated."""
+        if self.val_fn is None:
+            return False
+        last = version == self.schedule.steps
+        return last or (self.eval_interval > 0 and version % self.eval_interval == 0)
+
+
+@torch.no_grad()
+def evaluate(job: PipelineJob, modules: list[nn.Module]) -> float:
+    """Mean validation loss of the full pipeline model made of ``modules`` (one per stage).
+
+    Returns:
+        Mean of ``job.loss_fn`` over ``job.val_fn()``'s micro-batches (nats/token for a LM).
+    """
+    batches = job.val_fn()
+    total = 0.0
+    for x, y in batches:
+        for m in modules:
+            x = m(x)
+        total += float(job.loss_fn(x, y))
+    return total / max(len(batches), 1)

@@ -1,0 +1,123 @@
+"""Collects what a run did — action records, losses, drift, evaluations — from any engine."""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from unbubble.runtime.job import PipelineJob, evaluate
+from unbubble.schedules.actions import ActionKind
+from unbubble.sim.engine import ActionRecord, Trace
+
+
+class Listener(Protocol):
+    """Receives live progress (the CLI draws a progress bar and writes JSONL from it)."""
+
+    def on_step(self, step: int, loss: float, info: dict[str, Any]) -> None: ...
+
+    def on_eval(self, version: int, val_loss: float) -> None: ...
+
+
+@dataclass
+class RunResult:
+    """What a finished run produced.
+
+    Attributes:
+        trace: executed actions with measured wall-clock start/end (seconds since start) and
+            the weight version each started on.
+        sim_trace: the emulator's simulated trace (``None`` for the process engine).
+        step_losses: last stage's mean training loss per local update (index = update − 1).
+        val_losses: ``(version, validation loss)`` pairs.
+        final_states: each stage's ``state_dict`` after the run.
+        wall_s: wall-clock seconds of the training loop.
+        tokens: tokens processed (micro-batches × tokens per micro-batch), or samples if unknown.
+    """
+
+    trace: Trace
+    sim_trace: Trace | None
+    step_losses: list[float]
+    val_losses: list[tuple[int, float]]
+    final_states: list[dict[str, torch.Tensor]]
+    wall_s: float
+    tokens: int
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.wall_s if self.wall_s > 0 else math.nan
+
+    def max_drift(self) -> list[int]:
+        """Largest Δ = v_B − v_F per stage (0-based)."""
+        return self.trace.max_drift()
+
+
+class Telemetry:
+    """Aggregates events from the engine and evaluates consistent weight snapshots.
+
+    Evaluation uses the weights of version v on *every* stage (each stage contributes its
+    snapshot when it reaches v), so asynchronous engines evaluate the same model whatever
+    the interleaving, and the emulator and the process engine report identical values.
+    """
+
+    def __init__(self, job: PipelineJob, listener: Listener | None = None):
+        self.job, self.listener = job, listener
+        n = job.schedule.n_stages
+        self.trace = Trace(n)
+        self.step_losses: list[float] = []
+        self.val_losses: list[tuple[int, float]] = []
+        self._snapshots: dict[int, dict[int, dict]] = {}
+        self._eval_modules: list | None = None
+        self._fwd_version: dict[tuple[int, int], int] = {}
+        self._max_drift = [0] * n
+        self._n_fwd_first = 0
+        self.t0 = time.perf_counter()
+
+    def add_record(self, rec: ActionRecord) -> None:
+        self.trace.records.append(rec)
+        a = rec.action
+        if a.kind is ActionKind.F:
+            self._fwd_version[(a.stage, a.mb)] = rec.version
+            self._n_fwd_first += a.stage == 0
+        elif a.kind in (ActionKind.B, ActionKind.I):
+            d = rec.version - self._fwd_version.pop((a.stage, a.mb))
+            self._max_drift[a.stage] = max(self._max_drift[a.stage], d)
+
+    def add_step_loss(self, loss: float) -> None:
+        self.step_losses.append(loss)
+        if self.listener is not None:
+            elapsed = time.perf_counter() - self.t0
+            mb_tokens = self.job.tokens_per_mb or 1
+            self.listener.on_step(len(self.step_losses), loss, {
+                "tok_per_s": self._n_fwd_first * mb_tokens / elapsed if elapsed > 0 else 0.0,
+                "max_drift": max(self._max_drift),
+                "elapsed_s": elapsed,
+            })
+
+    def add_snapshot(self, stage: int, version: int, state: dict[str, torch.Tensor]) -> None:
+        got = self._snapshots.setdefault(version, {})
+        got[stage] = state
+        if len(got) == self.job.schedule.n_stages:
+            del self._snapshots[version]
+            if self._eval_modules is None:
+                self._eval_modules = [self.job.stage_fn(s) for s in range(self.job.schedule.n_stages)]
+            for s, m in enumerate(self._eval_modules):
+                m.load_state_dict(got[s])
+                m.eval()
+            val = evaluate(self.job, self._eval_modules)
+            self.val_losses.append((version, val))
+            if self.listener is not None:
+                self.listener.on_eval(version, val)
+
+    def result(self, final_states: list[dict], wall_s: float, sim_trace: Trace | None = None) -> RunResult:
+        self.trace.records.sort(key=lambda r: (r.start, r.action.stage))
+        tokens = self.job.schedule.total_mb * (self.job.tokens_per_mb or 1)
+        return RunResult(self.trace, sim_trace, self.step_losses, sorted(self.val_losses),
+                         final_states, wall_s, tokens)
+
+
+def snapshot(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A detached copy of ``module``'s state for evaluation (never used for training)."""
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}
