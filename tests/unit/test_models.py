@@ -116,7 +116,8 @@ def test_build_only_one_stage():
     assert stages[1].layers == full[1].layers
     for (n1, p1), (n2, p2) in zip(stages[1].named_parameters(), full[1].named_parameters()):
         assert n1 == n2 and torch.equal(p1, p2)
-    with pytest.raises(ConfigError, match=re.escape("only=3 is invalid: with stages=3 the stage index must be in 0..2")):
+    msg = "only=3 is invalid: with stages=3 the stage index must be in 0..2"
+    with pytest.raises(ConfigError, match=re.escape(msg)):
         build_gpt_stages(config, 3, seed=5, only=3)
 
 
@@ -262,7 +263,10 @@ def _all_splits(L, N):
 
 def test_too_many_stages_error_text():
     config = make_config("small-cpu", 256)
-    msg = "stages=9 is invalid: the model has 6 layers, so stages must be in 1..6 (set --stages or pick a deeper --model)"
+    msg = (
+        "stages=9 is invalid: the model has 6 layers, so stages must be in 1..6 "
+        "(set --stages or pick a deeper --model)"
+    )
     with pytest.raises(ConfigError, match=re.escape(msg)):
         partition_layers(config, 9)
     with pytest.raises(ConfigError, match=re.escape("stages=0 is invalid")):
@@ -270,7 +274,10 @@ def test_too_many_stages_error_text():
 
 
 def test_unknown_preset_lists_names():
-    msg = "model='gpt3' is invalid: must be one of tiny, small-cpu, gpt2, gpt2-medium, gpt2-large, gpt2-xl (set --model)"
+    msg = (
+        "model='gpt3' is invalid: must be one of tiny, small-cpu, gpt2, gpt2-medium, gpt2-large, "
+        "gpt2-xl (set --model)"
+    )
     with pytest.raises(ConfigError, match=re.escape(msg)):
         make_config("gpt3", 50257)
     assert set(PRESETS) == {"tiny", "small-cpu", "gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl"}
@@ -283,7 +290,11 @@ def test_unknown_preset_lists_names():
     [
         (dict(n_layer=0), "n_layer=0 is invalid: must be an integer >= 1"),
         (dict(vocab_size=-1), "vocab_size=-1 is invalid: must be an integer >= 1"),
-        (dict(n_embd=30), "n_embd=30 is invalid: must be divisible by n_head=4 (remainder 2; pick another width or head count)"),
+        (
+            dict(n_embd=30),
+            "n_embd=30 is invalid: must be divisible by n_head=4 "
+            "(remainder 2; pick another width or head count)",
+        ),
         (dict(dropout=1.0), "dropout=1.0 is invalid: must be in [0, 1) (set --dropout)"),
     ],
 )

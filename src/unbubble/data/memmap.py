@@ -188,7 +188,9 @@ def prepare_tokens(
     try:
         val_fraction = float(val_fraction)
     except (TypeError, ValueError):
-        raise ConfigError(f"val_fraction={val_fraction!r} is invalid: must be a number in (0, 1) (set --val-fraction)") from None
+        raise ConfigError(
+            f"val_fraction={val_fraction!r} is invalid: must be a number in (0, 1) (set --val-fraction)"
+        ) from None
     if not 0.0 < val_fraction < 1.0:
         raise ConfigError(f"val_fraction={val_fraction!r} is invalid: must be in (0, 1) (set --val-fraction)")
     tok = get_tokenizer(tokenizer)
