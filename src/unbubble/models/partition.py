@@ -218,7 +218,7 @@ def build_gpt_stages(
             stages.append(None)
             continue
         stage = GPTStage(config, r, first=s == 0, last=s == n_stages - 1, seed=seed)
-        logger.info(
+        logger.debug(
             "stage %d/%d: blocks [%d, %d), %.2fM params, %.3g GFLOP/token forward (%.0f%% of the max)",
             s, n_stages, r.start, r.stop, count_params(stage) / 1e6, costs[s] / 1e9,
             100 * costs[s] / max(costs),

@@ -39,6 +39,9 @@ def run_emulator(job: PipelineJob, costs: CostModel | None = None, replay: list[
     n = job.schedule.n_stages
     execs = [job.build_executor(s, None if modules is None else modules[s]) for s in range(n)]
     telemetry = Telemetry(job, listener)
+    if job.wants_snapshot(0):
+        for ex in execs:
+            telemetry.add_snapshot(ex.stage, 0, snapshot(ex.module))
     mailbox: dict[tuple[int, ActionKind, int], torch.Tensor] = {}
     t0 = time.perf_counter()
 

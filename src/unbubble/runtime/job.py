@@ -67,6 +67,8 @@ class PipelineJob:
         """True if the weights of ``version`` are to be evaluated."""
         if self.val_fn is None:
             return False
+        if version == 0:
+            return True  # the starting point of every validation curve
         last = version == self.schedule.steps
         return last or (self.eval_interval > 0 and version % self.eval_interval == 0)
 

@@ -64,6 +64,8 @@ def run_stage(job: PipelineJob, stage: int, sink: Sink, replay: list[Action] | N
     """
     n = job.schedule.n_stages
     ex = job.build_executor(stage)
+    if job.wants_snapshot(0):
+        sink(("snapshot", stage, (0, to_bytes(ex.module.state_dict()))))
     transport = P2PTransport(stage, n, job.schedule.total_mb)
     transport.exchange_meta(lambda meta: _probe(ex, meta))
     transport.start()

@@ -1,0 +1,58 @@
+"""``unbubble`` command line: one module per command, all thin layers over the Python API."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import click
+from rich.console import Console
+from rich.logging import RichHandler
+
+from unbubble.errors import ConfigError, ScheduleError
+
+#: Results go to stdout, messages (logs, errors) to stderr.
+err_console = Console(stderr=True)
+
+
+def setup_logging(verbosity: int) -> None:
+    level = logging.WARNING if verbosity < 0 else logging.DEBUG if verbosity > 0 else logging.INFO
+    handler = RichHandler(console=err_console, show_path=False, show_time=False, markup=False)
+    root = logging.getLogger("unbubble")
+    root.handlers[:] = [handler]
+    root.setLevel(level)
+    root.propagate = False
+
+
+def abort(message: str) -> None:
+    """Prints one error line and exits with status 2 (bad input)."""
+    err_console.print(f"[bold red]error:[/] {message}", markup=True, highlight=False, soft_wrap=True)
+    sys.exit(2)
+
+
+class _Group(click.Group):
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except (ConfigError, ScheduleError) as exc:
+            abort(str(exc).splitlines()[0] if isinstance(exc, ConfigError) else str(exc))
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.option("-v", "--verbose", count=True, help="More log output (repeatable).")
+@click.option("-q", "--quiet", count=True, help="Less log output.")
+@click.version_option(package_name="unbubble")
+def cli(verbose: int, quiet: int) -> None:
+    """unbubble: bubble-free asynchronous pipeline-parallel training (PACI, 1F1B-flush, ...)."""
+    setup_logging(verbose - quiet)
+
+
+from unbubble.cli import schedules as _schedules  # noqa: E402
+from unbubble.cli import train as _train  # noqa: E402
+
+cli.add_command(_train.train)
+cli.add_command(_schedules.schedules)
+
+
+def main() -> None:
+    cli(prog_name="unbubble")

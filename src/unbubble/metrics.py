@@ -1,0 +1,135 @@
+"""The run folder: config, per-step metrics (JSONL), per-action telemetry, summary, plots."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from unbubble.config import TrainConfig
+from unbubble.errors import ConfigError
+from unbubble.runtime.job import PipelineJob
+from unbubble.runtime.telemetry import RunResult
+
+log = logging.getLogger(__name__)
+
+
+class RunWriter:
+    """Writes a run folder and receives live progress (a :class:`~unbubble.runtime.telemetry.Listener`).
+
+    Files: ``config.json``, ``metrics.jsonl`` (one line per step and per evaluation),
+    ``actions.jsonl`` (every action: stage, micro-batch, start/end seconds, v_F/v_B, Δ),
+    ``summary.json`` and ``loss.png``.
+    """
+
+    def __init__(self, run_dir: Path, cfg: TrainConfig, job: PipelineJob):
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.dir, self.cfg, self.job = run_dir, cfg, job
+        self.info: dict[str, Any] = {}
+        (run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+        self._metrics = open(run_dir / "metrics.jsonl", "w")
+        self.last: dict[str, Any] = {}
+
+    @staticmethod
+    def choose_dir(cfg: TrainConfig) -> Path:
+        """The run folder for ``cfg``; refuses a non-empty existing folder (nothing is overwritten).
+
+        Raises:
+            ConfigError: ``cfg.run_dir`` exists and is not empty.
+        """
+        if cfg.run_dir is None:
+            base = Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-{cfg.schedule}-N{cfg.stages}"
+            path, i = base, 1
+            while path.exists():
+                path, i = Path(f"{base}-{i}"), i + 1
+            return path
+        path = Path(cfg.run_dir)
+        if path.exists() and (not path.is_dir() or any(path.iterdir())):
+            raise ConfigError(f"run_dir={str(path)!r} already exists and is not empty: choose a new folder "
+                              "(set --run-dir); nothing was overwritten")
+        return path
+
+    def describe(self, **info: Any) -> None:
+        model = info["model"]
+        tokens = info["tokens"]
+        self.info = {
+            "n_params": info["n_params"],
+            "stage_layers": [[r.start, r.stop] for r in info["ranges"]],
+            "model": {k: getattr(model, k) for k in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size")},
+            "train_tokens": int(tokens.train.size),
+            "val_tokens": int(tokens.val.size),
+            "tokens_per_step": self.cfg.mb_per_step * self.cfg.micro_batch_size * self.cfg.seq_len,
+        }
+        log.info("run folder %s", self.dir)
+        log.info("model %s: %.2fM parameters, stages hold blocks %s", self.cfg.model, info["n_params"] / 1e6,
+                 self.info["stage_layers"])
+        log.info("corpus %s: %d train / %d val tokens (%s tokenizer); %d tokens per step",
+                 self.cfg.corpus, tokens.train.size, tokens.val.size, self.cfg.tokenizer, self.info["tokens_per_step"])
+
+    # Listener ---------------------------------------------------------------------------
+    def on_step(self, step: int, loss: float, info: dict[str, Any]) -> None:
+        self.last = {"step": step, "loss": loss, **info}
+        self._metrics.write(json.dumps({"step": step, "loss": loss, **info}) + "\n")
+        self._metrics.flush()
+
+    def on_eval(self, version: int, val_loss: float) -> None:
+        rec = {"step": version, "val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50.0))}
+        self._metrics.write(json.dumps(rec) + "\n")
+        self._metrics.flush()
+        log.info("eval at version %d: val loss %.4f, ppl %.2f", version, val_loss, rec["val_ppl"])
+
+    # End of run ---------------------------------------------------------------------------
+    def finish(self, result: RunResult, total_wall_s: float) -> dict[str, Any]:
+        self._metrics.close()
+        versions = result.trace.versions()
+        with open(self.dir / "actions.jsonl", "w") as f:
+            for r in result.trace.records:
+                a = r.action
+                rec = {"stage": a.stage, "action": str(a), "kind": a.kind.value, "mb": a.mb,
+                       "start_s": r.start, "end_s": r.end, "version": r.version}
+                if a.kind.value in "BI" and (a.stage, a.mb) in versions:
+                    vf, vb = versions[(a.stage, a.mb)]
+                    rec.update(v_F=vf, v_B=vb, drift=vb - vf)
+                f.write(json.dumps(rec) + "\n")
+        sched = self.job.schedule
+        summary = {
+            "schedule": sched.name, "stages": sched.n_stages, "mb_per_step": sched.mb_per_step,
+            "steps": sched.steps, "engine": self.cfg.engine, **self.info,
+            "tokens": result.tokens, "train_wall_s": result.wall_s, "total_wall_s": total_wall_s,
+            "tokens_per_s": result.tokens_per_s,
+            "utilization": result.trace.utilization(),
+            "max_drift": result.max_drift(),
+            "drift_bound": [sched.drift_bound(s) for s in range(sched.n_stages)],
+            "final_train_loss": result.step_losses[-1] if result.step_losses else None,
+            "val_losses": result.val_losses,
+            "initial_val_loss": result.val_losses[0][1] if result.val_losses else None,
+            "final_val_loss": result.val_losses[-1][1] if result.val_losses else None,
+        }
+        if summary["final_val_loss"] is not None:
+            summary["final_val_ppl"] = math.exp(min(summary["final_val_loss"], 50.0))
+        (self.dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        self._plot(result)
+        return summary
+
+    def _plot(self, result: RunResult) -> None:
+        os.environ.setdefault("MPLBACKEND", "Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(7, 4))
+        steps = range(1, len(result.step_losses) + 1)
+        ax.plot(list(steps), result.step_losses, lw=1, label="train (last stage, mean over the step)")
+        if result.val_losses:
+            ax.plot([v for v, _ in result.val_losses], [l for _, l in result.val_losses], "o-", label="validation")
+        ax.set_xlabel("optimizer step (weight version)")
+        ax.set_ylabel("loss (nats/token)")
+        sched = self.job.schedule
+        ax.set_title(f"{sched.name}, N={sched.n_stages}, {'a' if sched.asynchronous else 'm'}={sched.mb_per_step}")
+        ax.legend()
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(self.dir / "loss.png", dpi=100)
+        plt.close(fig)

@@ -1,0 +1,152 @@
+"""Training GPT-2 on real text through a pipeline: the job the CLI runs.
+
+``train(config)`` validates everything up front, tokenizes the corpus once (cached),
+builds a :class:`~unbubble.runtime.job.PipelineJob` whose callables are picklable
+partials of the functions below, runs it on the chosen engine and writes the run folder.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from unbubble.config import TrainConfig
+from unbubble.data import MicroBatchSampler, prepare_tokens, val_batches
+from unbubble.data.memmap import TokenData
+from unbubble.errors import ConfigError
+from unbubble.lr import warmup_cosine
+from unbubble.metrics import RunWriter
+from unbubble.models import GPTConfig, build_gpt_stages, count_params, gpt_loss, make_config, partition_layers
+from unbubble.runtime.emulator import run_emulator
+from unbubble.runtime.job import PipelineJob
+from unbubble.runtime.launch import run_processes, run_torchrun, under_torchrun
+from unbubble.runtime.telemetry import Listener, RunResult
+from unbubble.schedules.registry import get_schedule
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class _Data:
+    """Where a process finds the tokens (memmaps are reopened in each stage process)."""
+
+    train_path: str
+    val_path: str
+    micro_batch_size: int
+    seq_len: int
+    seed: int
+    eval_batches: int
+
+
+@functools.lru_cache(maxsize=4)
+def _tokens(path: str) -> np.ndarray:
+    return np.memmap(path, dtype=np.uint16, mode="r")
+
+
+@functools.lru_cache(maxsize=4)
+def _sampler(data: _Data) -> MicroBatchSampler:
+    return MicroBatchSampler(_tokens(data.train_path), data.micro_batch_size, data.seq_len, data.seed)
+
+
+def gpt_batch(data: _Data, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Micro-batch k: token ids and targets, each ``(micro_batch_size, seq_len)`` int64."""
+    return _sampler(data).get(k)
+
+
+def gpt_val(data: _Data) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The fixed validation micro-batches."""
+    return val_batches(_tokens(data.val_path), data.micro_batch_size, data.seq_len, data.eval_batches)
+
+
+def gpt_stage(model: GPTConfig, n_stages: int, seed: int, seq_len: int, stage: int) -> torch.nn.Module:
+    """Builds only stage ``stage`` of the cost-balanced partition."""
+    return build_gpt_stages(model, n_stages, seed, seq_len=seq_len, only=stage)[stage]
+
+
+def adamw(lr: float, betas: tuple[float, float], weight_decay: float, params: list, stage: int) -> torch.optim.Optimizer:
+    """AdamW with weight decay on matrices only (nanoGPT's grouping)."""
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=betas)
+
+
+def build_job(cfg: TrainConfig, tokens: TokenData) -> tuple[PipelineJob, GPTConfig]:
+    """The GPT-2 pipeline job for ``cfg`` on prepared ``tokens``.
+
+    Raises:
+        ConfigError: stages > layers, seq_len > block size, or a corpus too small for seq_len.
+    """
+    model = make_config(cfg.model, tokens.vocab_size)
+    if cfg.seq_len > model.block_size:
+        raise ConfigError(f"seq_len={cfg.seq_len} is invalid: model {cfg.model!r} has block_size={model.block_size}, "
+                          f"so seq_len must be ≤ {model.block_size} (set --seq-len)")
+    partition_layers(model, cfg.stages, cfg.seq_len)  # raises on stages > layers
+    data = _Data(str(tokens.meta["dir"]) + "/train.bin", str(tokens.meta["dir"]) + "/val.bin",
+                 cfg.micro_batch_size, cfg.seq_len, cfg.seed, cfg.eval_batches)
+    MicroBatchSampler(tokens.train, cfg.micro_batch_size, cfg.seq_len, cfg.seed)  # validates sizes
+    val_batches(tokens.val, cfg.micro_batch_size, cfg.seq_len, 1)
+    schedule = get_schedule(cfg.schedule, cfg.stages, cfg.steps, a=cfg.a, m=cfg.m)
+    warmup = round(cfg.warmup_frac * cfg.steps)
+    job = PipelineJob(
+        stage_fn=functools.partial(gpt_stage, model, cfg.stages, cfg.seed, cfg.seq_len),
+        loss_fn=gpt_loss,
+        batch_fn=functools.partial(gpt_batch, data),
+        optimizer_fn=functools.partial(adamw, cfg.lr, (cfg.beta1, cfg.beta2), cfg.weight_decay),
+        schedule=schedule,
+        lr_lambda=functools.partial(warmup_cosine, total=cfg.steps, warmup=warmup, min_ratio=cfg.min_lr_ratio),
+        val_fn=functools.partial(gpt_val, data),
+        eval_interval=cfg.eval_interval,
+        tokens_per_mb=cfg.micro_batch_size * cfg.seq_len,
+        clip_grad_norm=cfg.clip_grad_norm,
+    )
+    return job, model
+
+
+def run_job(job: PipelineJob, engine: str, listener: Listener | None = None, threads_per_stage: int = 1) -> RunResult | None:
+    """Runs a job on ``engine`` (``"emulator"`` or ``"processes"``; under torchrun, this rank's stage)."""
+    if engine == "emulator":
+        return run_emulator(job, listener=listener)
+    if under_torchrun():
+        return run_torchrun(job, listener=listener)
+    return run_processes(job, listener=listener, threads_per_stage=threads_per_stage)
+
+
+def train(cfg: TrainConfig, listener_factory=None) -> tuple[RunResult | None, Path | None]:
+    """Validates ``cfg``, trains, and writes the run folder.
+
+    Args:
+        cfg: the run configuration.
+        listener_factory: ``f(writer, total_steps) -> Listener`` for live progress; default:
+            the writer alone (JSONL metrics, no terminal output).
+
+    Returns:
+        ``(result, run_dir)``; both ``None`` on non-zero torchrun ranks.
+
+    Raises:
+        ConfigError: any invalid value, file or combination — raised before the run folder
+            is created, so nothing existing is overwritten.
+    """
+    cfg.validate()
+    run_dir = RunWriter.choose_dir(cfg)
+    tokens = prepare_tokens(cfg.corpus, cfg.tokenizer, Path(cfg.cache_dir).expanduser())
+    job, model = build_job(cfg, tokens)
+    rank0 = not under_torchrun() or int(__import__("os").environ.get("RANK", "0")) == 0
+    writer = RunWriter(run_dir, cfg, job) if rank0 else None
+    if writer is not None:
+        ranges = partition_layers(model, cfg.stages, cfg.seq_len)
+        n_params = sum(count_params(gpt_stage(model, cfg.stages, cfg.seed, cfg.seq_len, s)) for s in range(cfg.stages))
+        writer.describe(model=model, n_params=n_params, ranges=ranges, tokens=tokens)
+    listener = (listener_factory(writer, cfg.steps) if listener_factory and writer else writer)
+    t0 = time.perf_counter()
+    result = run_job(job, cfg.engine, listener, cfg.threads_per_stage)
+    if writer is None or result is None:
+        return None, None
+    writer.finish(result, time.perf_counter() - t0)
+    return result, run_dir
