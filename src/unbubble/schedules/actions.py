@@ -46,7 +46,7 @@ class Action:
     def __post_init__(self) -> None:
         if (self.kind is ActionKind.U) != (self.mb is None):
             raise ScheduleError(
-                f"action {self.stage}{self.kind.value}{self.mb}: U takes no micro-batch id "
+                f"action {self.stage}{self.kind.value}{self.mb} is invalid: U takes no micro-batch id "
                 "and F/B/I/W need one"
             )
 

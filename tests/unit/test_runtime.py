@@ -1,0 +1,186 @@
+"""Executor and emulator against independent references (DESIGN §6, layers 2 and 3)."""
+
+import functools
+
+import pytest
+import torch
+from torch import nn
+
+from unbubble.runtime.emulator import run_emulator
+from unbubble.runtime.executor import StageExecutor
+from unbubble.runtime.job import PipelineJob
+from unbubble.runtime.versions import keep_version_counters
+from unbubble.schedules import ActionKind, get_schedule
+from unbubble.testing import tiny_gpt_job, train_without_pipeline
+
+torch.set_num_threads(1)
+
+
+def _assert_states_close(got, want, rtol=1e-5, atol=1e-7):
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert g.keys() == w.keys()
+        for name in g:
+            torch.testing.assert_close(g[name], w[name], rtol=rtol, atol=atol, msg=name)
+
+
+@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_flush_equals_non_pipelined_reference(n, optimizer):
+    job = tiny_gpt_job(get_schedule("1f1b-flush", n, steps=3, m=4), optimizer=optimizer)
+    result = run_emulator(job)
+    ref_states, ref_losses = train_without_pipeline(job)
+    _assert_states_close(result.final_states, ref_states)
+    assert result.step_losses == pytest.approx(ref_losses, rel=1e-5)
+    assert result.max_drift() == [0] * n
+
+
+# --- PACI against a sequential delayed reference written with explicit math -------------
+D, BATCH = 6, 3
+
+
+def _mlp_stage(stage):
+    torch.manual_seed(1000 + stage)
+    return nn.Sequential(nn.Linear(D, D), nn.Tanh())
+
+
+def _mlp_batch(k):
+    g = torch.Generator().manual_seed(k)
+    return torch.randn(BATCH, D, generator=g), torch.randn(BATCH, D, generator=g)
+
+
+def _mse(out, y):
+    return ((out - y) ** 2).mean()
+
+
+def _sgd(params, stage):
+    return torch.optim.SGD(params, lr=0.2)
+
+
+def _delayed_reference(job, records):
+    """Replays recorded actions with hand-written forward/backward of tanh(x Wᵀ + b).
+
+    Forward of (s, k) uses the weights of version v_F; backward uses version v_B for the
+    input gradient and the forward-time activations (x, y) for the weight gradient.
+    Every version is kept, so the check does not depend on in-place tricks.
+    """
+    n = job.schedule.n_stages
+    versions = [[(m[0].weight.detach().clone(), m[0].bias.detach().clone())] for m in map(_mlp_stage, range(n))]
+    grads = [[torch.zeros(D, D), torch.zeros(D)] for _ in range(n)]
+    saved, msgs, vf = {}, {}, {}
+    for rec in records:
+        a, s = rec.action, rec.action.stage
+        if a.kind is ActionKind.F:
+            x = _mlp_batch(a.mb)[0] if s == 0 else msgs.pop(("act", s, a.mb))
+            w, b = versions[s][rec.version]
+            y = torch.tanh(x @ w.T + b)
+            saved[(s, a.mb)] = (x, y)
+            vf[(s, a.mb)] = rec.version
+            if s < n - 1:
+                msgs[("act", s + 1, a.mb)] = y
+        elif a.kind is ActionKind.B:
+            x, y = saved.pop((s, a.mb))
+            if s == n - 1:
+                gy = 2 * (y - _mlp_batch(a.mb)[1]) / y.numel() * job.schedule.loss_scale
+            else:
+                gy = msgs.pop(("grad", s, a.mb))
+            w_now, _ = versions[s][rec.version]
+            gz = gy * (1 - y * y)
+            grads[s][0] += gz.T @ x
+            grads[s][1] += gz.sum(0)
+            if s > 0:
+                msgs[("grad", s - 1, a.mb)] = gz @ w_now
+        else:
+            w, b = versions[s][-1]
+            versions[s].append((w - 0.2 * grads[s][0], b - 0.2 * grads[s][1]))
+            grads[s] = [torch.zeros(D, D), torch.zeros(D)]
+    return versions
+
+
+@pytest.mark.parametrize("a", [1, 2, 4])
+def test_paci_equals_delayed_reference(a):
+    n = 4
+    job = PipelineJob(_mlp_stage, _mse, _mlp_batch, _sgd, get_schedule("paci", n, steps=12, a=a))
+    result = run_emulator(job)
+    drift = result.sim_trace.drift()
+    assert max(drift.values()) >= 1  # the check below distinguishes current from forward-time weights
+    versions = _delayed_reference(job, result.sim_trace.records)
+    for s in range(n):
+        w, b = versions[s][-1]
+        torch.testing.assert_close(result.final_states[s]["0.weight"], w, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(result.final_states[s]["0.bias"], b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("a", [1, 2, 4])
+def test_paci_drift_bound_attained_with_real_executors(a):
+    n = 4
+    job = tiny_gpt_job(get_schedule("paci", n, steps=6, a=a))
+    result = run_emulator(job)
+    bound = [-(-(n - 1 - s) // a) for s in range(n)]
+    assert result.max_drift() == bound
+    assert result.sim_trace.max_drift() == bound
+
+
+def test_backward_uses_current_weights_and_forward_time_activations():
+    lin = nn.Linear(3, 2, bias=False)
+    ex = StageExecutor(1, 3, lin, None, lambda k: (None, None), torch.optim.SGD(lin.parameters(), lr=0.5), 1.0)
+    act = torch.tensor([[1.0, 2.0, 3.0]])
+    w_old = lin.weight.detach().clone()
+    ex.forward(0, act)
+    lin.weight.grad = torch.ones(2, 3)
+    ex.update()  # in place: W ← W − 0.5
+    w_new = lin.weight.detach().clone()
+    assert torch.equal(w_new, w_old - 0.5)
+    g = torch.tensor([[1.0, -2.0]])
+    gx = ex.backward(0, g)
+    torch.testing.assert_close(gx, g @ w_new)  # input gradient: current weights
+    assert not torch.allclose(gx, g @ w_old)
+    torch.testing.assert_close(lin.weight.grad, g.T @ act)  # weight gradient: forward-time input
+    assert ex.version == 1
+
+
+def test_stock_pytorch_refuses_without_the_version_helper():
+    lin = nn.Linear(3, 3)
+    out = lin(torch.randn(2, 3, requires_grad=True)).sum()
+    with torch.no_grad():
+        lin.weight.add_(1.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.backward()
+    out = lin(torch.randn(2, 3, requires_grad=True)).sum()
+    with keep_version_counters(list(lin.parameters())), torch.no_grad():
+        lin.weight.add_(1.0)
+    out.backward()  # allowed: the helper restored the version counter
+
+
+def test_no_weight_copies_in_saved_activations():
+    """Every saved tensor that looks like a parameter *is* the parameter (same storage)."""
+    job = tiny_gpt_job(get_schedule("paci", 2, steps=2, a=2))
+    ex = job.build_executor(0)
+    params = {p.untyped_storage().data_ptr(): p for p in ex.module.parameters()}
+    param_bytes = sum(p.numel() * p.element_size() for p in ex.module.parameters())
+    copies, shared = [], 0
+
+    def pack(t):
+        nonlocal shared
+        if t.untyped_storage().data_ptr() in params:
+            shared += 1
+        elif any(t.shape == p.shape and torch.equal(t, p) for p in params.values()):
+            copies.append(tuple(t.shape))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        for k in range(3):
+            ex.forward(k)
+    assert copies == []
+    assert shared > 0
+    # in-flight forwards hold activations only: the stage's parameter bytes are unchanged
+    assert sum(p.numel() * p.element_size() for p in ex.module.parameters()) == param_bytes
+    assert len(list(ex.module.parameters())) == len(params)
+
+
+def test_emulator_is_deterministic():
+    job = tiny_gpt_job(get_schedule("paci", 3, steps=4, a=2))
+    r1, r2 = run_emulator(job), run_emulator(job)
+    for s1, s2 in zip(r1.final_states, r2.final_states):
+        assert all(torch.equal(s1[k], s2[k]) for k in s1)
+    assert r1.trace.order() == r2.trace.order()
