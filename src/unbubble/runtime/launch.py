@@ -45,6 +45,8 @@ def _stage_entry(stage: int, job: PipelineJob, replay, q, port: int, threads: in
         q.put(("error", stage, f"{type(exc).__name__}: {exc}"))
         traceback.print_exc()
         sys.stderr.flush()
+        q.close()
+        q.join_thread()  # flush the report before the hard exit
         os._exit(1)
 
 
@@ -71,6 +73,24 @@ class _Collector:
             self.finals[stage] = (from_bytes(data), wall)
         elif kind == "error":
             raise PipelineFailure(f"stage {stage} failed: {payload}")
+
+
+_SECONDARY = ("PeerFailure", "Connection closed by peer", "Connection reset by peer", "Broken pipe")
+
+
+def _root_cause(first: tuple, q, wait_s: float = 2.0) -> tuple:
+    """Among the errors stages report within ``wait_s``, the one that is not a neighbour's
+    reaction to another failure (a closed connection, a receive timeout)."""
+    errors, deadline = [first], time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        try:
+            msg = q.get(timeout=0.1)
+        except queue.Empty:
+            continue
+        if msg[0] == "error":
+            errors.append(msg)
+    primary = [e for e in errors if not any(mark in e[2] for mark in _SECONDARY)]
+    return (primary or errors)[0]
 
     def result(self) -> RunResult:
         n = self.job.schedule.n_stages
@@ -117,14 +137,15 @@ def run_processes(job: PipelineJob, replay: list[list[Action]] | None = None, li
                 dead = [(s, p.exitcode) for s, p in enumerate(procs) if p.exitcode not in (None, 0)]
                 if dead:
                     s, code = dead[0]
-                    time.sleep(0.5)  # let its error report arrive
-                    try:
-                        while True:
-                            collector.handle(q.get_nowait())
+                    try:  # its error report may still be in the queue
+                        msg = q.get(timeout=1.0)
+                        collector.handle(_root_cause(msg, q) if msg[0] == "error" else msg)
                     except queue.Empty:
                         pass
-                    raise PipelineFailure(f"stage {s} exited with code {code}")
+                    raise PipelineFailure(f"stage {s} exited with code {code} without a report")
                 continue
+            if msg[0] == "error":
+                msg = _root_cause(msg, q)
             collector.handle(msg)
         for p in procs:
             p.join(timeout=60)
