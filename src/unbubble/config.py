@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -39,7 +40,8 @@ class TrainConfig:
     eval_interval: int = field(default=50, metadata={"help": 'Evaluate the version-v weights every this many steps (and at the end).'})
     eval_batches: int = field(default=8, metadata={"help": 'Validation micro-batches per evaluation.'})
     threads_per_stage: int = field(default=1, metadata={"help": 'torch threads in each stage process (processes engine).'})
-    cache_dir: str = field(default="~/.cache/unbubble", metadata={"help": 'Where tokenized corpora are stored.'})
+    cache_dir: str = field(default_factory=lambda: os.environ.get("UNBUBBLE_CACHE_DIR", "~/.cache/unbubble"),
+                           metadata={"help": "Where tokenized corpora are stored (env UNBUBBLE_CACHE_DIR)."})
     run_dir: str | None = field(default=None, metadata={"help": 'Run folder; default runs/<time>-<schedule>-N<stages>. An existing non-empty folder is refused.'})
 
     def __post_init__(self) -> None:

@@ -30,7 +30,8 @@ def _options(fn):
         else:
             typ = hint
         flag = "--" + f.name.replace("_", "-")
-        fn = click.option(flag, f.name, type=typ, default=f.default, show_default=True,
+        default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+        fn = click.option(flag, f.name, type=typ, default=default, show_default=True,
                           help=f.metadata.get("help", ""))(fn)
     return fn
 
