@@ -74,6 +74,11 @@ class _Collector:
         elif kind == "error":
             raise PipelineFailure(f"stage {stage} failed: {payload}")
 
+    def result(self) -> RunResult:
+        n = self.job.schedule.n_stages
+        wall = max(w for _, w in self.finals.values())
+        return self.telemetry.result([self.finals[s][0] for s in range(n)], wall)
+
 
 _SECONDARY = ("PeerFailure", "Connection closed by peer", "Connection reset by peer", "Broken pipe")
 
@@ -91,11 +96,6 @@ def _root_cause(first: tuple, q, wait_s: float = 2.0) -> tuple:
             errors.append(msg)
     primary = [e for e in errors if not any(mark in e[2] for mark in _SECONDARY)]
     return (primary or errors)[0]
-
-    def result(self) -> RunResult:
-        n = self.job.schedule.n_stages
-        wall = max(w for _, w in self.finals.values())
-        return self.telemetry.result([self.finals[s][0] for s in range(n)], wall)
 
 
 def run_processes(job: PipelineJob, replay: list[list[Action]] | None = None, listener: Listener | None = None,
