@@ -102,7 +102,7 @@ def test_deadlock_is_reported():
 
 
 @pytest.mark.parametrize("kwargs,msg", [
-    (dict(name="nope", n_stages=2, steps=1), "schedule='nope' is unknown: valid schedules are paci"),
+    (dict(name="nope", n_stages=2, steps=1), "schedule='nope' is unknown: valid schedules are gpipe, 1f1b-flush"),
     (dict(name="paci", n_stages=0, steps=1, a=1), "stages=0 is invalid"),
     (dict(name="paci", n_stages=2, steps=1, a=0), "a=0 is invalid"),
     (dict(name="1f1b-flush", n_stages=2, steps=1, m=0), "m=0 is invalid"),

@@ -65,7 +65,7 @@ class Telemetry:
     def __init__(self, job: PipelineJob, listener: Listener | None = None):
         self.job, self.listener = job, listener
         n = job.schedule.n_stages
-        self.trace = Trace(n)
+        self.trace = Trace(n, n_ranks=job.schedule.n_ranks)
         self.step_losses: list[float] = []
         self.val_losses: list[tuple[int, float]] = []
         self._snapshots: dict[int, dict[int, dict]] = {}

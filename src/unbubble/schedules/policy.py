@@ -88,6 +88,24 @@ class StageState:
         self.n_actions += 1
 
 
+class RankView:
+    """The local state of a rank that hosts several (virtual) stages, e.g. interleaved 1F1B.
+
+    A rank runs one action at a time; each of its stages keeps its own :class:`StageState`.
+    """
+
+    def __init__(self, states: list[StageState]):
+        self.states = {st.stage: st for st in states}
+        self.n_actions = 0
+
+    def ready(self, action: Action) -> bool:
+        return self.states[action.stage].ready(action)
+
+    def apply(self, action: Action) -> None:
+        self.states[action.stage].apply(action)
+        self.n_actions += 1
+
+
 class Policy(Protocol):
     """Decides a stage's next action from its local state."""
 

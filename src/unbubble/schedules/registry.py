@@ -1,20 +1,38 @@
-"""Named schedules: ``get_schedule("paci", n_stages=4, a=4, steps=100)``."""
+"""Named schedules: ``get_schedule("paci", n_stages=4, steps=100, a=4)``.
+
+Every entry of :data:`SCHEDULES` states its admission rule, the weights F and B use, when U
+fires and the memory held; the semantics table is DESIGN §2.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from unbubble.errors import ConfigError
 from unbubble.schedules.actions import Action
 from unbubble.schedules.policy import ListPolicy, PaciPolicy, Policy
-from unbubble.schedules.static import one_f_one_b_flush
+from unbubble.schedules import static
 
 #: name -> one line of semantics (shown by ``unbubble schedules``).
 SCHEDULES: dict[str, str] = {
-    "paci": "async 1F1B, never flushed; U after every a-th local backward; Δ_i ≤ ⌈(N−i)/a⌉; no weight copies",
-    "async-1f1b": "naive async 1F1B = paci with a=1; U after every backward; Δ_i ≤ N−i",
-    "1f1b-flush": "synchronous 1F1B, flush and U after m micro-batches; Δ=0; bubble (N−1)/(m+N−1)",
+    "gpipe": "all m F, then all m B, U after the flush; Δ=0; m activations; bubble (N−1)/(m+N−1)  [arXiv 1811.06965]",
+    "1f1b-flush": "synchronous 1F1B, U after m B then flush; Δ=0; ≤N+1−i activations; bubble (N−1)/(m+N−1)  [arXiv 2007.01045]",
+    "interleaved-1f1b": "v virtual stages per rank (Megatron order), flush; Δ=0; bubble (N−1)/(v·m+N−1)  [arXiv 2104.04473]",
+    "zb-h1": "B split into I and W, W fills bubbles, flush; Δ=0; 1F1B memory; bubble ≈ 1/3 of 1F1B  [arXiv 2401.10241]",
+    "zb-h2": "as zb-h1 with ≈2× activation memory; ≈ no bubble  [arXiv 2401.10241]",
+    "async-1f1b": "naive async 1F1B (= paci, a=1): U after every B on current weights; Δ_i ≤ N−i; no extra weights",
+    "paci": "async 1F1B never flushed; U after every a-th local B; B on current weights; Δ_i ≤ ⌈(N−i)/a⌉; no weight copies  [arXiv 2606.07881]",
+    "pipedream": "async 1F1B with weight stashing: B on its F's version; Δ=0, τ_i=N−i; ≤N+1−i weight versions  [arXiv 1806.03377]",
+    "pipedream-2bw": "async 1F1B, U after m B, B on its F's version; Δ=0, τ=1; 2 weight versions (m ≥ N−1)  [arXiv 2006.09503]",
+    "pipemare": "async 1F1B, U after every B with per-stage lr rescheduling (T1); B on current weights corrected by a velocity estimate (T2)  [arXiv 1910.05124]",
 }
+
+ASYNC = ("paci", "async-1f1b", "pipedream", "pipedream-2bw", "pipemare")
+
+#: Which weights a backward uses: the current ones, the forward's stashed version, or the
+#: current ones corrected toward the forward's (PipeMare T2).
+BackwardWeights = Literal["current", "stashed", "corrected"]
 
 
 @dataclass(frozen=True)
@@ -23,10 +41,12 @@ class Schedule:
 
     Attributes:
         name: registry name.
-        n_stages: pipeline depth N.
-        mb_per_step: micro-batches per optimizer step (a for PACI, m for synchronous ones).
+        n_stages: pipeline stages (N·v for interleaved 1F1B, else N).
+        mb_per_step: micro-batches per optimizer step (a for PACI, m otherwise).
         steps: optimizer steps each stage applies.
-        asynchronous: True if a backward may run on newer weights than its forward.
+        asynchronous: True if stages are never flushed.
+        virtual: virtual stages per rank (interleaved 1F1B), else 1.
+        backward_weights: which weights B uses (see :data:`BackwardWeights`).
     """
 
     name: str
@@ -34,6 +54,17 @@ class Schedule:
     mb_per_step: int
     steps: int
     asynchronous: bool
+    virtual: int = 1
+    backward_weights: BackwardWeights = "current"
+
+    @property
+    def n_ranks(self) -> int:
+        """Devices (processes): one per stage, or N = stages / v when interleaved."""
+        return self.n_stages // self.virtual
+
+    def rank_of(self, stage: int) -> int:
+        """The rank that hosts ``stage`` (stage s lives on rank s mod N)."""
+        return stage % self.n_ranks
 
     @property
     def total_mb(self) -> int:
@@ -45,50 +76,91 @@ class Schedule:
         """Factor applied to each micro-batch loss so an update applies the mean gradient."""
         return 1.0 / self.mb_per_step
 
-    def policy(self, stage: int) -> Policy:
-        """A fresh policy for ``stage`` (0-based)."""
+    @property
+    def stashing(self) -> bool:
+        return self.backward_weights == "stashed"
+
+    def policy(self, rank: int) -> Policy:
+        """A fresh policy for ``rank`` (= stage unless interleaved)."""
         if self.asynchronous:
-            return PaciPolicy(stage, self.n_stages, self.mb_per_step)
-        return ListPolicy(self.static_order()[stage])
+            return PaciPolicy(rank, self.n_stages, self.mb_per_step)
+        return ListPolicy(self.static_order()[rank])
 
     def static_order(self) -> list[list[Action]]:
-        """Per-stage action lists of a synchronous schedule."""
+        """Per-rank action lists of a synchronous schedule.
+
+        Raises:
+            ConfigError: the schedule is asynchronous (it is a rule, not a list).
+        """
+        n, m, t = self.n_stages, self.mb_per_step, self.steps
+        if self.name == "gpipe":
+            return static.gpipe(n, m, t)
         if self.name == "1f1b-flush":
-            return one_f_one_b_flush(self.n_stages, self.mb_per_step, self.steps)
+            return static.one_f_one_b_flush(n, m, t)
+        if self.name == "interleaved-1f1b":
+            return static.interleaved_1f1b(self.n_ranks, self.virtual, m, t)
+        if self.name in ("zb-h1", "zb-h2"):
+            return static.zero_bubble(n, m, t, memory=1 if self.name == "zb-h1" else 2)
         raise ConfigError(f"schedule={self.name!r} has no static action list: it is asynchronous")
 
     def drift_bound(self, stage: int) -> int:
-        """Largest weight-version drift Δ of ``stage`` (0-based): ⌈(N−i)/a⌉ for PACI, 0 if flushed."""
+        """Largest drift Δ = v_B − v_F of ``stage`` (0-based): ⌈(N−i)/a⌉ for PACI-type
+        schedules on current weights, 0 when flushed or stashed."""
+        if not self.asynchronous or self.stashing:
+            return 0
+        return -(-(self.n_stages - 1 - stage) // self.mb_per_step)
+
+    def delay_bound(self, stage: int) -> int:
+        """Largest staleness τ (updates between the version a gradient was computed on and
+        the one it is applied to) of ``stage``: ⌈(N−i)/a⌉ for every asynchronous schedule."""
         if not self.asynchronous:
             return 0
-        a = self.mb_per_step
-        return -(-(self.n_stages - 1 - stage) // a)
+        return -(-(self.n_stages - 1 - stage) // self.mb_per_step)
 
 
-def get_schedule(name: str, n_stages: int, steps: int, a: int | None = None, m: int | None = None) -> Schedule:
+def _check_int(name: str, value, lo: int = 1) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+        raise ConfigError(f"{name}={value!r} is invalid: must be an integer ≥ {lo} (set --{name})")
+
+
+def get_schedule(name: str, n_stages: int, steps: int, a: int | None = None, m: int | None = None,
+                 v: int | None = None) -> Schedule:
     """Builds a named schedule.
 
     Args:
         name: one of :data:`SCHEDULES`.
-        n_stages: pipeline depth N ≥ 1.
+        n_stages: pipeline depth N ≥ 1 (ranks; interleaved 1F1B has N·v stages).
         steps: optimizer steps ≥ 1.
-        a: PACI accumulation factor (backward passes per local update), ≥ 1.
-        m: micro-batches per step of synchronous schedules, ≥ 1.
+        a: accumulation factor of paci (backward passes per local update), ≥ 1.
+        m: micro-batches per step of gpipe, 1f1b-flush, interleaved-1f1b, zb-h1, zb-h2 and
+            pipedream-2bw, ≥ 1.
+        v: virtual stages per rank of interleaved-1f1b, ≥ 1 (default 2).
 
     Raises:
-        ConfigError: unknown name or a value out of range (the message names the option).
+        ConfigError: unknown name, a value out of range or an invalid combination (the
+            message names the option to change).
     """
     if name not in SCHEDULES:
         raise ConfigError(f"schedule={name!r} is unknown: valid schedules are {', '.join(SCHEDULES)} (set --schedule)")
-    if not isinstance(n_stages, int) or n_stages < 1:
-        raise ConfigError(f"stages={n_stages!r} is invalid: must be an integer ≥ 1 (set --stages)")
-    if not isinstance(steps, int) or steps < 1:
-        raise ConfigError(f"steps={steps!r} is invalid: must be an integer ≥ 1 (set --steps)")
-    if name in ("paci", "async-1f1b"):
-        a = 1 if name == "async-1f1b" else a
-        if not isinstance(a, int) or a < 1:
-            raise ConfigError(f"a={a!r} is invalid: the accumulation factor must be an integer ≥ 1 (set --a)")
-        return Schedule("paci" if name == "paci" else name, n_stages, a, steps, asynchronous=True)
-    if not isinstance(m, int) or m < 1:
-        raise ConfigError(f"m={m!r} is invalid: micro-batches per step must be an integer ≥ 1 (set --m)")
-    return Schedule(name, n_stages, m, steps, asynchronous=False)
+    _check_int("stages", n_stages)
+    _check_int("steps", steps)
+    if name in ("async-1f1b", "pipedream", "pipemare"):
+        weights = {"async-1f1b": "current", "pipedream": "stashed", "pipemare": "corrected"}[name]
+        return Schedule(name, n_stages, 1, steps, True, backward_weights=weights)
+    if name == "paci":
+        _check_int("a", a)
+        return Schedule(name, n_stages, a, steps, True)
+    _check_int("m", m)
+    if name == "pipedream-2bw":
+        if m < n_stages - 1:
+            raise ConfigError(f"m={m} is invalid for pipedream-2bw with stages={n_stages}: two weight versions need "
+                              f"m ≥ N−1 = {n_stages - 1} (set --m)")
+        return Schedule(name, n_stages, m, steps, True, backward_weights="stashed")
+    if name == "interleaved-1f1b":
+        v = 2 if v is None else v
+        _check_int("v", v)
+        if m % n_stages:
+            raise ConfigError(f"m={m} is invalid for interleaved-1f1b: it must be a multiple of stages={n_stages} "
+                              "(Megatron's interleaved order; set --m)")
+        return Schedule(name, n_stages * v, m, steps, False, virtual=v)
+    return Schedule(name, n_stages, m, steps, False)

@@ -16,7 +16,7 @@ from typing import Callable, Protocol
 
 from unbubble.errors import ScheduleError
 from unbubble.schedules.actions import Action, ActionKind, format_order
-from unbubble.schedules.policy import StageState
+from unbubble.schedules.policy import RankView, StageState
 from unbubble.schedules.registry import Schedule
 
 
@@ -34,12 +34,19 @@ class ActionRecord:
         action: what ran.
         start, end: simulated (or measured) times in seconds.
         version: the stage's weight version when the action started.
+        weights: the version of the weights the action computed with (differs from
+            ``version`` when a backward uses a stashed version, as in PipeDream).
     """
 
     action: Action
     start: float
     end: float
     version: int
+    weights: int | None = None
+
+    @property
+    def weights_version(self) -> int:
+        return self.version if self.weights is None else self.weights
 
 
 @dataclass
@@ -48,12 +55,18 @@ class Trace:
 
     n_stages: int
     records: list[ActionRecord] = field(default_factory=list)
+    n_ranks: int | None = None
+
+    @property
+    def ranks(self) -> int:
+        """Ranks (devices): ``n_ranks``, or one per stage."""
+        return self.n_ranks or self.n_stages
 
     def order(self) -> list[list[Action]]:
-        """Per-stage action order (feed it to replay mode)."""
-        out: list[list[Action]] = [[] for _ in range(self.n_stages)]
+        """Per-rank action order (feed it to replay mode)."""
+        out: list[list[Action]] = [[] for _ in range(self.ranks)]
         for r in self.records:
-            out[r.action.stage].append(r.action)
+            out[r.action.stage % self.ranks].append(r.action)
         return out
 
     @property
@@ -61,17 +74,17 @@ class Trace:
         """Seconds from the first start to the last end."""
         return max((r.end for r in self.records), default=0.0)
 
-    def busy(self, stage: int) -> float:
-        """Seconds ``stage`` spent executing actions."""
-        return sum(r.end - r.start for r in self.records if r.action.stage == stage)
+    def busy(self, rank: int) -> float:
+        """Seconds ``rank`` spent executing actions."""
+        return sum(r.end - r.start for r in self.records if r.action.stage % self.ranks == rank)
 
     def utilization(self) -> list[float]:
-        """Busy / makespan per stage (1 − bubble fraction)."""
+        """Busy / makespan per rank (1 − bubble fraction)."""
         span = self.makespan or 1.0
-        return [self.busy(s) / span for s in range(self.n_stages)]
+        return [self.busy(r) / span for r in range(self.ranks)]
 
     def versions(self) -> dict[tuple[int, int], tuple[int, int]]:
-        """``(stage, mb) -> (v_F, v_B)`` for every micro-batch that finished its backward."""
+        """``(stage, mb) -> (v_F, v_B)``: the weight versions its forward and backward used."""
         fwd: dict[tuple[int, int], int] = {}
         out: dict[tuple[int, int], tuple[int, int]] = {}
         for r in self.records:
@@ -79,12 +92,26 @@ class Trace:
             if a.kind is ActionKind.F:
                 fwd[(a.stage, a.mb)] = r.version
             elif a.kind in (ActionKind.B, ActionKind.I):
-                out[(a.stage, a.mb)] = (fwd[(a.stage, a.mb)], r.version)
+                out[(a.stage, a.mb)] = (fwd[(a.stage, a.mb)], r.weights_version)
         return out
 
     def drift(self) -> dict[tuple[int, int], int]:
         """``(stage, mb) -> Δ = v_B − v_F`` (DESIGN §1)."""
         return {key: vb - vf for key, (vf, vb) in self.versions().items()}
+
+    def delays(self) -> dict[tuple[int, int], int]:
+        """``(stage, mb) -> τ``: updates between the version its gradient was computed on
+        (v_F) and the stage's version when the gradient was produced (then applied)."""
+        fwd = {(r.action.stage, r.action.mb): r.version for r in self.records if r.action.kind is ActionKind.F}
+        return {(r.action.stage, r.action.mb): r.version - fwd[(r.action.stage, r.action.mb)]
+                for r in self.records if r.action.kind in (ActionKind.B, ActionKind.I)}
+
+    def max_delay(self) -> list[int]:
+        """Largest τ per stage."""
+        out = [0] * self.n_stages
+        for (stage, _), d in self.delays().items():
+            out[stage] = max(out[stage], d)
+        return out
 
     def max_drift(self) -> list[int]:
         """Largest Δ seen on each stage."""
@@ -99,69 +126,88 @@ Execute = Callable[[Action], None]
 
 def run_policies(schedule: Schedule, costs: CostModel, execute: Execute | None = None,
                  policies: list | None = None) -> Trace:
-    """Runs every stage's policy on a simulated clock.
+    """Runs every rank's policy on a simulated clock.
+
+    A rank (= a stage, or the v virtual stages of interleaved 1F1B) runs one action at a
+    time; F's output reaches stage s+1 and B's (or I's) gradient reaches stage s−1 after the
+    send latency.
 
     Args:
-        schedule: what to run (N, micro-batch count, policies).
+        schedule: what to run (stages, micro-batch count, policies).
         costs: per-action durations and send latencies, seconds.
         execute: called with each action at its simulated start, in start-time order;
             the emulator runs real computation here.
-        policies: per-stage policies overriding ``schedule.policy`` (replay mode).
+        policies: per-rank policies overriding ``schedule.policy`` (replay mode).
 
     Returns:
         The :class:`Trace` with simulated start/end times and versions.
 
     Raises:
-        ScheduleError: no stage can act but some are not done (deadlock); the message
-            shows each stage's state.
+        ScheduleError: no rank can act but some are not done (deadlock); the message
+            shows each stuck stage's state and the actions executed so far.
     """
-    n = schedule.n_stages
-    pols = policies if policies is not None else [schedule.policy(s) for s in range(n)]
+    n, n_ranks = schedule.n_stages, schedule.n_ranks
+    pols = policies if policies is not None else [schedule.policy(r) for r in range(n_ranks)]
     states = [StageState(s, n, schedule.total_mb) for s in range(n)]
-    trace = Trace(n)
-    busy_until = [0.0] * n
+    views = states if n_ranks == n else [
+        RankView([states[s] for s in range(r, n, n_ranks)]) for r in range(n_ranks)]
+    trace = Trace(n, n_ranks=n_ranks)
+    busy_until = [0.0] * n_ranks
     inbox: list[list[tuple[float, ActionKind, int]]] = [[] for _ in range(n)]
     events: list[tuple[float, int, int]] = []
     seq = 0
+    stashed = schedule.backward_weights == "stashed"
+    fwd_version: dict[tuple[int, int], int] = {}
 
-    def wake(t: float, stage: int) -> None:
+    def wake(t: float, rank: int) -> None:
         nonlocal seq
-        heapq.heappush(events, (t, seq, stage))
+        heapq.heappush(events, (t, seq, rank))
         seq += 1
 
-    for s in range(n):
-        wake(0.0, s)
+    for r in range(n_ranks):
+        wake(0.0, r)
     while events:
-        t, _, s = heapq.heappop(events)
-        if t < busy_until[s]:
+        t, _, r = heapq.heappop(events)
+        if t < busy_until[r]:
             continue
-        st = states[s]
-        arrived = [m for m in inbox[s] if m[0] <= t]
-        if arrived:
-            inbox[s] = [m for m in inbox[s] if m[0] > t]
-            for _, kind, mb in arrived:
-                (st.fwd_ready if kind is ActionKind.F else st.bwd_ready).add(mb)
-        action = pols[s].next_action(st)
+        for s in range(r, n, n_ranks):
+            if inbox[s]:
+                st = states[s]
+                keep = []
+                for m in inbox[s]:
+                    if m[0] <= t:
+                        (st.fwd_ready if m[1] is ActionKind.F else st.bwd_ready).add(m[2])
+                    else:
+                        keep.append(m)
+                inbox[s] = keep
+        action = pols[r].next_action(views[r])
         if action is None:
             continue
+        s = action.stage
+        st = states[s]
         end = t + costs.duration(action)
         if execute is not None:
             execute(action)
-        trace.records.append(ActionRecord(action, t, end, st.version))
-        st.apply(action)
-        busy_until[s] = end
-        wake(end, s)
+        weights = st.version
+        if action.kind is ActionKind.F:
+            fwd_version[(s, action.mb)] = st.version
+        elif stashed and action.kind is not ActionKind.U:
+            weights = fwd_version[(s, action.mb)]
+        trace.records.append(ActionRecord(action, t, end, st.version, weights))
+        views[r].apply(action)
+        busy_until[r] = end
+        wake(end, r)
         dst = s + 1 if action.kind is ActionKind.F else s - 1
         if action.kind in (ActionKind.F, ActionKind.B, ActionKind.I) and 0 <= dst < n:
             arrival = end + costs.send_latency(s, dst)
             inbox[dst].append((arrival, ActionKind.F if action.kind is ActionKind.F else ActionKind.B, action.mb))
-            wake(arrival, dst)
-    stuck = [s for s in range(n) if not pols[s].done(states[s])]
+            wake(arrival, schedule.rank_of(dst))
+    stuck = [r for r in range(n_ranks) if not pols[r].done(views[r])]
     if stuck:
         lines = [
             f"stage {s}: in_flight={states[s].in_flight} fwd_ready={sorted(states[s].fwd_ready)} "
             f"bwd_ready={sorted(states[s].bwd_ready)} done F={states[s].n_fwd} B={states[s].n_bwd} v={states[s].version}"
-            for s in stuck
+            for r in stuck for s in range(r, n, n_ranks)
         ]
         raise ScheduleError(
             f"schedule {schedule.name!r} deadlocked: stages {stuck} cannot act\n" + "\n".join(lines)
