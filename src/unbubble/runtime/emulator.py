@@ -50,15 +50,16 @@ def run_emulator(job: PipelineJob, costs: CostModel | None = None, replay: list[
         payload = None
         if action.kind is ActionKind.F and not ex.is_first:
             payload = mailbox.pop((action.stage, ActionKind.F, action.mb))
-        elif action.kind is ActionKind.B and not ex.is_last:
+        elif action.kind in (ActionKind.B, ActionKind.I) and not ex.is_last:
             payload = mailbox.pop((action.stage, ActionKind.B, action.mb))
-        version = ex.version
+        version, weights = ex.version, ex.weights_version(action)
         start = time.perf_counter() - t0
         out = ex.run(action, payload)
-        telemetry.add_record(ActionRecord(action, start, time.perf_counter() - t0, version))
+        telemetry.add_record(ActionRecord(action, start, time.perf_counter() - t0, version, weights))
         if out is not None:
-            dst = action.stage + 1 if action.kind is ActionKind.F else action.stage - 1
-            mailbox[(dst, action.kind, action.mb)] = out
+            forward = action.kind is ActionKind.F
+            mailbox[(action.stage + 1 if forward else action.stage - 1,
+                     ActionKind.F if forward else ActionKind.B, action.mb)] = out
         if action.kind is ActionKind.U:
             if ex.is_last and ex.last_step_loss is not None:
                 telemetry.add_step_loss(ex.last_step_loss)

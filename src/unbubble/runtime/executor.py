@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Callable
 
 import torch
 from torch import nn
+from torch.func import functional_call
 
 from unbubble.runtime.versions import keep_version_counters
 from unbubble.schedules.actions import Action, ActionKind
@@ -38,12 +40,18 @@ class StageExecutor:
         lr_scheduler: stepped once after every update.
         clip_grad_norm: per-stage gradient-norm clipping before each update (off if None);
             global clipping would need cross-stage synchronisation.
+        backward_weights: ``"current"`` (PACI, 1F1B: the live weights), ``"stashed"``
+            (PipeDream, 2BW: the version the forward used, kept as separate tensors and used
+            through ``torch.func.functional_call``; live parameters are never swapped), or
+            ``"corrected"`` (PipeMare T2: live weights moved back by Δ·δ during the backward).
+        velocity_decay: γ of PipeMare's velocity estimate δ (T2).
     """
 
     def __init__(self, stage: int, n_stages: int, module: nn.Module, loss_fn: LossFn | None,
                  batch_fn: BatchFn, optimizer: torch.optim.Optimizer, loss_scale: float,
                  lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
-                 clip_grad_norm: float | None = None):
+                 clip_grad_norm: float | None = None, backward_weights: str = "current",
+                 velocity_decay: float = 0.9):
         self.stage, self.n_stages = stage, n_stages
         self.module, self.loss_fn, self.batch_fn = module, loss_fn, batch_fn
         self.optimizer, self.lr_scheduler = optimizer, lr_scheduler
@@ -51,6 +59,12 @@ class StageExecutor:
         self.params = [p for p in module.parameters() if p.requires_grad]
         self.version = 0
         self.store: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}
+        self.backward_weights, self.velocity_decay = backward_weights, velocity_decay
+        self.names = [n for n, p in module.named_parameters() if p.requires_grad]
+        # stashing: version -> (tensors named like the parameters, in-flight micro-batches using them)
+        self.stash: dict[int, list] = {}
+        self.fwd_version: dict[int, int] = {}
+        self.velocity = [torch.zeros_like(p) for p in self.params] if backward_weights == "corrected" else None
         self.losses: dict[int, float] = {}  # k -> unscaled loss (last stage)
         self._step_losses: list[float] = []  # losses of the micro-batches in the current update
         self.last_step_loss: float | None = None  # mean loss of the last update (last stage)
@@ -77,7 +91,11 @@ class StageExecutor:
             inp, x = None, self.batch_fn(k)[0]
         else:
             inp = x = activation.detach().requires_grad_(True)
-        out = self.module(x)
+        self.fwd_version[k] = self.version
+        if self.backward_weights == "stashed":
+            out = functional_call(self.module, self._stashed_weights(), (x,))
+        else:
+            out = self.module(x)
         if self.is_last:
             loss = self.loss_fn(out, self.batch_fn(k)[1])
             self.losses[k] = loss.item()
@@ -91,27 +109,120 @@ class StageExecutor:
 
         Args:
             k: global micro-batch id (its forward must have run on this stage).
-            grad: gradient of the loss w.r.t. this stage's output (ignored on the last stage).
+            grad: gradient of the loss w.r.t. this stage's output, shaped like the output
+                (ignored on the last stage).
 
         Returns:
             Gradient w.r.t. this stage's input, to send to the previous stage, or ``None`` on
             the first stage.
         """
         inp, out = self.store.pop(k)
+        with self._backward_weights(k):
+            out.backward(None if self.is_last else grad)
+        self._finish(k)
+        return None if inp is None else inp.grad
+
+    def backward_input(self, k: int, grad: torch.Tensor | None = None) -> torch.Tensor | None:
+        """``I``: the input gradient of micro-batch ``k`` only; its weight gradient waits for ``W``.
+
+        Returns:
+            Gradient w.r.t. this stage's input (``None`` on the first stage).
+        """
+        inp, out = self.store[k]
+        self.store[k] = (inp, out, grad)
+        if inp is None:
+            return None
+        with self._backward_weights(k):
+            (gx,) = torch.autograd.grad(out, inp, None if self.is_last else grad, retain_graph=True)
+        return gx
+
+    def backward_weight(self, k: int) -> None:
+        """``W``: the weight gradient of micro-batch ``k`` (after its ``I``), accumulated into ``.grad``."""
+        _, out, grad = self.store.pop(k)
+        with self._backward_weights(k):
+            torch.autograd.backward(out, None if self.is_last else grad, inputs=self._grad_targets(k))
+        self._finish(k)
+
+    # -- weight versions for the backward ----------------------------------------------------
+    def _stashed_weights(self) -> dict[str, torch.Tensor]:
+        """The current version's stash (separate tensors; created on its first forward)."""
+        entry = self.stash.get(self.version)
+        if entry is None:
+            tensors = {n: p.detach().clone().requires_grad_(True) for n, p in zip(self.names, self.params)}
+            entry = self.stash[self.version] = [tensors, 0]
+        entry[1] += 1
+        return entry[0]
+
+    def _grad_targets(self, k: int) -> list[torch.Tensor]:
+        if self.backward_weights == "stashed":
+            return list(self.stash[self.fwd_version[k]][0].values())
+        return self.params
+
+    def _backward_weights(self, k: int):
+        """Context in which the backward of ``k`` computes (PipeMare T2 moves the live weights)."""
+        drift = self.version - self.fwd_version[k]
+        if self.backward_weights != "corrected" or drift == 0:
+            return contextlib.nullcontext()
+        return self._corrected(drift)
+
+    @contextlib.contextmanager
+    def _corrected(self, drift: int):
+        # PipeMare T2 (arXiv 1910.05124 §3.2): backward on w − Δ·δ; the live weights are
+        # restored exactly afterwards from a temporary copy (never swapped, see versions.py).
+        saved = [p.detach().clone() for p in self.params]
+        with keep_version_counters(self.params), torch.no_grad():
+            for p, v in zip(self.params, self.velocity):
+                p.sub_(v, alpha=float(drift))
+        try:
+            yield
+        finally:
+            with keep_version_counters(self.params), torch.no_grad():
+                for p, s in zip(self.params, saved):
+                    p.copy_(s)
+
+    def _finish(self, k: int) -> None:
+        """After the backward of ``k``: move stashed-version gradients to the live parameters."""
+        version = self.fwd_version.pop(k)
         if self.is_last:
             self._step_losses.append(self.losses.pop(k))
-            out.backward()
-        else:
-            out.backward(grad)
-        return None if inp is None else inp.grad
+        if self.backward_weights != "stashed":
+            return
+        entry = self.stash[version]
+        for p, t in zip(self.params, entry[0].values()):
+            if t.grad is not None:
+                p.grad = t.grad if p.grad is None else p.grad.add_(t.grad)
+                t.grad = None
+        entry[1] -= 1
+        if entry[1] == 0 and version != self.version:
+            del self.stash[version]
+
+    def weights_version(self, action: Action) -> int:
+        """Version of the weights ``action`` computes with (the forward's, when stashed)."""
+        if self.backward_weights == "stashed" and action.kind in (ActionKind.B, ActionKind.I, ActionKind.W):
+            return self.fwd_version[action.mb]
+        return self.version
+
+    @property
+    def live_versions(self) -> int:
+        """Weight versions held besides the live parameters (stashed copies)."""
+        return len(self.stash)
 
     def update(self) -> None:
         """Applies the accumulated gradients, zeroes them and bumps the weight version."""
         if self.clip_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(self.params, self.clip_grad_norm)
+        before = [p.detach().clone() for p in self.params] if self.velocity is not None else None
         with keep_version_counters(self.params):
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        if before is not None:  # PipeMare T2 velocity: δ ← γ δ + (1 − γ)(w_new − w_old)
+            with torch.no_grad():
+                for v, p, b in zip(self.velocity, self.params, before):
+                    v.mul_(self.velocity_decay).add_(p - b, alpha=1.0 - self.velocity_decay)
+        if self.backward_weights == "stashed":  # drop the old version once nothing in flight uses it
+            entry = self.stash.get(self.version)
+            if entry is not None and entry[1] == 0:
+                del self.stash[self.version]
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
         self.version += 1
@@ -125,6 +236,11 @@ class StageExecutor:
             return self.forward(action.mb, payload)
         if action.kind is ActionKind.B:
             return self.backward(action.mb, payload)
+        if action.kind is ActionKind.I:
+            return self.backward_input(action.mb, payload)
+        if action.kind is ActionKind.W:
+            self.backward_weight(action.mb)
+            return None
         if action.kind is ActionKind.U:
             self.update()
             return None

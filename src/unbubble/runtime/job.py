@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -9,6 +10,7 @@ import torch
 from torch import nn
 
 from unbubble.runtime.executor import BatchFn, LossFn, StageExecutor
+from unbubble.schedules.pipemare import t1_lr_factor
 from unbubble.schedules.registry import Schedule
 
 StageFn = Callable[[int], nn.Module]
@@ -39,6 +41,7 @@ class PipelineJob:
             for every v that is a multiple of this; 0 evaluates only the final weights.
         tokens_per_mb: tokens in one micro-batch (for tokens/s); ``None`` reports samples.
         clip_grad_norm: per-stage gradient clipping (off if None).
+        pipemare_anneal_steps: K of PipeMare's T1 (default: a tenth of the steps).
     """
 
     stage_fn: StageFn
@@ -51,16 +54,23 @@ class PipelineJob:
     eval_interval: int = 0
     tokens_per_mb: int | None = None
     clip_grad_norm: float | None = None
+    pipemare_anneal_steps: int | None = None
 
     def build_executor(self, stage: int, module: nn.Module | None = None) -> StageExecutor:
         """Builds stage ``stage``'s module, optimizer and executor."""
         module = self.stage_fn(stage) if module is None else module
         params = [p for p in module.parameters() if p.requires_grad]
         optimizer = self.optimizer_fn(params, stage)
-        sched = None if self.lr_lambda is None else torch.optim.lr_scheduler.LambdaLR(optimizer, self.lr_lambda)
+        lr_lambda = self.lr_lambda
+        if self.schedule.name == "pipemare":  # T1: per-stage rescheduling on top of the base schedule
+            tau = self.schedule.delay_bound(stage)
+            anneal = max(self.schedule.steps // 10, 1) if self.pipemare_anneal_steps is None else self.pipemare_anneal_steps
+            lr_lambda = functools.partial(_pipemare_lr, self.lr_lambda, tau, anneal)
+        sched = None if lr_lambda is None else torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda)
         return StageExecutor(
             stage, self.schedule.n_stages, module, self.loss_fn if stage == self.schedule.n_stages - 1 else None,
             self.batch_fn, optimizer, self.schedule.loss_scale, sched, self.clip_grad_norm,
+            backward_weights=self.schedule.backward_weights,
         )
 
     def wants_snapshot(self, version: int) -> bool:
@@ -71,6 +81,10 @@ class PipelineJob:
             return True  # the starting point of every validation curve
         last = version == self.schedule.steps
         return last or (self.eval_interval > 0 and version % self.eval_interval == 0)
+
+
+def _pipemare_lr(base: LrLambda | None, tau: int, anneal: int, step: int) -> float:
+    return (1.0 if base is None else base(step)) * t1_lr_factor(tau, step, anneal)
 
 
 @torch.no_grad()

@@ -38,7 +38,7 @@ def _stage_entry(stage: int, job: PipelineJob, replay, q, port: int, threads: in
     torch.set_num_threads(threads)
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=stage,
-                                world_size=job.schedule.n_stages, timeout=timedelta(seconds=timeout_s))
+                                world_size=job.schedule.n_ranks, timeout=timedelta(seconds=timeout_s))
         run_stage(job, stage, q.put, replay, recv_timeout_s=timeout_s)
         dist.destroy_process_group()
     except BaseException as exc:  # noqa: BLE001 - reported to the coordinator, then exit 1
@@ -61,8 +61,8 @@ class _Collector:
     def handle(self, msg: tuple) -> None:
         kind, stage, payload = msg
         if kind == "records":
-            for action, start, end, version in payload:
-                self.telemetry.add_record(ActionRecord(Action.parse(action), start, end, version))
+            for action, start, end, version, weights in payload:
+                self.telemetry.add_record(ActionRecord(Action.parse(action), start, end, version, weights))
         elif kind == "step_loss":
             self.telemetry.add_step_loss(payload)
         elif kind == "snapshot":
@@ -117,7 +117,7 @@ def run_processes(job: PipelineJob, replay: list[list[Action]] | None = None, li
     Raises:
         PipelineFailure: a stage process raised or died; every other stage is terminated.
     """
-    n = job.schedule.n_stages
+    n = job.schedule.n_ranks
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = _free_port()
@@ -130,7 +130,7 @@ def run_processes(job: PipelineJob, replay: list[list[Action]] | None = None, li
         p.start()
     collector = _Collector(job, listener)
     try:
-        while len(collector.finals) < n:
+        while len(collector.finals) < job.schedule.n_stages:
             try:
                 msg = q.get(timeout=0.5)
             except queue.Empty:
@@ -178,8 +178,8 @@ def run_torchrun(job: PipelineJob, replay: list[list[Action]] | None = None, lis
     from unbubble.errors import ConfigError
 
     world = int(os.environ["WORLD_SIZE"])
-    if world != job.schedule.n_stages:
-        raise ConfigError(f"WORLD_SIZE={world} does not match stages={job.schedule.n_stages}: "
+    if world != job.schedule.n_ranks:
+        raise ConfigError(f"WORLD_SIZE={world} does not match the pipeline's {job.schedule.n_ranks} ranks: "
                           "launch one process per stage (torchrun --nproc-per-node … with nnodes × nproc = stages)")
     dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
     rank = dist.get_rank()

@@ -71,7 +71,7 @@ class Telemetry:
         self._snapshots: dict[int, dict[int, dict]] = {}
         self._eval_modules: list | None = None
         self._fwd_version: dict[tuple[int, int], int] = {}
-        self._max_drift = [0] * n
+        self._max_drift = [0] * n  # per stage
         self._n_fwd_first = 0
         self.t0 = time.perf_counter()
 
@@ -82,7 +82,7 @@ class Telemetry:
             self._fwd_version[(a.stage, a.mb)] = rec.version
             self._n_fwd_first += a.stage == 0
         elif a.kind in (ActionKind.B, ActionKind.I):
-            d = rec.version - self._fwd_version.pop((a.stage, a.mb))
+            d = rec.weights_version - self._fwd_version.pop((a.stage, a.mb))
             self._max_drift[a.stage] = max(self._max_drift[a.stage], d)
 
     def add_step_loss(self, loss: float) -> None:

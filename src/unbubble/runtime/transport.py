@@ -47,70 +47,84 @@ class PeerFailure(RuntimeError):
 
 
 class P2PTransport:
-    """Sends and receives one stage's activations and gradients.
+    """Sends and receives the activations and gradients of the stages one rank hosts.
+
+    Rank r hosts stages r, r + R, r + 2R, … (R ranks; one stage per rank unless
+    interleaved). Activations flow from stage s to s + 1, gradients from s to s − 1; each
+    message carries ``[destination stage, k]`` then the payload.
 
     Args:
-        stage: 0-based stage (= rank in the pipeline group).
-        n_stages: pipeline depth N.
-        total_mb: micro-batches each channel carries.
-        ranks: global rank of each stage (identity for a single pipeline).
+        rank: this process's rank in the pipeline.
+        n_ranks: R.
+        n_stages: pipeline stages (R·v).
+        total_mb: micro-batches of the run (messages per stage and direction).
     """
 
-    def __init__(self, stage: int, n_stages: int, total_mb: int, ranks: list[int] | None = None):
-        self.stage, self.n_stages, self.total_mb = stage, n_stages, total_mb
-        self.ranks = ranks or list(range(n_stages))
+    def __init__(self, rank: int, n_ranks: int, n_stages: int, total_mb: int):
+        self.rank, self.n_ranks, self.n_stages, self.total_mb = rank, n_ranks, n_stages, total_mb
+        self.stages = list(range(rank, n_stages, n_ranks))
         self.inbox: queue.Queue = queue.Queue()
         self._pending_sends: list = []
         self._threads: list[threading.Thread] = []
-        self.act_meta: TensorMeta | None = None  # of the activations this stage receives
-        self.out_meta: TensorMeta | None = None  # of the activations this stage sends (= gradients it receives)
+        self.in_meta: dict[int, TensorMeta] = {}  # stage -> meta of the activation it receives
+        self.out_meta: dict[int, TensorMeta] = {}  # stage -> meta of its output (= gradient it receives)
+
+    def rank_of(self, stage: int) -> int:
+        return stage % self.n_ranks
 
     # -- start-up ---------------------------------------------------------------------------
     def exchange_meta(self, probe_output) -> None:
-        """Agrees on activation shapes, first stage to last (each stage's output feeds the next).
+        """Agrees on activation shapes stage by stage, first to last.
 
         Args:
-            probe_output: ``probe_output(input_meta) -> TensorMeta`` of this stage's output,
-                given the incoming activation's meta (``None`` on the first stage).
+            probe_output: ``probe_output(stage, input_meta) -> TensorMeta`` of ``stage``'s output
+                given its incoming activation's meta (``None`` for stage 0).
         """
-        if self.stage > 0:
-            buf = torch.zeros(8, dtype=torch.int64)
-            dist.recv(buf, self.ranks[self.stage - 1], tag=_ACT_TAG)
-            self.act_meta = TensorMeta.decode(buf)
-        if self.stage < self.n_stages - 1:
-            self.out_meta = probe_output(self.act_meta)
-            dist.send(self.out_meta.encode(), self.ranks[self.stage + 1], tag=_ACT_TAG)
+        for s in self.stages:
+            if s > 0:
+                buf = torch.zeros(8, dtype=torch.int64)
+                dist.recv(buf, self.rank_of(s - 1), tag=_ACT_TAG)
+                self.in_meta[s] = TensorMeta.decode(buf)
+            if s < self.n_stages - 1:
+                self.out_meta[s] = probe_output(s, self.in_meta.get(s))
+                dist.send(self.out_meta[s].encode(), self.rank_of(s + 1), tag=_ACT_TAG)
 
     def start(self) -> None:
-        """Starts the receiver threads."""
-        if self.stage > 0:
-            self._spawn(ActionKind.F, self.ranks[self.stage - 1], _ACT_TAG, self.act_meta)
-        if self.stage < self.n_stages - 1:
-            self._spawn(ActionKind.B, self.ranks[self.stage + 1], _GRAD_TAG, self.out_meta)
+        """Starts one receiver thread per incoming (neighbour, direction) channel."""
+        act_in = [s for s in self.stages if s > 0]
+        grad_in = [s for s in self.stages if s < self.n_stages - 1]
+        if act_in:
+            self._spawn(ActionKind.F, self.rank_of(act_in[0] - 1), _ACT_TAG, len(act_in) * self.total_mb, self.in_meta)
+        if grad_in:
+            self._spawn(ActionKind.B, self.rank_of(grad_in[0] + 1), _GRAD_TAG, len(grad_in) * self.total_mb,
+                        self.out_meta)
 
-    def _spawn(self, kind: ActionKind, src: int, tag: int, meta: TensorMeta) -> None:
+    def _spawn(self, kind: ActionKind, src: int, tag: int, count: int, metas: dict[int, TensorMeta]) -> None:
         def loop() -> None:
             try:
-                for _ in range(self.total_mb):
-                    head = torch.zeros(1, dtype=torch.int64)
+                for _ in range(count):
+                    head = torch.zeros(2, dtype=torch.int64)
                     dist.recv(head, src, tag=tag)
+                    stage, k = int(head[0]), int(head[1])
+                    meta = metas[stage]
                     payload = torch.empty(meta.shape, dtype=meta.dtype)
                     dist.recv(payload, src, tag=tag)
-                    self.inbox.put((kind, int(head[0]), payload))
+                    self.inbox.put((kind, stage, k, payload))
             except Exception as exc:  # noqa: BLE001 - forwarded to the stage's thread
-                self.inbox.put((None, src, exc))
+                self.inbox.put((None, src, None, exc))
 
         th = threading.Thread(target=loop, name=f"recv-{kind.value}-from-{src}", daemon=True)
         th.start()
         self._threads.append(th)
 
     # -- steady state -----------------------------------------------------------------------
-    def send(self, kind: ActionKind, k: int, tensor: torch.Tensor) -> None:
-        """Sends the output of F (to the next stage) or of B (to the previous stage)."""
-        dst = self.ranks[self.stage + 1] if kind is ActionKind.F else self.ranks[self.stage - 1]
-        tag = _ACT_TAG if kind is ActionKind.F else _GRAD_TAG
+    def send(self, kind: ActionKind, stage: int, k: int, tensor: torch.Tensor) -> None:
+        """Sends the output of F on ``stage`` (to stage + 1) or of B / I (to stage − 1)."""
+        forward = kind is ActionKind.F
+        dst_stage = stage + 1 if forward else stage - 1
+        dst, tag = self.rank_of(dst_stage), (_ACT_TAG if forward else _GRAD_TAG)
         tensor = tensor.contiguous()
-        self._pending_sends.append((dist.isend(torch.tensor([k], dtype=torch.int64), dst, tag=tag), None))
+        self._pending_sends.append((dist.isend(torch.tensor([dst_stage, k], dtype=torch.int64), dst, tag=tag), None))
         self._pending_sends.append((dist.isend(tensor, dst, tag=tag), tensor))
         if len(self._pending_sends) > 64:
             self._reap()
@@ -120,8 +134,9 @@ class P2PTransport:
             work.wait()
         self._pending_sends = []
 
-    def poll(self, block_s: float | None = None) -> list[tuple[ActionKind, int, torch.Tensor]]:
-        """Returns the messages that have arrived; waits up to ``block_s`` seconds for one.
+    def poll(self, block_s: float | None = None) -> list[tuple[ActionKind, int, int, torch.Tensor]]:
+        """Returns the messages ``(kind, stage, k, payload)`` that have arrived; waits up to
+        ``block_s`` seconds for one.
 
         Raises:
             PeerFailure: a receiver thread failed, or nothing arrived within ``block_s``.
@@ -134,8 +149,8 @@ class P2PTransport:
                 out.append(self.inbox.get_nowait())
         except queue.Empty:
             if block_s is not None and not out:
-                raise PeerFailure(f"no message from a neighbouring stage for {block_s:.0f} s") from None
-        for kind, src, payload in out:
+                raise PeerFailure(f"no message from a neighbouring rank for {block_s:.0f} s") from None
+        for kind, src, _, payload in out:
             if kind is None:
                 raise PeerFailure(f"receiving from rank {src} failed: {payload}") from payload
         return out

@@ -84,3 +84,41 @@ def U(stage: int) -> Action:
 def format_order(order: list[list[Action]]) -> str:
     """One line per stage, actions separated by spaces (for logs and errors)."""
     return "\n".join(f"stage {s}: " + " ".join(map(str, acts)) for s, acts in enumerate(order))
+
+
+def dump_csv(order: list[list[Action]]) -> str:
+    """CSV text with one row per rank, one action per cell (torch.distributed.pipelining's layout)."""
+    return "".join(",".join(map(str, acts)) + "\n" for acts in order)
+
+
+def load_csv(text: str) -> list[list[Action]]:
+    """Parses :func:`dump_csv` output, or torch.distributed.pipelining's compute-only CSV
+    (cells ``{stage}{F|B|I|W}{mb}``; empty cells are ignored).
+
+    Raises:
+        ScheduleError: a cell is not an action; the message gives its row and column.
+    """
+    order = []
+    for row_i, line in enumerate(text.splitlines()):
+        acts = []
+        for col, cell in enumerate(line.split(",")):
+            cell = cell.strip()
+            if not cell:
+                continue
+            try:
+                acts.append(Action.parse(cell))
+            except ScheduleError as exc:
+                raise ScheduleError(f"row {row_i}, column {col}: {exc}") from None
+        order.append(acts)
+    return order
+
+
+def with_updates(order: list[list[Action]], m: int, steps: int) -> list[list[Action]]:
+    """Turns one flushed step without ``U`` (e.g. torch's CSV) into ``steps`` steps: each rank
+    applies ``U`` for each of its stages after its step's actions; micro-batch ids shift by m."""
+    out = []
+    for acts in order:
+        stages = sorted({a.stage for a in acts})
+        step = [a for a in acts if a.kind is not ActionKind.U] + [Action(s, ActionKind.U) for s in stages]
+        out.append([Action(a.stage, a.kind, None if a.mb is None else a.mb + t * m) for t in range(steps) for a in step])
+    return out
