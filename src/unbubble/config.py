@@ -21,7 +21,8 @@ class TrainConfig:
     schedule: str = field(default="paci", metadata={"help": 'Pipeline schedule: one of unbubble schedules.'})
     stages: int = field(default=4, metadata={"help": "Pipeline depth N (one process per stage with engine='processes')."})
     a: int = field(default=4, metadata={"help": 'PACI accumulation factor: backward passes per local optimizer step (= micro-batches per step).'})
-    m: int = field(default=4, metadata={"help": 'Micro-batches per optimizer step of synchronous schedules (1f1b-flush).'})
+    m: int = field(default=4, metadata={"help": 'Micro-batches per optimizer step of gpipe, 1f1b-flush, interleaved-1f1b, zb-h1, zb-h2 and pipedream-2bw.'})
+    v: int = field(default=2, metadata={"help": "Virtual stages (model chunks) per rank for interleaved-1f1b."})
     micro_batch_size: int = field(default=8, metadata={"help": 'Sequences per micro-batch.'})
     seq_len: int = field(default=128, metadata={"help": "Tokens per sequence (≤ the model's block size)."})
     steps: int = field(default=800, metadata={"help": 'Optimizer steps per stage.'})
@@ -61,7 +62,7 @@ class TrainConfig:
         if self.schedule not in SCHEDULES:
             raise ConfigError(f"schedule={self.schedule!r} is unknown: valid schedules are "
                               f"{', '.join(SCHEDULES)} (set --schedule)")
-        for name in ("stages", "a", "m", "micro_batch_size", "seq_len", "steps", "eval_batches", "threads_per_stage"):
+        for name in ("stages", "a", "m", "v", "micro_batch_size", "seq_len", "steps", "eval_batches", "threads_per_stage"):
             pos_int(name)
         pos_int("eval_interval", 0)
         pos_int("seed", 0)
@@ -84,8 +85,11 @@ class TrainConfig:
 
     @property
     def mb_per_step(self) -> int:
-        """Micro-batches per optimizer step: a for asynchronous schedules, m otherwise."""
-        return self.a if self.schedule in ("paci", "async-1f1b") else self.m
+        """Micro-batches per optimizer step: a for paci, 1 for async-1f1b, pipedream and
+        pipemare (an update after every backward), m otherwise."""
+        if self.schedule == "paci":
+            return self.a
+        return 1 if self.schedule in ("async-1f1b", "pipedream", "pipemare") else self.m
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

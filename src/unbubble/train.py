@@ -87,15 +87,19 @@ def build_job(cfg: TrainConfig, tokens: TokenData) -> tuple[PipelineJob, GPTConf
     if cfg.seq_len > model.block_size:
         raise ConfigError(f"seq_len={cfg.seq_len} is invalid: model {cfg.model!r} has block_size={model.block_size}, "
                           f"so seq_len must be ≤ {model.block_size} (set --seq-len)")
-    partition_layers(model, cfg.stages, cfg.seq_len)  # raises on stages > layers
+    schedule = get_schedule(cfg.schedule, cfg.stages, cfg.steps, a=cfg.a, m=cfg.m, v=cfg.v)
+    if schedule.virtual > 1 and schedule.n_stages > model.n_layer:
+        raise ConfigError(f"stages={cfg.stages} with v={cfg.v} is invalid: interleaved-1f1b needs stages × v = "
+                          f"{schedule.n_stages} model chunks but model {cfg.model!r} has {model.n_layer} layers "
+                          "(lower --v or --stages, or pick a deeper --model)")
+    partition_layers(model, schedule.n_stages, cfg.seq_len)  # raises on stages > layers
     data = _Data(str(tokens.meta["dir"]) + "/train.bin", str(tokens.meta["dir"]) + "/val.bin",
                  cfg.micro_batch_size, cfg.seq_len, cfg.seed, cfg.eval_batches)
     MicroBatchSampler(tokens.train, cfg.micro_batch_size, cfg.seq_len, cfg.seed)  # validates sizes
     val_batches(tokens.val, cfg.micro_batch_size, cfg.seq_len, 1)
-    schedule = get_schedule(cfg.schedule, cfg.stages, cfg.steps, a=cfg.a, m=cfg.m)
     warmup = round(cfg.warmup_frac * cfg.steps)
     job = PipelineJob(
-        stage_fn=functools.partial(gpt_stage, model, cfg.stages, cfg.seed, cfg.seq_len),
+        stage_fn=functools.partial(gpt_stage, model, schedule.n_stages, cfg.seed, cfg.seq_len),
         loss_fn=gpt_loss,
         batch_fn=functools.partial(gpt_batch, data),
         optimizer_fn=functools.partial(adamw, cfg.lr, (cfg.beta1, cfg.beta2), cfg.weight_decay),
@@ -140,8 +144,9 @@ def train(cfg: TrainConfig, listener_factory=None) -> tuple[RunResult | None, Pa
     rank0 = not under_torchrun() or int(__import__("os").environ.get("RANK", "0")) == 0
     writer = RunWriter(run_dir, cfg, job) if rank0 else None
     if writer is not None:
-        ranges = partition_layers(model, cfg.stages, cfg.seq_len)
-        n_params = sum(count_params(gpt_stage(model, cfg.stages, cfg.seed, cfg.seq_len, s)) for s in range(cfg.stages))
+        n = job.schedule.n_stages
+        ranges = partition_layers(model, n, cfg.seq_len)
+        n_params = sum(count_params(job.stage_fn(s)) for s in range(n))
         writer.describe(model=model, n_params=n_params, ranges=ranges, tokens=tokens)
     listener = (listener_factory(writer, cfg.steps) if listener_factory and writer else writer)
     t0 = time.perf_counter()

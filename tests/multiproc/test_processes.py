@@ -59,3 +59,25 @@ def test_a_failing_stage_stops_the_run_with_its_message():
     job.optimizer_fn = _boom
     with pytest.raises(PipelineFailure, match="stage 1 failed: ValueError: optimizer for stage 1 cannot be built"):
         run_processes(job, timeout_s=30)
+
+
+@pytest.mark.parametrize("name,kw", [("gpipe", {}), ("interleaved-1f1b", {"v": 2}), ("zb-h1", {}), ("zb-h2", {})])
+def test_synchronous_schedules_across_processes_equal_reference(name, kw):
+    job = tiny_gpt_job(get_schedule(name, 2, steps=2, m=4, **kw))
+    result = run_processes(job)
+    ref_states, ref_losses = train_without_pipeline(job)
+    for got, want in zip(result.final_states, ref_states):
+        for key in want:
+            torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-7, msg=key)
+    assert result.step_losses == pytest.approx(ref_losses, rel=1e-5)
+
+
+def test_stashing_and_pipemare_processes_replay_bit_identically():
+    for name in ("pipedream", "pipemare"):
+        job = tiny_gpt_job(get_schedule(name, 3, steps=6))
+        emu = run_emulator(job)
+        proc = run_processes(job, replay=emu.trace.order())
+        for e, p in zip(emu.final_states, proc.final_states):
+            assert all(torch.equal(e[k], p[k]) for k in e), name
+        assert proc.max_drift() == emu.max_drift()
+        assert proc.trace.max_delay() == [2, 1, 0]

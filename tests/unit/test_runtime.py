@@ -57,15 +57,20 @@ def _sgd(params, stage):
     return torch.optim.SGD(params, lr=0.2)
 
 
-def _delayed_reference(job, records):
+def _delayed_reference(job, records, gamma=0.9):
     """Replays recorded actions with hand-written forward/backward of tanh(x Wᵀ + b).
 
-    Forward of (s, k) uses the weights of version v_F; backward uses version v_B for the
-    input gradient and the forward-time activations (x, y) for the weight gradient.
-    Every version is kept, so the check does not depend on in-place tricks.
+    Forward of (s, k) uses the weights of version v_F. The backward's input gradient uses
+    the current version (PACI), the forward's version (stashed: PipeDream, 2BW) or the current
+    version moved back by Δ·δ (PipeMare T2, δ the EMA of weight changes); the weight gradient
+    uses the forward-time activations (x, y). PipeMare's SGD learning rate is scaled by T1:
+    τ^−(1 − min(u/K, 1)). Every version is kept, so the check does not depend on in-place tricks.
     """
     n = job.schedule.n_stages
+    mode = job.schedule.backward_weights
+    anneal = max(job.schedule.steps // 10, 1)
     versions = [[(m[0].weight.detach().clone(), m[0].bias.detach().clone())] for m in map(_mlp_stage, range(n))]
+    velocity = [(torch.zeros(D, D), torch.zeros(D)) for _ in range(n)]
     grads = [[torch.zeros(D, D), torch.zeros(D)] for _ in range(n)]
     saved, msgs, vf = {}, {}, {}
     for rec in records:
@@ -84,7 +89,10 @@ def _delayed_reference(job, records):
                 gy = 2 * (y - _mlp_batch(a.mb)[1]) / y.numel() * job.schedule.loss_scale
             else:
                 gy = msgs.pop(("grad", s, a.mb))
-            w_now, _ = versions[s][rec.version]
+            drift = len(versions[s]) - 1 - vf[(s, a.mb)]
+            w_now = versions[s][vf[(s, a.mb)] if mode == "stashed" else -1][0]
+            if mode == "corrected":
+                w_now = w_now - drift * velocity[s][0]
             gz = gy * (1 - y * y)
             grads[s][0] += gz.T @ x
             grads[s][1] += gz.sum(0)
@@ -92,18 +100,24 @@ def _delayed_reference(job, records):
                 msgs[("grad", s - 1, a.mb)] = gz @ w_now
         else:
             w, b = versions[s][-1]
-            versions[s].append((w - 0.2 * grads[s][0], b - 0.2 * grads[s][1]))
+            lr = 0.2
+            if mode == "corrected":
+                tau, u = n - 1 - s, len(versions[s]) - 1
+                lr *= 1.0 if tau <= 1 else tau ** -(1 - min(u / anneal, 1.0))
+            new = (w - lr * grads[s][0], b - lr * grads[s][1])
+            velocity[s] = tuple(gamma * v + (1 - gamma) * (nw - ow) for v, nw, ow in zip(velocity[s], new, (w, b)))
+            versions[s].append(new)
             grads[s] = [torch.zeros(D, D), torch.zeros(D)]
     return versions
 
 
-@pytest.mark.parametrize("a", [1, 2, 4])
-def test_paci_equals_delayed_reference(a):
+@pytest.mark.parametrize("name,a", [("paci", 1), ("paci", 2), ("paci", 4), ("pipedream", None),
+                                    ("pipedream-2bw", None), ("pipemare", None)])
+def test_async_schedules_equal_delayed_reference(name, a):
     n = 4
-    job = PipelineJob(_mlp_stage, _mse, _mlp_batch, _sgd, get_schedule("paci", n, steps=12, a=a))
+    job = PipelineJob(_mlp_stage, _mse, _mlp_batch, _sgd, get_schedule(name, n, steps=12, a=a, m=4))
     result = run_emulator(job)
-    drift = result.sim_trace.drift()
-    assert max(drift.values()) >= 1  # the check below distinguishes current from forward-time weights
+    assert max(result.sim_trace.delays().values()) >= 1  # the check distinguishes weight versions
     versions = _delayed_reference(job, result.sim_trace.records)
     for s in range(n):
         w, b = versions[s][-1]
@@ -184,3 +198,37 @@ def test_emulator_is_deterministic():
     for s1, s2 in zip(r1.final_states, r2.final_states):
         assert all(torch.equal(s1[k], s2[k]) for k in s1)
     assert r1.trace.order() == r2.trace.order()
+
+
+SYNC = [("gpipe", {}), ("interleaved-1f1b", {"v": 2}), ("zb-h1", {}), ("zb-h2", {})]
+
+
+@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("name,kw", SYNC)
+def test_synchronous_schedules_equal_non_pipelined_reference(name, kw, n):
+    if name == "interleaved-1f1b" and n == 4:
+        n = 2  # 4 ranks × 2 chunks would need 8 layers; the tiny model has 4
+    job = tiny_gpt_job(get_schedule(name, n, steps=3, m=4, **kw))
+    result = run_emulator(job)
+    ref_states, ref_losses = train_without_pipeline(job)
+    _assert_states_close(result.final_states, ref_states)
+    assert result.step_losses == pytest.approx(ref_losses, rel=1e-5)
+
+
+@pytest.mark.parametrize("name,bound", [("pipedream", lambda n, s: n - s), ("pipedream-2bw", lambda n, s: 2)])
+def test_stashed_weight_versions_are_counted_and_bounded(name, bound, monkeypatch):
+    n = 4
+    peak: dict[int, int] = {}
+    forward = StageExecutor.forward
+
+    def counting_forward(self, k, activation=None):
+        out = forward(self, k, activation)
+        peak[self.stage] = max(peak.get(self.stage, 0), self.live_versions)
+        return out
+
+    monkeypatch.setattr(StageExecutor, "forward", counting_forward)
+    result = run_emulator(tiny_gpt_job(get_schedule(name, n, steps=8, m=4)))
+    assert result.max_drift() == [0] * n  # every backward on its forward's version
+    assert result.trace.max_delay() == ([3, 2, 1, 0] if name == "pipedream" else [1, 1, 1, 0])
+    assert all(peak[s] <= bound(n, s) for s in range(n))
+    assert peak[0] == bound(n, 0)  # the bound is reached
