@@ -1,6 +1,6 @@
-"""Discrete-event simulation of pipeline schedules (no torch)."""
+"""Discrete-event simulation of pipeline schedules (importing it never imports torch)."""
 
-from unbubble.sim.costs import UniformCosts
+from unbubble.sim.costs import PipelineCosts, StageCosts, Straggler, UniformCosts
 from unbubble.sim.engine import ActionRecord, Trace, run_policies
 
-__all__ = ["UniformCosts", "ActionRecord", "Trace", "run_policies"]
+__all__ = ["UniformCosts", "PipelineCosts", "StageCosts", "Straggler", "ActionRecord", "Trace", "run_policies"]

@@ -1,23 +1,56 @@
-"""Cost models: how long each action takes on each stage (seconds)."""
+"""Cost models: how long each action takes on each stage, and how long a message travels (seconds).
+
+Every cost model answers two questions (the engine's ``CostModel`` protocol):
+``duration(action)`` in seconds and ``send_latency(src, dst)`` in seconds. The two built here also
+expose a per-stage table so the engine can look durations up without building objects:
+
+* :class:`UniformCosts`: the same F/B/I/W/U durations on every stage (optionally scaled per stage).
+  The emulator's clock and the unit tests use it.
+* :class:`PipelineCosts`: one :class:`StageCosts` per stage, a per-boundary message size with a link
+  latency and bandwidth, multiplicative jitter from a seeded generator, and straggler windows. The
+  analytic model (``sim.analytic``) and the measured model (``sim.measured``) both produce one.
+
+[Note: common random numbers] Jitter is drawn per (stage, kind) stream, indexed by how many actions of
+that kind the stage has run: the n-th forward of stage s gets the same factor under every schedule and
+every run with the same seed. Two schedules compared under the same seed therefore see the same noise,
+and a run is reproducible bit for bit.
+"""
 
 from __future__ import annotations
 
+import math
+import random
 from dataclasses import dataclass, field
+from typing import Callable
 
 from unbubble.errors import ConfigError
 from unbubble.schedules.actions import Action, ActionKind
 
+#: Engine-internal index of each action kind (F, B, I, W, U), used by the duration tables.
+KIND_INDEX: dict[ActionKind, int] = {ActionKind.F: 0, ActionKind.B: 1, ActionKind.I: 2, ActionKind.W: 3, ActionKind.U: 4}
+KINDS: tuple[ActionKind, ...] = tuple(KIND_INDEX)
+
+#: ``noise(stage, kind_index, start_s) -> duration_s`` for one run (stateful: it counts draws).
+Noise = Callable[[int, int, float], float]
+
+
+def _check_nonneg(name: str, value: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0 or math.isinf(value):
+        raise ConfigError(f"{name}={value!r} is invalid: must be a finite number ≥ 0 (seconds)")
+
 
 @dataclass(frozen=True)
 class UniformCosts:
-    """Per-action durations in seconds, optionally per stage.
+    """Per-action durations in seconds, the same on every stage unless scaled.
 
     Attributes:
-        f: forward duration (s), one value or one per stage.
+        f: forward duration (s).
         b: full-backward duration (s).
         u: optimizer-update duration (s).
         latency: send latency of one activation or gradient message (s).
         stage_scale: multiplies every duration of stage s by ``stage_scale[s]`` (non-uniform stages).
+        i: input-gradient duration (s); default ``b / 2``.
+        w: weight-gradient duration (s); default ``b / 2``.
     """
 
     f: float = 1.0
@@ -25,16 +58,25 @@ class UniformCosts:
     u: float = 0.0
     latency: float = 0.0
     stage_scale: tuple[float, ...] = field(default=())
+    i: float | None = None
+    w: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("f", "b", "u", "latency"):
-            v = getattr(self, name)
-            if not v >= 0:
-                raise ConfigError(f"{name}={v!r} is invalid: durations must be ≥ 0 seconds")
+            _check_nonneg(name, getattr(self, name))
+        for name in ("i", "w"):
+            if getattr(self, name) is not None:
+                _check_nonneg(name, getattr(self, name))
+        for s, x in enumerate(self.stage_scale):
+            _check_nonneg(f"stage_scale[{s}]", x)
+
+    def _base(self) -> list[float]:
+        half = self.b / 2
+        return [self.f, self.b, half if self.i is None else self.i, half if self.w is None else self.w, self.u]
 
     def duration(self, action: Action) -> float:
         """Seconds ``action`` keeps its stage busy."""
-        base = {ActionKind.F: self.f, ActionKind.B: self.b, ActionKind.U: self.u}.get(action.kind, self.b / 2)
+        base = self._base()[KIND_INDEX[action.kind]]
         if self.stage_scale:
             base *= self.stage_scale[action.stage]
         return base
@@ -42,3 +84,224 @@ class UniformCosts:
     def send_latency(self, src: int, dst: int) -> float:
         """Seconds from the end of an action on ``src`` until its output is usable on ``dst``."""
         return self.latency
+
+    def table(self, n_stages: int) -> list[list[float]]:
+        """``table[stage][KIND_INDEX[kind]]`` = ``duration`` of that kind on that stage (s).
+
+        Raises:
+            ConfigError: ``stage_scale`` is given but has fewer than ``n_stages`` entries.
+        """
+        if self.stage_scale and len(self.stage_scale) < n_stages:
+            raise ConfigError(f"stage_scale has {len(self.stage_scale)} entries but the pipeline has "
+                              f"{n_stages} stages: give one factor per stage")
+        base = self._base()
+        return [[d * (self.stage_scale[s] if self.stage_scale else 1.0) for d in base] for s in range(n_stages)]
+
+    def noise(self, n_stages: int) -> Noise | None:
+        """Uniform costs are deterministic."""
+        return None
+
+
+@dataclass(frozen=True)
+class StageCosts:
+    """Durations of one stage's actions, seconds.
+
+    Attributes:
+        f_s: forward of one micro-batch.
+        b_s: full backward (input and weight gradients).
+        i_s: input-gradient-only backward (the Zero Bubble paper's "B").
+        w_s: weight-gradient-only backward (the Zero Bubble paper's "W").
+        u_s: local optimizer update.
+    """
+
+    f_s: float
+    b_s: float
+    i_s: float
+    w_s: float
+    u_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("f_s", "b_s", "i_s", "w_s", "u_s"):
+            _check_nonneg(name, getattr(self, name))
+
+    def as_list(self) -> list[float]:
+        """``[f_s, b_s, i_s, w_s, u_s]`` in :data:`KIND_INDEX` order."""
+        return [self.f_s, self.b_s, self.i_s, self.w_s, self.u_s]
+
+    @classmethod
+    def from_fb(cls, f_s: float, b_s: float, u_s: float = 0.0) -> "StageCosts":
+        """A stage with only F and B known: I and W get half of B each."""
+        return cls(f_s, b_s, b_s / 2, b_s / 2, u_s)
+
+
+@dataclass(frozen=True)
+class Straggler:
+    """A stage that runs slower for a while (thermal throttling, a noisy neighbour, a GC pause).
+
+    Attributes:
+        stage: 0-based stage index.
+        slowdown: duration multiplier (> 0; 2.0 = twice as slow).
+        start_s, end_s: actions starting in ``[start_s, end_s)`` are slowed (seconds of simulated time).
+    """
+
+    stage: int
+    slowdown: float
+    start_s: float = 0.0
+    end_s: float = math.inf
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stage, bool) or not isinstance(self.stage, int) or self.stage < 0:
+            raise ConfigError(f"straggler stage={self.stage!r} is invalid: must be an integer ≥ 0")
+        if not self.slowdown > 0 or math.isinf(self.slowdown):
+            raise ConfigError(f"straggler slowdown={self.slowdown!r} is invalid: must be a finite number > 0")
+        if not self.end_s > self.start_s:
+            raise ConfigError(f"straggler window [{self.start_s}, {self.end_s}) is empty: end_s must exceed start_s")
+
+    @classmethod
+    def parse(cls, text: str) -> "Straggler":
+        """Parses ``STAGE:SLOWDOWN[:START_S[:END_S]]``, e.g. ``"3:2.0"`` or ``"0:1.5:10:20"``.
+
+        Raises:
+            ConfigError: the text is not of that form.
+        """
+        parts = text.split(":")
+        try:
+            if not 2 <= len(parts) <= 4:
+                raise ValueError
+            stage, slow = int(parts[0]), float(parts[1])
+            start = float(parts[2]) if len(parts) > 2 else 0.0
+            end = float(parts[3]) if len(parts) > 3 else math.inf
+        except ValueError:
+            raise ConfigError(f"straggler={text!r} is invalid: expected STAGE:SLOWDOWN[:START_S[:END_S]], "
+                              "e.g. 3:2.0 (set --straggler)") from None
+        return cls(stage, slow, start, end)
+
+
+@dataclass(frozen=True)
+class PipelineCosts:
+    """Per-stage durations, communication and noise of one pipeline (seconds, bytes).
+
+    A message (an activation after F, a gradient after B or I) crossing the boundary between stages
+    s and s + 1 arrives ``latency_s + message_bytes[s] / bandwidth_bytes_per_s[s]`` seconds after the
+    action that produced it ends; sends overlap with compute and links have no contention.
+
+    Attributes:
+        stages: one :class:`StageCosts` per stage (N entries).
+        message_bytes: bytes of one activation (= one gradient) crossing boundary s → s + 1
+            (N − 1 entries, or one number for every boundary).
+        bandwidth_bytes_per_s: per boundary (N − 1 entries) or one number; ``inf`` = free.
+        latency_s: per boundary (N − 1 entries) or one number.
+        jitter: σ of a mean-one log-normal factor multiplying every duration (0 = none); see
+            [Note: common random numbers].
+        seed: seed of the jitter streams.
+        stragglers: slow windows of single stages.
+    """
+
+    stages: tuple[StageCosts, ...]
+    message_bytes: float | tuple[float, ...] = 0.0
+    bandwidth_bytes_per_s: float | tuple[float, ...] = math.inf
+    latency_s: float | tuple[float, ...] = 0.0
+    jitter: float = 0.0
+    seed: int = 0
+    stragglers: tuple[Straggler, ...] = ()
+
+    def __post_init__(self) -> None:
+        n = len(self.stages)
+        if n < 1:
+            raise ConfigError("stages=() is invalid: a pipeline needs at least one StageCosts")
+        for name in ("message_bytes", "bandwidth_bytes_per_s", "latency_s"):
+            v = getattr(self, name)
+            vals = v if isinstance(v, tuple) else (v,)
+            if isinstance(v, tuple) and len(v) != n - 1:
+                raise ConfigError(f"{name} has {len(v)} entries but {n} stages have {n - 1} boundaries")
+            for x in vals:
+                if not (isinstance(x, (int, float)) and x >= 0) or (name != "bandwidth_bytes_per_s" and math.isinf(x)):
+                    raise ConfigError(f"{name}={x!r} is invalid: must be ≥ 0"
+                                      + ("" if name == "bandwidth_bytes_per_s" else " and finite"))
+        if isinstance(self.bandwidth_bytes_per_s, (int, float)) and self.bandwidth_bytes_per_s == 0:
+            raise ConfigError("bandwidth_bytes_per_s=0 is invalid: must be > 0 (inf = free links)")
+        if not (isinstance(self.jitter, (int, float)) and 0 <= self.jitter < 5):
+            raise ConfigError(f"jitter={self.jitter!r} is invalid: the log-normal σ must be in [0, 5) (set --jitter)")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ConfigError(f"seed={self.seed!r} is invalid: must be an integer (set --seed)")
+        for st in self.stragglers:
+            if st.stage >= n:
+                raise ConfigError(f"straggler stage={st.stage} is invalid: the pipeline has stages 0..{n - 1}")
+
+    @property
+    def n_stages(self) -> int:
+        return len(self.stages)
+
+    def _per_boundary(self, name: str, boundary: int) -> float:
+        v = getattr(self, name)
+        return v[boundary] if isinstance(v, tuple) else v
+
+    def duration(self, action: Action) -> float:
+        """Mean seconds ``action`` keeps its stage busy (jitter and stragglers are applied by the engine)."""
+        return self.stages[action.stage].as_list()[KIND_INDEX[action.kind]]
+
+    def send_latency(self, src: int, dst: int) -> float:
+        """Seconds from the end of an action on ``src`` until its message is usable on ``dst``."""
+        if src == dst:
+            return 0.0
+        b = min(src, dst)
+        bw = self._per_boundary("bandwidth_bytes_per_s", b)
+        size = self._per_boundary("message_bytes", b)
+        return self._per_boundary("latency_s", b) + (0.0 if math.isinf(bw) else size / bw)
+
+    def table(self, n_stages: int) -> list[list[float]]:
+        """``table[stage][KIND_INDEX[kind]]`` = mean duration (s).
+
+        Raises:
+            ConfigError: the cost model describes a different number of stages.
+        """
+        if n_stages != self.n_stages:
+            raise ConfigError(f"the cost model describes {self.n_stages} stages but the schedule has {n_stages}: "
+                              "build the costs for the same --stages")
+        return [s.as_list() for s in self.stages]
+
+    def noise(self, n_stages: int) -> Noise | None:
+        """A fresh duration sampler for one run, or ``None`` when durations are deterministic."""
+        if self.jitter == 0 and not self.stragglers:
+            return None
+        return _Sampler(self.table(n_stages), self.jitter, self.seed, self.stragglers)
+
+    def scaled(self, factor: float) -> "PipelineCosts":
+        """The same pipeline with every compute duration multiplied by ``factor``."""
+        return PipelineCosts(
+            tuple(StageCosts(*(x * factor for x in s.as_list())) for s in self.stages),
+            self.message_bytes, self.bandwidth_bytes_per_s, self.latency_s, self.jitter, self.seed, self.stragglers)
+
+
+class _Sampler:
+    """Durations with jitter and stragglers for one run; see [Note: common random numbers]."""
+
+    _CHUNK = 256
+
+    def __init__(self, table: list[list[float]], jitter: float, seed: int, stragglers: tuple[Straggler, ...]):
+        self.table, self.sigma = table, jitter
+        self.seed = seed
+        n = len(table)
+        self.draws: list[list[list[float]]] = [[[] for _ in range(5)] for _ in range(n)]
+        self.used = [[0] * 5 for _ in range(n)]
+        self.rngs = [[random.Random(f"unbubble-jitter:{seed}:{s}:{k}") for k in range(5)] for s in range(n)]
+        self.slow: list[list[Straggler]] = [[] for _ in range(n)]
+        for st in stragglers:
+            self.slow[st.stage].append(st)
+
+    def __call__(self, stage: int, kind: int, start_s: float) -> float:
+        d = self.table[stage][kind]
+        if self.sigma:
+            used = self.used[stage]
+            pool = self.draws[stage][kind]
+            i = used[kind]
+            if i >= len(pool):
+                rng, sig = self.rngs[stage][kind], self.sigma
+                mu = -0.5 * sig * sig  # mean-one log-normal
+                pool.extend(math.exp(rng.gauss(mu, sig)) for _ in range(self._CHUNK))
+            used[kind] = i + 1
+            d *= pool[i]
+        for st in self.slow[stage]:
+            if st.start_s <= start_s < st.end_s:
+                d *= st.slowdown
+        return d
