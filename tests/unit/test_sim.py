@@ -1,6 +1,7 @@
 """The timed simulator: engine equivalence, analytic bubbles, PACI drift, jitter determinism, memory, reports."""
 
 import itertools
+import re
 
 import pytest
 
@@ -155,3 +156,263 @@ def test_cost_model_errors():
     with pytest.raises(ConfigError, match=r"straggler='x' is invalid: expected STAGE:SLOWDOWN"):
         Straggler.parse("x")
     assert Straggler.parse("3:2.5:1:4") == Straggler(3, 2.5, 1.0, 4.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Memory
+
+
+def test_memory_hand_computed_1f1b_and_zb_h1():
+    from unbubble.sim.memory import MemorySpec, peak_memory
+
+    sched = get_schedule("1f1b-flush", 2, steps=2, m=3)
+    spec = MemorySpec((100.0,) * 2, (50.0,) * 2, (300.0,) * 2, (10.0,) * 2)
+    mem = peak_memory(run_policies(sched, UniformCosts(f=1, b=2)), spec)
+    # stage 0 holds 2 micro-batches (warm-up F0, then F1 before B0), stage 1 one: 450 static + 10 per micro-batch
+    assert [(m.peak_in_flight, m.activations, m.peak) for m in mem] == [(2, 20.0, 470.0), (1, 10.0, 460.0)]
+    # ZB-H1 by hand (N=2, m=2, M_B=10, M_W=4). Stage 0: F0 F1 I0 W0 I1 W1 -> 10, 20, 14, 10, 4, 0.
+    # Stage 1: F0 I0 F1 I1 W0 W1 -> 10, 4, 14, 8, 4, 0: the peak (14) holds F1 plus W0's 4 bytes.
+    zb = run_policies(sched, UniformCosts(f=1, b=2, i=1, w=1), policies=[ListPolicy(o) for o in zb_h1_order(2, 2)])
+    mem = peak_memory(zb, MemorySpec.uniform(2, act=10.0, act_w=4.0))
+    assert [(m.activations, m.peak_in_flight, m.stash) for m in mem] == [(20.0, 2, 0.0), (14.0, 2, 0.0)]
+
+
+def test_memory_counts_stashed_versions_from_the_trace():
+    from unbubble.sim.memory import MemorySpec, peak_memory
+
+    n = 4
+    spec = MemorySpec.uniform(n, weights=100.0, act=1.0)
+    pd = get_schedule("pipedream", n, steps=24)
+    mem = peak_memory(run_policies(pd, UniformCosts(f=1, b=2)), spec, stashed=True)
+    assert [m.peak_versions for m in mem] == [n - s for s in range(n)]  # N + 1 − i versions, i = s + 1
+    assert [m.stash for m in mem] == [100.0 * (n - 1 - s) for s in range(n)]
+    paci = peak_memory(run_policies(get_schedule("paci", n, steps=24, a=1), UniformCosts()), spec)
+    assert [m.stash for m in paci] == [0.0] * n  # backward on current weights: nothing stashed
+    twobw = peak_memory(run_policies(get_schedule("pipedream-2bw", n, steps=6, m=4), UniformCosts()), spec, stashed=True)
+    assert max(m.peak_versions for m in twobw) == 2
+
+
+def test_memory_sums_virtual_stages_per_device():
+    from unbubble.sim.memory import MemorySpec, peak_memory
+
+    sched = get_schedule("interleaved-1f1b", 2, steps=1, m=4, v=2)
+    spec = MemorySpec(tuple(float(10 ** s) for s in range(4)), (0.0,) * 4, (0.0,) * 4, (0.0,) * 4)
+    mem = peak_memory(run_policies(sched, UniformCosts()), spec)
+    assert [m.weights for m in mem] == [1.0 + 100.0, 10.0 + 1000.0]  # stage s lives on device s mod 2
+
+
+# ---------------------------------------------------------------------------------------------
+# Cost models
+
+
+def test_analytic_costs_follow_component_costs_and_zero_bubble_table_1():
+    from unbubble.models.partition import component_costs
+    from unbubble.sim.analytic import analytic_model, make_model
+    from unbubble.sim.hardware import get_hardware
+
+    cfg = make_model("zb-1.5b")
+    hw = get_hardware("a100-80g")
+    am = analytic_model(cfg, 8, hw, 6, layers_per_stage=[2, 3, 3, 3, 3, 3, 3, 2])
+    h, s, b, a = 2304, 1024, 6, 24
+    mid = am.costs.stages[1]
+    emb, blocks, head = component_costs(cfg, 1024)
+    assert mid.f_s == pytest.approx(3 * blocks[0] * s * b / hw.flops)
+    # per block: F = sbh(24h + 4s), I = sbh(24h + 8s), W = sbh·24h (arXiv 2401.10241, Table 1)
+    assert (mid.f_s, mid.i_s, mid.w_s) == pytest.approx(
+        tuple(3 * s * b * h * x / hw.flops for x in (24 * h + 4 * s, 24 * h + 8 * s, 24 * h)))
+    assert mid.b_s == pytest.approx(mid.i_s + mid.w_s) == pytest.approx(2 * mid.f_s)
+    assert am.memory.act_bytes[1] == 3 * s * b * (34 * h + 5 * a * s)  # Korthikanti et al. §4.1
+    assert am.memory.act_w_bytes[1] == 3 * 32 * s * b * h
+    assert am.params[1] == 3 * (12 * h * h + 13 * h)
+    assert sum(am.params) == 22 * (12 * h * h + 13 * h) + (50304 + 1024) * h + 50304 * h + 2 * h
+    assert am.costs.send_latency(0, 1) == pytest.approx(hw.intra_latency_s + s * b * h * 2 / hw.intra_node_bytes_per_s)
+
+
+def test_hardware_presets_and_errors():
+    from unbubble.errors import ConfigError
+    from unbubble.sim.hardware import HARDWARE, get_hardware
+
+    assert {h: round(p.peak_flops / 1e12, 1) for h, p in HARDWARE.items()} == {"a100-80g": 312.0, "h100": 989.5,
+                                                                                 "h200": 989.5}
+    assert get_hardware("H200", achievable=0.5).flops == pytest.approx(0.5 * 989.5e12)
+    assert all(p.source for p in HARDWARE.values())
+    with pytest.raises(ConfigError, match="hardware='tpu' is unknown: valid presets are a100-80g, h100, h200"):
+        get_hardware("tpu")
+    with pytest.raises(ConfigError, match=r"achievable=1.5 is invalid"):
+        get_hardware("h100", achievable=1.5)
+
+
+def _write_run(path, sched, costs, micro_batch_size=2, seq_len=8):
+    """A run folder as `unbubble train` writes it, from a simulated trace."""
+    import json
+
+    trace = run_policies(sched, costs)
+    path.mkdir()
+    cfg = {"schedule": sched.name, "stages": sched.n_stages, "steps": sched.steps, "a": sched.mb_per_step,
+           "m": sched.mb_per_step, "micro_batch_size": micro_batch_size, "seq_len": seq_len}
+    (path / "config.json").write_text(json.dumps(cfg))
+    lines = [json.dumps({"stage": r.action.stage, "action": str(r.action), "kind": r.action.kind.value,
+                         "mb": r.action.mb, "start_s": r.start + 5.0, "end_s": r.end + 5.0, "version": r.version})
+             for r in trace.records]
+    (path / "actions.jsonl").write_text("\n".join(lines) + "\n")
+    return trace
+
+
+def test_measured_costs_recover_the_costs_of_a_trace(tmp_path):
+    from unbubble.sim.measured import load_run, measured_costs
+
+    truth = PipelineCosts(tuple(StageCosts(0.1 * (s + 1), 0.3, 0.15, 0.15, 0.02) for s in range(3)), latency_s=0.01)
+    trace = _write_run(tmp_path / "run", get_schedule("paci", 3, steps=6, a=2), truth)
+    run = load_run(tmp_path / "run")
+    assert run.trace.makespan == pytest.approx(trace.makespan)  # shifted back to start at 0
+    got = measured_costs(run.trace)
+    assert [x for s in got.stages for x in s.as_list()] == pytest.approx([x for s in truth.stages for x in s.as_list()])
+    assert got.latency_s == pytest.approx((0.01, 0.01))
+
+
+# ---------------------------------------------------------------------------------------------
+# Results, reports, pictures, commands
+
+
+def test_throughput_and_report_formats():
+    from unbubble.sim import report
+    from unbubble.sim.memory import MemorySpec
+    from unbubble.sim.result import simulate
+
+    n, m = 4, 8
+    costs = UniformCosts(f=1, b=2)
+    flush = simulate(get_schedule("1f1b-flush", n, steps=8, m=m), costs, MemorySpec.uniform(n, act=1e9),
+                     samples_per_mb=4, tokens_per_mb=4096)
+    assert flush.steady_samples_per_s == pytest.approx(m * 4 / ((m + n - 1) * 3))  # one step every (m+N−1)(F+B)
+    assert flush.tokens_per_s == pytest.approx(flush.samples_per_s * 1024)
+    paci = simulate(get_schedule("paci", n, steps=32, a=m), costs, samples_per_mb=4)
+    assert paci.steady_samples_per_s == pytest.approx(4 / 3)  # one micro-batch every F + B
+    rows = report.summary_rows([flush, paci])
+    assert rows[1]["speedup"] == pytest.approx((m + n - 1) / m)
+    md = report.to_markdown(rows, report.SUMMARY_COLUMNS)
+    assert md.splitlines()[0].startswith("| schedule | devices |") and "| paci (a=8) |" in md
+    assert "peak GB" in md and "| 4.00 |" in md  # flush: 4 micro-batches of 1 GB on stage 0
+    csv_text = report.to_csv(rows, report.SUMMARY_COLUMNS)
+    assert csv_text.splitlines()[0].split(",")[:3] == ["schedule", "ranks", "micro_batches"]
+    assert float(csv_text.splitlines()[2].split(",")[6]) == pytest.approx((m + n - 1) / m)
+    stages = report.stage_rows(flush)
+    assert [r["peak_in_flight"] for r in stages] == [4, 3, 2, 1]
+    drift = report.drift_rows([paci])
+    assert {(r["stage"], r["drift"]) for r in drift} >= {(0, 1), (3, 0)}
+
+
+def test_timeline_png_and_chrome_trace(tmp_path):
+    import json
+
+    from unbubble.sim.render import chrome_trace, timeline_png, window_end
+
+    trace = run_policies(get_schedule("interleaved-1f1b", 2, steps=2, m=4, v=2), UniformCosts(u=0.5))
+    png = timeline_png(trace, tmp_path / "t.png", title="x", t_end=window_end(trace, 4, 1))
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
+    data = json.loads(chrome_trace(trace, tmp_path / "t.json").read_text())
+    xs = [e for e in data["traceEvents"] if e["ph"] == "X"]
+    assert len(xs) == len(trace)
+    first = xs[0]
+    assert (first["name"], first["tid"], first["ts"], first["dur"]) == ("0F0", 0, 0.0, 1e6)
+    assert {e["tid"] for e in xs} == {0, 1} and all(e["args"]["stage"] % 2 == e["tid"] for e in xs)
+
+
+def test_speedups_equal_the_analytic_ratio_under_uniform_costs():
+    from unbubble.sim.extrapolate import speedups
+    from unbubble.sim.hardware import get_hardware
+
+    got = speedups("tiny", get_hardware("h200"), n_stages=4, ms=(4, 8), micro_batch_size=1, uniform=True)
+    assert [(s.m, s.predicted) for s in got] == [(4, pytest.approx(7 / 4)), (8, pytest.approx(11 / 8))]
+
+
+def test_cli_simulate_writes_pictures_and_tables(tmp_path):
+    from click.testing import CliRunner
+
+    from unbubble.cli import cli
+
+    out = tmp_path / "sim"
+    res = CliRunner().invoke(cli, ["simulate", "--schedule", "paci", "--a", "2", "--stages", "4", "--uniform", "1:2",
+                                   "--compare", "1f1b-flush,zb-h1", "--m", "4", "--micro-batches", "16",
+                                   "--jitter", "0.1", "--out", str(out), "--format", "csv"])
+    assert res.exit_code == 0, res.output
+    names = sorted(p.name for p in out.iterdir())
+    assert {"summary.csv", "summary.md", "stages.csv", "drift.csv", "timeline-paci-a2.png",
+            "trace-zb-h1-m4.json"} <= set(names)
+    lines = res.stdout.splitlines()
+    assert lines[0].startswith("schedule,ranks,micro_batches") and lines[1].startswith("paci (a=2),4,16,")
+    res2 = CliRunner().invoke(cli, ["simulate", "--uniform", "1:2", "--stages", "4", "--out", str(tmp_path / "b"),
+                                    "--jitter", "0.1", "--format", "csv"])
+    res3 = CliRunner().invoke(cli, ["simulate", "--uniform", "1:2", "--stages", "4", "--out", str(tmp_path / "c"),
+                                    "--jitter", "0.1", "--format", "csv"])
+    assert res2.stdout == res3.stdout  # deterministic for a fixed seed, jitter included
+
+
+def test_cli_simulate_analytic_model(tmp_path):
+    from click.testing import CliRunner
+
+    from unbubble.cli import cli
+
+    res = CliRunner().invoke(cli, ["simulate", "--model", "gpt2", "--hardware", "h100", "--stages", "4",
+                                   "--micro-batch-size", "2", "--compare", "interleaved-1f1b,pipedream",
+                                   "--m", "4", "--out", str(tmp_path / "a"), "--format", "markdown"])
+    assert res.exit_code == 0, res.output
+    assert "| interleaved-1f1b (m=4) | 4 |" in res.output and "stash GB" in res.output
+
+
+@pytest.mark.parametrize("args,msg", [
+    (["--schedule", "nope"], "error: schedule='nope' is unknown: valid schedules are"),
+    (["--hardware", "tpu"], "error: hardware='tpu' is unknown: valid presets are a100-80g, h100, h200"),
+    (["--model", "gpt5"], "error: model='gpt5' is unknown: valid models are tiny"),
+    (["--uniform", "1"], "error: uniform='1' is invalid: expected seconds as F:B[:U], e.g. 1:2"),
+    (["--straggler", "9:2", "--uniform", "1:2", "--jitter", "0.1"], "error: straggler stage=9 is invalid"),
+    (["--uniform", "1:2", "--costs-from", "x"], "error: --uniform and --costs-from are exclusive"),
+])
+def test_cli_simulate_errors(tmp_path, args, msg):
+    from click.testing import CliRunner
+
+    from unbubble.cli import cli
+
+    res = CliRunner().invoke(cli, ["simulate", "--stages", "4", "--out", str(tmp_path / "o")] + args)
+    assert res.exit_code == 2 and msg in res.output, res.output
+
+
+def test_cli_predict_matches_a_run_made_of_simulated_actions(tmp_path):
+    from click.testing import CliRunner
+
+    from unbubble.cli import cli
+
+    costs = PipelineCosts(tuple(StageCosts(0.02, 0.04, 0.02, 0.02, 0.001) for _ in range(3)), latency_s=0.002)
+    _write_run(tmp_path / "run", get_schedule("1f1b-flush", 3, steps=4, m=4), costs)
+    res = CliRunner().invoke(cli, ["predict", str(tmp_path / "run"), "--format", "csv", "--out", str(tmp_path / "p")])
+    assert res.exit_code == 0, res.output
+    assert re.search(r"predicted 1\.508 s \([+-]0\.0%\)", (tmp_path / "p" / "prediction.md").read_text())
+    rows = res.stdout.splitlines()
+    header = rows[0].split(",")
+    for line in rows[1:4]:
+        vals = dict(zip(header, line.split(",")))
+        assert float(vals["measured_utilization"]) == pytest.approx(float(vals["predicted_utilization"]))
+    bad = CliRunner().invoke(cli, ["predict", str(tmp_path / "nothing")])
+    assert bad.exit_code == 2 and "is not a folder" in bad.output
+
+
+def test_cli_extrapolate_small(tmp_path):
+    from click.testing import CliRunner
+
+    from unbubble.cli import cli
+
+    page = tmp_path / "x.md"
+    res = CliRunner().invoke(cli, ["extrapolate", "--models", "zb-1.5b", "--schedules", "1f1b-flush,paci",
+                                   "--speedup-model", "gpt2", "--write", str(page)])
+    assert res.exit_code == 0, res.output
+    text = page.read_text()
+    assert "| 1.5B | 8 | 24 | " in text and "(11.8)" in text and "| 8 | 1.875 |" in text
+
+
+def test_simulator_modules_import_without_torch():
+    import subprocess
+    import sys
+
+    names = [f"unbubble.sim.{m}" for m in ("result", "report", "render", "memory", "hardware", "measured",
+                                            "extrapolate", "analytic")]
+    code = f"import sys; import {', '.join(names)}; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -52,6 +52,9 @@ from unbubble.cli import train as _train  # noqa: E402
 
 cli.add_command(_train.train)
 cli.add_command(_schedules.schedules)
+cli.add_command(__import__("unbubble.cli.simulate", fromlist=["simulate"]).simulate)
+cli.add_command(__import__("unbubble.cli.extrapolate", fromlist=["extrapolate"]).extrapolate)
+cli.add_command(__import__("unbubble.cli.predict", fromlist=["predict"]).predict)
 
 
 def main() -> None:

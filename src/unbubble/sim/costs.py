@@ -19,7 +19,6 @@ and a run is reproducible bit for bit.
 from __future__ import annotations
 
 import math
-import random
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -274,17 +273,22 @@ class PipelineCosts:
 
 
 class _Sampler:
-    """Durations with jitter and stragglers for one run; see [Note: common random numbers]."""
+    """Durations with jitter and stragglers for one run; see [Note: common random numbers].
 
-    _CHUNK = 256
+    Stream (stage s, kind k) is ``numpy.random.default_rng(SeedSequence([seed, s, k]))``, drawn in chunks.
+    """
+
+    _CHUNK = 1024
 
     def __init__(self, table: list[list[float]], jitter: float, seed: int, stragglers: tuple[Straggler, ...]):
+        import numpy as np
+
         self.table, self.sigma = table, jitter
-        self.seed = seed
         n = len(table)
-        self.draws: list[list[list[float]]] = [[[] for _ in range(5)] for _ in range(n)]
+        self.pool: list[list[list[float]]] = [[[] for _ in range(5)] for _ in range(n)]
         self.used = [[0] * 5 for _ in range(n)]
-        self.rngs = [[random.Random(f"unbubble-jitter:{seed}:{s}:{k}") for k in range(5)] for s in range(n)]
+        self.rngs = [[np.random.default_rng(np.random.SeedSequence([seed, s, k])) for k in range(5)]
+                     for s in range(n)]
         self.slow: list[list[Straggler]] = [[] for _ in range(n)]
         for st in stragglers:
             self.slow[st.stage].append(st)
@@ -293,15 +297,15 @@ class _Sampler:
         d = self.table[stage][kind]
         if self.sigma:
             used = self.used[stage]
-            pool = self.draws[stage][kind]
             i = used[kind]
+            pool = self.pool[stage][kind]
             if i >= len(pool):
-                rng, sig = self.rngs[stage][kind], self.sigma
-                mu = -0.5 * sig * sig  # mean-one log-normal
-                pool.extend(math.exp(rng.gauss(mu, sig)) for _ in range(self._CHUNK))
+                sig = self.sigma  # mean-one log-normal: exp(N(−σ²/2, σ²))
+                pool.extend(self.rngs[stage][kind].lognormal(-0.5 * sig * sig, sig, self._CHUNK).tolist())
             used[kind] = i + 1
             d *= pool[i]
-        for st in self.slow[stage]:
-            if st.start_s <= start_s < st.end_s:
-                d *= st.slowdown
+        if self.slow[stage]:
+            for st in self.slow[stage]:
+                if st.start_s <= start_s < st.end_s:
+                    d *= st.slowdown
         return d

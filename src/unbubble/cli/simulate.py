@@ -1,0 +1,221 @@
+"""``unbubble simulate``: throughput, bubbles, memory and drift of schedules on a cost model, with pictures."""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from pathlib import Path
+
+import click
+
+from unbubble.errors import ConfigError
+
+log = logging.getLogger("unbubble.simulate")
+
+FORMATS = ("table", "markdown", "csv")
+_ASYNC_SINGLE = ("async-1f1b", "pipedream", "pipemare")  # one micro-batch per update
+
+
+def _schedule(name: str, stages: int, mb: int, a: int, m: int, v: int):
+    """The schedule ``name`` running about ``mb`` micro-batches."""
+    from unbubble.schedules.registry import get_schedule
+
+    if name == "paci":
+        return get_schedule(name, stages, steps=max(1, math.ceil(mb / a)), a=a)
+    if name in _ASYNC_SINGLE:
+        return get_schedule(name, stages, steps=mb)
+    kw = {"v": v} if name == "interleaved-1f1b" else {}
+    return get_schedule(name, stages, steps=max(1, math.ceil(mb / m)), m=m, **kw)
+
+
+def _parse_layers(text: str | None) -> list[int] | None:
+    if text is None:
+        return None
+    try:
+        return [int(x) for x in text.split(",")]
+    except ValueError:
+        raise ConfigError(f"layers_per_stage={text!r} is invalid: give comma-separated block counts, e.g. 2,3,3,2 "
+                          "(set --layers-per-stage)") from None
+
+
+def _parse_uniform(text: str):
+    from unbubble.sim.costs import UniformCosts
+
+    try:
+        vals = [float(x) for x in text.split(":")]
+        if not 2 <= len(vals) <= 3:
+            raise ValueError
+    except ValueError:
+        raise ConfigError(f"uniform={text!r} is invalid: expected seconds as F:B[:U], e.g. 1:2 or 1:2:0.1 (set --uniform)") \
+            from None
+    return UniformCosts(f=vals[0], b=vals[1], u=vals[2] if len(vals) > 2 else 0.0)
+
+
+class CostSource:
+    """Builds the cost model (and memory sizes) for each schedule from the command's options."""
+
+    def __init__(self, opts: dict):
+        from unbubble.sim.costs import Straggler
+        from unbubble.sim.hardware import get_hardware
+
+        self.o = opts
+        self.stragglers = tuple(Straggler.parse(s) for s in opts["straggler"])
+        self.kind = "uniform" if opts["uniform"] else "measured" if opts["costs_from"] else "analytic"
+        self.samples_per_mb, self.tokens_per_mb = 1, None
+        self.description = ""
+        if self.kind == "measured":
+            from unbubble.sim.measured import load_run, measured_costs
+
+            run = load_run(opts["costs_from"])
+            self.measured = measured_costs(run.trace)
+            if run.schedule.n_ranks != run.schedule.n_stages:
+                raise ConfigError("--costs-from needs a run with one stage per device (not interleaved)")
+            if opts["stages"] != run.schedule.n_stages:
+                raise ConfigError(f"stages={opts['stages']} differs from the calibration run's "
+                                  f"{run.schedule.n_stages} stages (set --stages {run.schedule.n_stages})")
+            self.samples_per_mb, self.tokens_per_mb = run.samples_per_mb, run.tokens_per_mb
+            self.description = f"costs measured in {run.path}"
+        elif self.kind == "analytic":
+            from unbubble.sim.analytic import make_model
+
+            self.hardware = get_hardware(opts["hardware"], opts["achievable"])
+            self.config = make_model(opts["model"], opts["vocab_size"], opts["seq_len"])
+            self.samples_per_mb = opts["micro_batch_size"]
+            self.tokens_per_mb = opts["micro_batch_size"] * self.config.block_size
+            self.description = (f"{opts['model']} ({self.config.n_layer} blocks, width {self.config.n_embd}, "
+                                f"V={self.config.vocab_size}, T={self.config.block_size}) on {self.hardware.name} "
+                                f"({self.hardware.peak_flops / 1e12:.0f} TFLOP/s × {self.hardware.achievable:.2f}), "
+                                f"{opts['micro_batch_size']} sequences per micro-batch")
+        else:
+            self.uniform = _parse_uniform(opts["uniform"])
+            self.description = f"uniform costs F={self.uniform.f} s, B={self.uniform.b} s, U={self.uniform.u} s"
+
+    def for_schedule(self, schedule):
+        """``(costs, memory spec or None)`` for one schedule (interleaved ones need per-virtual-stage costs)."""
+        from unbubble.sim.costs import PipelineCosts, StageCosts
+
+        o = self.o
+        if self.kind == "analytic":
+            from unbubble.sim.analytic import analytic_model
+
+            v = schedule.n_stages // schedule.n_ranks
+            layers = _parse_layers(o["layers_per_stage"]) if v == 1 else None
+            am = analytic_model(self.config, schedule.n_ranks, self.hardware, o["micro_batch_size"], virtual=v,
+                                layers_per_stage=layers, flash_attention=o["flash_attention"], jitter=o["jitter"],
+                                seed=o["seed"], stragglers=self.stragglers)
+            return am.costs, am.memory
+        if schedule.n_stages != schedule.n_ranks:
+            raise ConfigError(f"schedule={schedule.name!r} has {schedule.n_stages} virtual stages: it needs costs per "
+                              "virtual stage, which only the analytic model gives (use --model)")
+        if self.kind == "measured":
+            base = self.measured
+        else:
+            u = self.uniform
+            base = PipelineCosts(tuple(StageCosts(*u.table(1)[0]) for _ in range(schedule.n_stages)),
+                                 latency_s=u.latency)
+        if o["jitter"] or self.stragglers:
+            base = PipelineCosts(base.stages, base.message_bytes, base.bandwidth_bytes_per_s, base.latency_s,
+                                 o["jitter"], o["seed"], self.stragglers)
+        return base, None
+
+
+@click.command(context_settings={"show_default": True})
+@click.option("--schedule", default="paci", help="Schedule to simulate (see `unbubble schedules`).")
+@click.option("--compare", default="", help="Comma-separated schedules to run beside it on the same costs and "
+                                             "micro-batch count, e.g. 1f1b-flush,zb-h2,pipedream.")
+@click.option("--stages", default=8, type=int, help="Pipeline depth N (devices).")
+@click.option("--a", default=8, type=int, help="PACI accumulation factor (backward passes per local update).")
+@click.option("--m", default=8, type=int, help="Micro-batches per step of synchronous schedules and pipedream-2bw.")
+@click.option("--v", default=2, type=int, help="Virtual stages per device of interleaved-1f1b.")
+@click.option("--micro-batches", default=None, type=int,
+              help="Micro-batches each schedule processes [default: 16 steps of the first schedule].")
+@click.option("--model", default="gpt2-medium",
+              help="Analytic cost model: a GPT-2 preset (tiny … gpt2-xl) or a Zero Bubble model (zb-1.5b … zb-28.3b).")
+@click.option("--hardware", default="h200", help="Device preset: a100-80g, h100, h200.")
+@click.option("--achievable", default=None, type=float, help="Fraction of peak FLOP/s reached [default: the preset's].")
+@click.option("--micro-batch-size", default=16, type=int, help="Sequences per micro-batch.")
+@click.option("--seq-len", default=None, type=int, help="Tokens per sequence [default: the model's block size].")
+@click.option("--vocab-size", default=None, type=int, help="Vocabulary [default: 50257, or 50304 for zb-*].")
+@click.option("--layers-per-stage", default=None, help="Blocks per stage, e.g. 2,3,3,2 [default: cost-balanced].")
+@click.option("--flash-attention/--no-flash-attention", default=False,
+              help="Attention scores are not stored (smaller activations).")
+@click.option("--uniform", default=None, help="Unit costs F:B[:U] in seconds instead of the analytic model.")
+@click.option("--costs-from", default=None, type=click.Path(), help="Calibrate costs from a run folder of "
+                                                                  "`unbubble train` (its actions.jsonl).")
+@click.option("--jitter", default=0.0, type=float, help="σ of a mean-one log-normal factor on every duration.")
+@click.option("--seed", default=0, type=int, help="Seed of the jitter.")
+@click.option("--straggler", multiple=True, help="STAGE:SLOWDOWN[:START_S[:END_S]] (repeatable).")
+@click.option("--out", default=None, type=click.Path(), help="Folder for the PNG timelines, Chrome traces and tables "
+                                                             "[default: runs/<time>-simulate-<schedule>-N<stages>].")
+@click.option("--timeline-steps", default=2, type=int, help="Steps of each schedule drawn in its timeline.")
+@click.option("--format", "fmt", default="table", type=click.Choice(FORMATS), help="How tables are printed.")
+def simulate(**o) -> None:
+    """Simulate pipeline schedules: throughput, bubbles, peak memory per device, drift.
+
+    Writes to the output folder: summary.{csv,md}, stages.{csv,md} (per device: utilization and the
+    memory split into weights, gradients, optimizer state, activations and stashed versions),
+    drift.csv (histogram of Δ per stage), and per schedule a timeline PNG and a Chrome trace
+    (open in chrome://tracing or ui.perfetto.dev).
+    """
+    from unbubble.schedules.registry import SCHEDULES
+    from unbubble.sim import report
+    from unbubble.sim.render import chrome_trace, timeline_png, window_end
+    from unbubble.sim.result import simulate as run_sim
+
+    names = [o["schedule"]] + [s.strip() for s in o["compare"].split(",") if s.strip()]
+    for name in names:
+        if name not in SCHEDULES:
+            raise ConfigError(f"schedule={name!r} is unknown: valid schedules are {', '.join(SCHEDULES)} "
+                              "(set --schedule / --compare)")
+    if o["uniform"] and o["costs_from"]:
+        raise ConfigError("--uniform and --costs-from are exclusive: pick one cost model")
+    if o["timeline_steps"] < 1:
+        raise ConfigError(f"timeline_steps={o['timeline_steps']} is invalid: must be ≥ 1 (set --timeline-steps)")
+    source = CostSource(o)
+    first = _schedule(names[0], o["stages"], 1, o["a"], o["m"], o["v"])
+    mb = o["micro_batches"] or 16 * first.mb_per_step
+    if mb < 1:
+        raise ConfigError(f"micro_batches={mb} is invalid: must be ≥ 1 (set --micro-batches)")
+    log.info("simulating %s on N=%d devices, %d micro-batches each; %s", ", ".join(names), o["stages"], mb,
+             source.description)
+    out = Path(o["out"] or f"runs/{time.strftime('%Y%m%d-%H%M%S')}-simulate-{names[0]}-N{o['stages']}")
+    out.mkdir(parents=True, exist_ok=True)
+    results = []
+    for name in names:
+        sched = _schedule(name, o["stages"], mb, o["a"], o["m"], o["v"])
+        costs, memory = source.for_schedule(sched)
+        t0 = time.perf_counter()
+        res = run_sim(sched, costs, memory, samples_per_mb=source.samples_per_mb, tokens_per_mb=source.tokens_per_mb)
+        log.debug("%s: %d actions simulated in %.2f s", name, len(res.trace), time.perf_counter() - t0)
+        slug = res.label.replace(" ", "").replace("(", "-").replace(")", "").replace("=", "")
+        timeline_png(res.trace, out / f"timeline-{slug}.png", title=f"{res.label}, N={o['stages']}",
+                     t_end=window_end(res.trace, sched.mb_per_step, o["timeline_steps"]))
+        chrome_trace(res.trace, out / f"trace-{slug}.json", name=res.label)
+        results.append(res)
+
+    summary = report.summary_rows(results)
+    stages = [row for res in results for row in report.stage_rows(res)]
+    drift = report.drift_rows(results)
+    (out / "summary.csv").write_text(report.to_csv(summary, report.SUMMARY_COLUMNS))
+    (out / "summary.md").write_text(f"{source.description}\n\n" + report.to_markdown(summary, report.SUMMARY_COLUMNS))
+    stage_cols = [report.Column("schedule", "schedule")] + report.STAGE_COLUMNS
+    (out / "stages.csv").write_text(report.to_csv(stages, stage_cols))
+    (out / "stages.md").write_text(report.to_markdown(stages, stage_cols))
+    (out / "drift.csv").write_text(report.to_csv(drift))
+
+    _print(report.render(summary, report.SUMMARY_COLUMNS, o["fmt"], title="schedules"), o["fmt"])
+    for res in results:
+        _print(report.render(report.stage_rows(res), report.STAGE_COLUMNS, o["fmt"], title=f"{res.label}: per device"),
+               o["fmt"])
+    if o["fmt"] == "table":
+        click.echo(f"wrote {out}/: summary.csv/.md, stages.csv/.md, drift.csv, timeline-*.png, trace-*.json")
+
+
+def _print(obj, fmt: str) -> None:
+    if fmt == "table":
+        from rich.console import Console
+
+        Console(width=200).print(obj)
+    else:
+        click.echo(obj)

@@ -1,0 +1,241 @@
+"""Analytic cost model: durations and memory of every stage from a GPT shape and a hardware preset.
+
+Compute. Forward FLOPs per token of the embedding, each block and the head come from
+``unbubble.models.partition.component_costs`` (Kaplan et al. 2020 Table 1; PaLM App. B). A backward costs
+twice its forward; it splits into W = 2 FLOPs per weight-matrix parameter per token (one matmul per
+weight, the gradient ∇W = ∇z·xᵀ) and I = B − W. For a block this gives the Zero Bubble paper's Table 1:
+F = sbh(24h + 4s), I = sbh(24h + 8s), W = sbh·24h (arXiv 2401.10241, §2.3). A duration is FLOPs divided
+by ``hardware.flops`` (peak × achievable fraction). The optimizer update streams its state through
+device memory: ``update_bytes_per_param`` / HBM bandwidth per parameter.
+
+Memory (bytes). Parameters: block 12h² + 13h, embedding (V + T)·h on the first stage, an untied head
+V·h plus the final LayerNorm on the last (tied when N = 1). Per parameter, mixed-precision Adam keeps
+2 (BF16 weights) + 4 (FP32 gradients, Megatron-LM's default with BF16) + 12 (FP32 master weights and
+two moments; ZeRO, arXiv 1910.02054, §3.1) bytes. Activations per block and micro-batch:
+M_B = sb(34h + 5as) (Korthikanti et al., arXiv 2205.05198, §4.1, 16-bit, no recomputation; ``flash_attention``
+drops the 5as² attention-score term) and M_W = 32sbh (Zero Bubble Table 1). The head keeps its input and
+FP32 logits, 4sbh + 4sbV (Korthikanti §4.3), of which W needs 2sbh + 2sbV.
+
+Communication. Each boundary carries one activation (forward) or gradient (backward) of s·b·h BF16
+values, over NVLink inside a node and the NIC between nodes (``Hardware.link``).
+
+The module imports torch (through ``unbubble.models``) only when a model is built.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from unbubble.errors import ConfigError
+from unbubble.sim.costs import PipelineCosts, StageCosts, Straggler
+from unbubble.sim.hardware import Hardware
+from unbubble.sim.memory import MemorySpec
+
+if TYPE_CHECKING:
+    from unbubble.models.gpt2 import GPTConfig
+
+#: GPT-3-like models of the Zero Bubble paper's experiments (arXiv 2401.10241, §5.1, Table 3): layers,
+#: heads, width, sequence length, pipeline depth, micro-batch size and micro-batch counts. Vocabulary:
+#: GPT-2 BPE padded by Megatron-LM to a multiple of 128 (50304).
+ZB_MODELS: dict[str, dict] = {
+    "zb-1.5b": dict(n_layer=22, n_head=24, n_embd=2304, block_size=1024, stages=8, micro_batch_size=6, m=(24, 32, 64)),
+    "zb-6.2b": dict(n_layer=30, n_head=32, n_embd=4096, block_size=1024, stages=8, micro_batch_size=3, m=(24, 32, 64)),
+    "zb-14.6b": dict(n_layer=46, n_head=40, n_embd=5120, block_size=1024, stages=16, micro_batch_size=1,
+                     m=(48, 64, 128)),
+    "zb-28.3b": dict(n_layer=62, n_head=48, n_embd=6144, block_size=1024, stages=32, micro_batch_size=1,
+                     m=(96, 128, 256)),
+}
+ZB_VOCAB = 50304
+
+
+def model_names() -> list[str]:
+    """Names ``--model`` accepts: the GPT-2 presets of ``unbubble.models.gpt2`` and :data:`ZB_MODELS`."""
+    from unbubble.models.gpt2 import PRESETS
+
+    return list(PRESETS) + list(ZB_MODELS)
+
+
+def make_model(name: str, vocab_size: int | None = None, seq_len: int | None = None) -> "GPTConfig":
+    """A model shape by name.
+
+    Args:
+        name: a GPT-2 preset (``tiny`` … ``gpt2-xl``) or a Zero Bubble model (``zb-1.5b`` … ``zb-28.3b``).
+        vocab_size: V (default 50257 for GPT-2 presets, 50304 for the Zero Bubble models).
+        seq_len: block size T (default: the preset's).
+
+    Raises:
+        ConfigError: unknown name (the message lists the valid ones) or invalid sizes.
+    """
+    from unbubble.models.gpt2 import PRESETS, GPTConfig, make_config
+
+    if name in ZB_MODELS:
+        z = ZB_MODELS[name]
+        return GPTConfig(n_layer=z["n_layer"], n_head=z["n_head"], n_embd=z["n_embd"],
+                         block_size=seq_len or z["block_size"], vocab_size=vocab_size or ZB_VOCAB)
+    if name not in PRESETS:
+        raise ConfigError(f"model={name!r} is unknown: valid models are {', '.join(model_names())} (set --model)")
+    return make_config(name, vocab_size or 50257, seq_len)
+
+
+@dataclass(frozen=True)
+class Precision:
+    """Bytes per parameter and per moved parameter (mixed-precision Adam by default).
+
+    Attributes:
+        weight_bytes: compute copy of a parameter (BF16: 2).
+        grad_bytes: gradient accumulation buffer (FP32: 4).
+        optimizer_bytes: FP32 master weight + Adam's two moments (12).
+        activation_bytes: bytes per activation element sent between stages (BF16: 2).
+        update_bytes_per_param: device-memory traffic of one Adam step per parameter: read the
+            gradient (4), read and write master weight and moments (24), write the BF16 copy (2).
+    """
+
+    weight_bytes: float = 2.0
+    grad_bytes: float = 4.0
+    optimizer_bytes: float = 12.0
+    activation_bytes: float = 2.0
+    update_bytes_per_param: float = 30.0
+
+
+@dataclass(frozen=True)
+class AnalyticModel:
+    """Costs and memory of one pipelined model on one hardware type.
+
+    Attributes:
+        costs: per-stage durations (s) and links, ready for ``run_policies``.
+        memory: per-stage sizes (bytes) for ``peak_memory``.
+        stage_layers: block indices of each stage (N·v stages when interleaved; may be empty for a stage
+            holding only the embedding or the head).
+        params: parameters per stage.
+        tokens_per_mb: tokens in one micro-batch (b·s).
+        samples_per_mb: sequences in one micro-batch (b).
+        model_flops_per_mb: F + B FLOPs of the whole model for one micro-batch (for MFU).
+        hardware: the preset used.
+        n_ranks: devices (stage s runs on rank s mod n_ranks).
+    """
+
+    costs: PipelineCosts
+    memory: MemorySpec
+    stage_layers: tuple[range, ...]
+    params: tuple[int, ...]
+    tokens_per_mb: int
+    samples_per_mb: int
+    model_flops_per_mb: float
+    hardware: Hardware
+    n_ranks: int
+
+
+def zb_layers_per_stage(n_layer: int, n_stages: int) -> list[int]:
+    """The Zero Bubble paper's split: the first and last stage hold one block less than the others
+    (they also hold the embedding and the loss), i.e. ``n_layer = k·N − 2`` (arXiv 2401.10241, §5.1).
+
+    Raises:
+        ConfigError: ``n_layer + 2`` is not a multiple of ``n_stages`` (or N < 2).
+    """
+    if n_stages < 2 or (n_layer + 2) % n_stages:
+        raise ConfigError(f"layers={n_layer} cannot be split as k·N − 2 over stages={n_stages}: "
+                          "give --layers-per-stage or use the balanced split")
+    k = (n_layer + 2) // n_stages
+    return [k - 1] + [k] * (n_stages - 2) + [k - 1]
+
+
+def analytic_model(config: "GPTConfig", n_stages: int, hardware: Hardware, micro_batch_size: int,
+                   seq_len: int | None = None, *, virtual: int = 1, layers_per_stage: Sequence[int] | None = None,
+                   precision: Precision = Precision(), flash_attention: bool = False, jitter: float = 0.0,
+                   seed: int = 0, stragglers: Sequence[Straggler] = ()) -> AnalyticModel:
+    """Builds the per-stage costs and memory sizes of ``config`` split over ``n_stages · virtual`` stages.
+
+    Args:
+        config: model shape (``unbubble.models.gpt2.GPTConfig``).
+        n_stages: devices N ≥ 1.
+        hardware: the device type (``unbubble.sim.hardware``).
+        micro_batch_size: sequences per micro-batch b ≥ 1.
+        seq_len: tokens per sequence s (default ``config.block_size``).
+        virtual: stages per device (interleaved 1F1B); stage j runs on device j mod N.
+        layers_per_stage: blocks of each of the N·v stages in pipeline order (zeros allowed for the first
+            and last stage, which then hold only the embedding or the head); default: the cost-balanced
+            contiguous split of ``unbubble.models.partition.partition_layers``.
+        precision: bytes per parameter and activation.
+        flash_attention: attention scores are not stored (drops Korthikanti's 5as² term).
+        jitter, seed, stragglers: passed to :class:`~unbubble.sim.costs.PipelineCosts`.
+
+    Returns:
+        The :class:`AnalyticModel`.
+
+    Raises:
+        ConfigError: sizes out of range, or ``layers_per_stage`` that does not sum to ``n_layer``.
+    """
+    from unbubble.models.partition import component_costs, partition_layers
+
+    for name, v in (("stages", n_stages), ("micro_batch_size", micro_batch_size), ("virtual", virtual)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ConfigError(f"{name}={v!r} is invalid: must be an integer ≥ 1 (set --{name.replace('_', '-')})")
+    n = n_stages * virtual
+    T = config.block_size if seq_len is None else seq_len
+    emb_f, block_f, head_f = component_costs(config, T)  # forward FLOPs per token; validates seq_len
+    if layers_per_stage is None:
+        ranges = partition_layers(config, n, T)
+    else:
+        counts = list(layers_per_stage)
+        if len(counts) != n or any(not isinstance(c, int) or c < 0 for c in counts) or sum(counts) != config.n_layer:
+            raise ConfigError(f"layers_per_stage={counts} is invalid: need {n} counts ≥ 0 summing to "
+                              f"n_layer={config.n_layer}")
+        if any(c == 0 for c in counts[1:-1]):
+            raise ConfigError(f"layers_per_stage={counts} is invalid: only the first and last stage may be empty")
+        starts = [0]
+        for c in counts:
+            starts.append(starts[-1] + c)
+        ranges = [range(starts[j], starts[j + 1]) for j in range(n)]
+    h, V, b, a = config.n_embd, config.vocab_size, micro_batch_size, config.n_head
+    tokens = b * T
+    sbh = tokens * h
+    p = precision
+    block_params = 12 * h * h + 13 * h
+    block_mat = 12 * h * h  # weight-matrix parameters (their W costs 2 FLOPs per token each)
+    attn = 0 if flash_attention else 5 * a * T
+    block_mb, block_mw = tokens * (34 * h + attn), 32 * sbh  # bytes, Korthikanti §4.1 / ZB Table 1
+
+    stages, params, mem = [], [], {"w": [], "g": [], "o": [], "a": [], "aw": []}
+    for j, r in enumerate(ranges):
+        first, last = j == 0, j == n - 1
+        fwd = sum(block_f[i] for i in r) + (emb_f if first else 0.0) + (head_f if last else 0.0)
+        wmat = len(r) * block_mat + (h * V if last else 0)
+        f_s = fwd * tokens / hardware.flops
+        b_s = 2 * f_s
+        w_s = 2 * wmat * tokens / hardware.flops
+        n_params = len(r) * block_params
+        if first:
+            n_params += (V + config.block_size) * h
+        if last:
+            n_params += 2 * h + (h * V if n > 1 else 0)  # final LayerNorm; head untied across stages
+        u_s = n_params * p.update_bytes_per_param / hardware.hbm_bytes_per_s
+        stages.append(StageCosts(f_s, b_s, b_s - w_s, w_s, u_s))
+        params.append(n_params)
+        act = len(r) * block_mb + (sbh if first else 0)  # + the embedding's dropout mask (Korthikanti §4.3)
+        act_w = len(r) * block_mw
+        if last:
+            act += 4 * sbh + 4 * tokens * V
+            act_w += 2 * sbh + 2 * tokens * V
+        mem["w"].append(n_params * p.weight_bytes)
+        mem["g"].append(n_params * p.grad_bytes)
+        mem["o"].append(n_params * p.optimizer_bytes)
+        mem["a"].append(float(act))
+        mem["aw"].append(float(min(act_w, act)))
+
+    msg = tokens * h * p.activation_bytes
+    lat, bw = [], []
+    for j in range(n - 1):
+        la, bwj = hardware.link(j % n_stages, (j + 1) % n_stages)
+        lat.append(la)
+        bw.append(bwj)
+    costs = PipelineCosts(tuple(stages), message_bytes=float(msg) if n > 1 else 0.0,
+                          bandwidth_bytes_per_s=tuple(bw) if n > 1 else math.inf,
+                          latency_s=tuple(lat) if n > 1 else 0.0, jitter=jitter, seed=seed,
+                          stragglers=tuple(stragglers))
+    memory = MemorySpec(tuple(mem["w"]), tuple(mem["g"]), tuple(mem["o"]), tuple(mem["a"]), tuple(mem["aw"]),
+                        capacity_bytes=hardware.memory_bytes)
+    model_flops = 3 * tokens * (emb_f + sum(block_f) + head_f)
+    return AnalyticModel(costs, memory, tuple(ranges), tuple(params), tokens, b, model_flops, hardware, n_stages)

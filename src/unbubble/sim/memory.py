@@ -1,0 +1,206 @@
+"""Peak memory per device, counted from a trace: weights, gradients, optimizer state, activations, stash.
+
+Only the per-micro-batch and per-parameter sizes are inputs (:class:`MemorySpec`); how many
+micro-batches hold activations and how many weight versions are alive at each instant is read off the
+trace, so a schedule's memory is whatever its actions imply (nothing restates a schedule's table).
+
+Accounting rules (one device = one rank, which may host several virtual stages):
+
+* Static: weights, gradient buffers and optimizer state of every stage on the rank, all the time.
+* Activations of micro-batch k on stage s: ``act_bytes[s]`` from the start of its F until the end of its
+  B; with the backward split, ``act_bytes[s] − act_w_bytes[s]`` are freed when its I ends and the
+  remaining ``act_w_bytes[s]`` when its W ends (Zero Bubble, arXiv 2401.10241, §2.3 and Table 1: W needs
+  less than B).
+* Stashed weight versions (only when backwards use the forward's weights, ``stashed=True``): at each
+  instant the stage keeps every version ``v_F(k)`` of a micro-batch k that has started F and not
+  finished its last backward (B, or W if split), besides its current version; each extra one costs
+  ``version_bytes[s]`` (PipeDream, arXiv 1806.03377, §3.3 weight stashing).
+* At equal times frees happen before allocations (a stage's action ends before its next one starts).
+
+The peak of a rank is the maximum over time of static + activations + stash; the columns
+"activations" and "stash" are their own maxima (which may occur at different instants).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from unbubble.errors import ConfigError
+from unbubble.sim.engine import Trace
+
+_F, _B, _I, _W, _U = range(5)
+
+
+@dataclass(frozen=True)
+class MemorySpec:
+    """Sizes in bytes, one entry per stage (N·v for interleaved schedules).
+
+    Attributes:
+        weights_bytes: the stage's parameters as used for compute (e.g. BF16).
+        grads_bytes: its gradient accumulation buffers.
+        optimizer_bytes: optimizer state (e.g. FP32 master weights and Adam moments).
+        act_bytes: activations one micro-batch keeps from F until its backward (M_B).
+        act_w_bytes: part of ``act_bytes`` kept from I until W when the backward is split (M_W).
+        version_bytes: one stashed weight version (default: ``weights_bytes``).
+        extra_bytes: other per-stage buffers always present (e.g. PipeMare's velocity).
+        capacity_bytes: device memory, to flag configurations that do not fit (``None``: unknown).
+    """
+
+    weights_bytes: tuple[float, ...]
+    grads_bytes: tuple[float, ...]
+    optimizer_bytes: tuple[float, ...]
+    act_bytes: tuple[float, ...]
+    act_w_bytes: tuple[float, ...] = ()
+    version_bytes: tuple[float, ...] = ()
+    extra_bytes: tuple[float, ...] = ()
+    capacity_bytes: float | None = None
+
+    def __post_init__(self) -> None:
+        n = len(self.weights_bytes)
+        for name in ("grads_bytes", "optimizer_bytes", "act_bytes", "act_w_bytes", "version_bytes", "extra_bytes"):
+            v = getattr(self, name)
+            if v and len(v) != n:
+                raise ConfigError(f"{name} has {len(v)} entries but weights_bytes has {n}: give one per stage")
+            if any(not x >= 0 for x in v):
+                raise ConfigError(f"{name}={v!r} is invalid: sizes must be ≥ 0 bytes")
+        for k, (b, w) in enumerate(zip(self.act_bytes, self.act_w_bytes)):
+            if w > b:
+                raise ConfigError(f"act_w_bytes[{k}]={w} exceeds act_bytes[{k}]={b}: W keeps part of B's activations")
+
+    @property
+    def n_stages(self) -> int:
+        return len(self.weights_bytes)
+
+    def version(self, s: int) -> float:
+        return self.version_bytes[s] if self.version_bytes else self.weights_bytes[s]
+
+    def act_w(self, s: int) -> float:
+        return self.act_w_bytes[s] if self.act_w_bytes else 0.0
+
+    def extra(self, s: int) -> float:
+        return self.extra_bytes[s] if self.extra_bytes else 0.0
+
+    @classmethod
+    def uniform(cls, n_stages: int, *, weights: float = 0.0, grads: float = 0.0, optimizer: float = 0.0,
+                act: float = 1.0, act_w: float = 0.0, version: float | None = None) -> "MemorySpec":
+        """The same sizes on every stage (bytes); handy for unit costs and tests."""
+        n = n_stages
+        return cls((weights,) * n, (grads,) * n, (optimizer,) * n, (act,) * n, (act_w,) * n,
+                   () if version is None else (version,) * n)
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """Peak memory of one device (bytes).
+
+    Attributes:
+        rank: 0-based device index.
+        weights, grads, optimizer, extra: static parts.
+        activations: peak bytes of activations held.
+        stash: peak bytes of stashed weight versions.
+        peak: peak of static + activations + stash over time.
+        peak_in_flight: most micro-batches holding activations at once (summed over the rank's stages).
+        peak_versions: most weight versions alive at once on one stage (1 = no stash).
+        fits: ``peak <= capacity`` (``None`` when the capacity is unknown).
+    """
+
+    rank: int
+    weights: float
+    grads: float
+    optimizer: float
+    extra: float
+    activations: float
+    stash: float
+    peak: float
+    peak_in_flight: int
+    peak_versions: int
+    fits: bool | None = field(default=None)
+
+    @property
+    def static(self) -> float:
+        return self.weights + self.grads + self.optimizer + self.extra
+
+
+def peak_memory(trace: Trace, spec: MemorySpec, *, stashed: bool = False) -> list[RankMemory]:
+    """Peak memory per rank, from the actions in ``trace`` (see the module docstring for the rules).
+
+    Args:
+        trace: a simulated or measured run.
+        spec: per-stage sizes (bytes); as many stages as the trace.
+        stashed: backwards use their forward's weights (PipeDream, PipeDream-2BW), so every
+            version still needed by an in-flight micro-batch is kept.
+
+    Returns:
+        One :class:`RankMemory` per rank (device).
+
+    Raises:
+        ConfigError: ``spec`` describes another number of stages.
+    """
+    n, nr = trace.n_stages, trace.ranks
+    if spec.n_stages != n:
+        raise ConfigError(f"the memory spec describes {spec.n_stages} stages but the trace has {n}")
+    # Actions of one rank never overlap, so walking them in start order visits that rank's
+    # allocations (at F's start) and frees (at a backward's end) in time order, frees first on ties.
+    weights = [sum(spec.weights_bytes[s] for s in range(r, n, nr)) for r in range(nr)]
+    grads = [sum(spec.grads_bytes[s] for s in range(r, n, nr)) for r in range(nr)]
+    optim = [sum(spec.optimizer_bytes[s] for s in range(r, n, nr)) for r in range(nr)]
+    extra = [sum(spec.extra(s) for s in range(r, n, nr)) for r in range(nr)]
+    base = [weights[r] + grads[r] + optim[r] + extra[r] for r in range(nr)]
+    act_b = list(spec.act_bytes)
+    act_w = [spec.act_w(s) for s in range(n)]
+    act = [0.0] * nr
+    act_peak = [0.0] * nr
+    stash = [0.0] * nr
+    stash_peak = [0.0] * nr
+    peak = list(base)
+    q = [0] * nr
+    q_peak = [0] * nr
+    versions_peak = [1] * nr
+    current = [0] * n
+    live: list[dict[int, int]] = [{} for _ in range(n)]  # stage -> {v_F: micro-batches still needing it}
+    extra_versions = [0] * n
+    fwd_v: dict[tuple[int, int], int] = {}
+    for s, k, mb, _, _, ver, _ in trace.rows():
+        r = s % nr
+        if k == _F:
+            act[r] += act_b[s]
+            q[r] += 1
+        elif k == _B:
+            act[r] -= act_b[s]
+            q[r] -= 1
+        elif k == _I:
+            act[r] -= act_b[s] - act_w[s]
+        elif k == _W:
+            act[r] -= act_w[s]
+            q[r] -= 1
+        if stashed:
+            lv = live[s]
+            if k == _F:
+                fwd_v[(s, mb)] = ver
+                lv[ver] = lv.get(ver, 0) + 1
+            elif k == _U:
+                current[s] += 1
+            elif k == _B or k == _W:
+                v = fwd_v.pop((s, mb))
+                lv[v] -= 1
+                if not lv[v]:
+                    del lv[v]
+            x = len(lv) - (current[s] in lv)  # versions besides the current one
+            if x != extra_versions[s]:
+                stash[r] += (x - extra_versions[s]) * spec.version(s)
+                extra_versions[s] = x
+                if x + 1 > versions_peak[r]:
+                    versions_peak[r] = x + 1
+            if stash[r] > stash_peak[r]:
+                stash_peak[r] = stash[r]
+        if act[r] > act_peak[r]:
+            act_peak[r] = act[r]
+        if q[r] > q_peak[r]:
+            q_peak[r] = q[r]
+        total = base[r] + act[r] + stash[r]
+        if total > peak[r]:
+            peak[r] = total
+    out = [RankMemory(r, weights[r], grads[r], optim[r], extra[r], act_peak[r], stash_peak[r], peak[r], q_peak[r],
+                      versions_peak[r], None if spec.capacity_bytes is None else peak[r] <= spec.capacity_bytes)
+           for r in range(nr)]
+    return out
