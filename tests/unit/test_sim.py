@@ -393,6 +393,13 @@ def test_cli_predict_matches_a_run_made_of_simulated_actions(tmp_path):
         assert float(vals["measured_utilization"]) == pytest.approx(float(vals["predicted_utilization"]))
     bad = CliRunner().invoke(cli, ["predict", str(tmp_path / "nothing")])
     assert bad.exit_code == 2 and "is not a folder" in bad.output
+    # the calibrated costs drive `simulate` for other schedules
+    sim = CliRunner().invoke(cli, ["simulate", "--costs-from", str(tmp_path / "run"), "--stages", "3", "--schedule",
+                                   "1f1b-flush", "--m", "4", "--micro-batches", "16", "--compare", "paci",
+                                   "--a", "4", "--out", str(tmp_path / "s"), "--format", "csv"])
+    assert sim.exit_code == 0, sim.output
+    flush_row = sim.stdout.splitlines()[1].split(",")
+    assert flush_row[0] == "1f1b-flush (m=4)" and float(flush_row[3]) == pytest.approx(1.508, abs=1e-3)
 
 
 def test_cli_extrapolate_small(tmp_path):

@@ -24,7 +24,7 @@ from __future__ import annotations
 import heapq
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable, Iterable, Iterator, Protocol
+from typing import Callable, Iterator, Protocol
 
 from unbubble.errors import ScheduleError
 from unbubble.schedules.actions import Action, format_order
