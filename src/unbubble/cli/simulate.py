@@ -69,6 +69,8 @@ class CostSource:
 
             run = load_run(opts["costs_from"])
             self.measured = measured_costs(run.trace)
+            if opts["stages"] is None:
+                opts["stages"] = run.schedule.n_stages
             if run.schedule.n_ranks != run.schedule.n_stages:
                 raise ConfigError("--costs-from needs a run with one stage per device (not interleaved)")
             if opts["stages"] != run.schedule.n_stages:
@@ -124,7 +126,8 @@ class CostSource:
 @click.option("--schedule", default="paci", help="Schedule to simulate (see `unbubble schedules`).")
 @click.option("--compare", default="", help="Comma-separated schedules to run beside it on the same costs and "
                                              "micro-batch count, e.g. 1f1b-flush,zb-h2,pipedream.")
-@click.option("--stages", default=8, type=int, help="Pipeline depth N (devices).")
+@click.option("--stages", default=None, type=int,
+              help="Pipeline depth N (devices) [default: 8, or the calibration run's with --costs-from].")
 @click.option("--a", default=8, type=int, help="PACI accumulation factor (backward passes per local update).")
 @click.option("--m", default=8, type=int, help="Micro-batches per step of synchronous schedules and pipedream-2bw.")
 @click.option("--v", default=2, type=int, help="Virtual stages per device of interleaved-1f1b.")
@@ -173,6 +176,10 @@ def simulate(**o) -> None:
     if o["timeline_steps"] < 1:
         raise ConfigError(f"timeline_steps={o['timeline_steps']} is invalid: must be ≥ 1 (set --timeline-steps)")
     source = CostSource(o)
+    if o["stages"] is None:
+        o["stages"] = 8
+    if o["stages"] < 1:
+        raise ConfigError(f"stages={o['stages']} is invalid: must be an integer ≥ 1 (set --stages)")
     first = _schedule(names[0], o["stages"], 1, o["a"], o["m"], o["v"])
     mb = o["micro_batches"] or 16 * first.mb_per_step
     if mb < 1:

@@ -388,20 +388,21 @@ def _run_fast(n, total, pols, table, noise, fdelay, bdelay, stashed):
             while True:
                 if t < busy[s]:
                     break
+                fr, br = fwd_ready[s], bwd_ready[s]
                 q = fin[s]
                 while q and q[0][0] <= t:
-                    fwd_ready[s].add(q.popleft()[1])
+                    fr.add(q.popleft()[1])
                 q = bin_[s]
                 while q and q[0][0] <= t:
-                    bwd_ready[s].add(q.popleft()[1])
+                    br.add(q.popleft()[1])
                 if is_paci[s]:  # PaciPolicy.next_action
                     if bsu[s] >= acc[s]:
                         k, mb = _U, -1
-                    elif bwd_ready[s]:
-                        k, mb = _B, min(bwd_ready[s])
+                    elif br:
+                        k, mb = _B, min(br)
                     else:
                         mb = n_fwd[s]
-                        if mb < total and in_flight[s] < cap[s] and (s == 0 or mb in fwd_ready[s]):
+                        if mb < total and in_flight[s] < cap[s] and (s == 0 or mb in fr):
                             k = _F
                         else:
                             break
@@ -411,10 +412,10 @@ def _run_fast(n, total, pols, table, noise, fdelay, bdelay, stashed):
                         break
                     k, mb = kmb[s][i]
                     if k == _F:
-                        if not (mb < total if s == 0 else mb in fwd_ready[s]):
+                        if not (mb < total if s == 0 else mb in fr):
                             break
                     elif k == _B or k == _I:
-                        if mb not in bwd_ready[s]:
+                        if mb not in br:
                             break
                 end = t + (table[s][k] if noise is None else noise(s, k, t))
                 v = version[s]
@@ -437,11 +438,11 @@ def _run_fast(n, total, pols, table, noise, fdelay, bdelay, stashed):
                     else:
                         b.append(s)
                 if k == _F:  # StageState.apply, then the send
-                    fwd_ready[s].discard(mb)
+                    fr.discard(mb)
                     in_flight[s] += 1
                     n_fwd[s] += 1
                     if s == last:
-                        bwd_ready[s].add(mb)
+                        br.add(mb)
                     else:
                         arrival = end + fdelay[s]
                         fin[s + 1].append((arrival, mb))
@@ -453,7 +454,7 @@ def _run_fast(n, total, pols, table, noise, fdelay, bdelay, stashed):
                             else:
                                 b.append(s + 1)
                 elif k == _B or k == _I:
-                    bwd_ready[s].discard(mb)
+                    br.discard(mb)
                     in_flight[s] -= 1
                     n_bwd[s] += 1
                     bsu[s] += 1

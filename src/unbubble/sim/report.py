@@ -53,6 +53,7 @@ SUMMARY_COLUMNS = [
     Column("makespan_s", "makespan (s)", _secs),
     Column("steady_samples_per_s", "samples/s (steady)", _num(2)),
     Column("steady_samples_per_s_per_device", "samples/s/device", _num(3)),
+    Column("steady_tokens_per_s", "tokens/s (steady)", _num(0)),
     Column("speedup", "× first", _num(3)),
     Column("mean_bubble", "bubble (mean)", _pct),
     Column("max_bubble", "bubble (worst)", _pct),
@@ -121,7 +122,8 @@ def drift_rows(results: Sequence[SimResult]) -> list[dict[str, Any]]:
 
 
 def _present(rows: Sequence[dict], columns: Sequence[Column]) -> list[Column]:
-    return [c for c in columns if any(c.key in r for r in rows)]
+    """The columns some row has a value for."""
+    return [c for c in columns if any(r.get(c.key) is not None for r in rows)]
 
 
 def to_markdown(rows: Sequence[dict], columns: Sequence[Column]) -> str:

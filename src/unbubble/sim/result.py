@@ -116,6 +116,7 @@ class SimResult:
             "steady_samples_per_s": self.steady_samples_per_s,
             "steady_samples_per_s_per_device": self.steady_samples_per_s / self.n_ranks,
             "tokens_per_s": self.tokens_per_s,
+            "steady_tokens_per_s": self.steady_tokens_per_s,
             "mean_bubble": 1.0 - sum(util) / len(util),
             "max_bubble": 1.0 - min(util),
             "max_drift": max(self.max_drift(), default=0),
