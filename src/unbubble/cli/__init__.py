@@ -26,7 +26,8 @@ def setup_logging(verbosity: int) -> None:
 
 def abort(message: str) -> None:
     """Prints one error line and exits with status 2 (bad input)."""
-    err_console.print(f"[bold red]error:[/] {message}", markup=True, highlight=False, soft_wrap=True)
+    err_console.print("[bold red]error:[/] ", markup=True, end="")
+    err_console.print(message, markup=False, emoji=False, highlight=False, soft_wrap=True)
     sys.exit(2)
 
 

@@ -6,6 +6,7 @@ fires and the memory held; the semantics table is DESIGN §2.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Literal
 
@@ -20,7 +21,7 @@ SCHEDULES: dict[str, str] = {
     "1f1b-flush": "synchronous 1F1B, U after m B then flush; Δ=0; ≤N+1−i activations; bubble (N−1)/(m+N−1)  [arXiv 2007.01045]",
     "interleaved-1f1b": "v virtual stages per rank (Megatron order), flush; Δ=0; bubble (N−1)/(v·m+N−1)  [arXiv 2104.04473]",
     "zb-h1": "B split into I and W, W fills bubbles, flush; Δ=0; 1F1B memory; bubble ≈ 1/3 of 1F1B  [arXiv 2401.10241]",
-    "zb-h2": "as zb-h1 with ≈2× activation memory; ≈ no bubble  [arXiv 2401.10241]",
+    "zb-h2": "as zb-h1 with 2N activations; bubble 1/6 of 1F1B (still flushed)  [arXiv 2401.10241]",
     "async-1f1b": "naive async 1F1B (= paci, a=1): U after every B on current weights; Δ_i ≤ N−i; no extra weights",
     "paci": "async 1F1B never flushed; U after every a-th local B; B on current weights; Δ_i ≤ ⌈(N−i)/a⌉; no weight copies  [arXiv 2606.07881]",
     "pipedream": "async 1F1B with weight stashing: B on its F's version; Δ=0, τ_i=N−i; ≤N+1−i weight versions  [arXiv 1806.03377]",
@@ -87,21 +88,13 @@ class Schedule:
         return ListPolicy(self.static_order()[rank])
 
     def static_order(self) -> list[list[Action]]:
-        """Per-rank action lists of a synchronous schedule.
+        """Per-rank action lists of a synchronous schedule (generated once per shape, cached).
 
         Raises:
             ConfigError: the schedule is asynchronous (it is a rule, not a list).
         """
-        n, m, t = self.n_stages, self.mb_per_step, self.steps
-        if self.name == "gpipe":
-            return static.gpipe(n, m, t)
-        if self.name == "1f1b-flush":
-            return static.one_f_one_b_flush(n, m, t)
-        if self.name == "interleaved-1f1b":
-            return static.interleaved_1f1b(self.n_ranks, self.virtual, m, t)
-        if self.name in ("zb-h1", "zb-h2"):
-            return static.zero_bubble(n, m, t, memory=1 if self.name == "zb-h1" else 2)
-        raise ConfigError(f"schedule={self.name!r} has no static action list: it is asynchronous")
+        return [list(acts) for acts in _static_order(self.name, self.n_stages, self.mb_per_step, self.steps,
+                                                     self.virtual)]
 
     def drift_bound(self, stage: int) -> int:
         """Largest drift Δ = v_B − v_F of ``stage`` (0-based): ⌈(N−i)/a⌉ for PACI-type
@@ -117,6 +110,22 @@ class Schedule:
             return 0
         return -(-(self.n_stages - 1 - stage) // self.mb_per_step)
 
+
+@functools.lru_cache(maxsize=64)
+def _static_order(name: str, n: int, m: int, steps: int, v: int) -> tuple[tuple[Action, ...], ...]:
+    if name == "gpipe":
+        order = static.gpipe(n, m, steps)
+    elif name == "1f1b-flush":
+        order = static.one_f_one_b_flush(n, m, steps)
+    elif name == "interleaved-1f1b":
+        order = static.interleaved_1f1b(n // v, v, m, steps)
+    elif name == "zb-h1":
+        order = static.zb_h1(n, m, steps)
+    elif name == "zb-h2":
+        order = static.zero_bubble(n, m, steps, memory=2)
+    else:
+        raise ConfigError(f"schedule={name!r} has no static action list: it is asynchronous")
+    return tuple(tuple(acts) for acts in order)
 
 def _check_int(name: str, value, lo: int = 1) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < lo:
