@@ -12,6 +12,7 @@ from unbubble.schedules.registry import SCHEDULES
 
 ENGINES = ("emulator", "processes")
 TOKENIZERS = ("byte", "gpt2")
+OPTIMIZERS = ("adamw", "basis-rotation", "nesterov", "nadam", "pipedream-lr")
 
 
 @dataclass(kw_only=True)
@@ -32,6 +33,15 @@ class TrainConfig:
     beta1: float = field(default=0.9, metadata={"help": "AdamW β1 (PACI paper: 0.9)."})
     beta2: float = field(default=0.95, metadata={"help": "AdamW β2 (PACI paper: 0.95)."})
     weight_decay: float = field(default=0.1, metadata={"help": 'AdamW decoupled weight decay, applied to matrices only (β and wd as in the PACI paper).'})
+    optimizer: Literal["adamw", "basis-rotation", "nesterov", "nadam", "pipedream-lr"] = field(
+        default="adamw", metadata={"help": "adamw; basis-rotation (Adam in a rotated eigenbasis, arXiv 2602.03515); "
+                                           "nesterov (PipeNAG delay correction); nadam; pipedream-lr (AdamW with the "
+                                           "stage's lr ÷ τ_s^(1−min(t/K,1)))."})
+    br_source: Literal["2nd", "1st"] = field(default="2nd", metadata={"help": "Basis Rotation: eigenbasis from EMA(GGᵀ), EMA(GᵀG) (2nd) or from the momentum (1st)."})
+    br_geometry: Literal["bilateral", "unilateral"] = field(default="bilateral", metadata={"help": "Basis Rotation: rotate both sides of each matrix, or only the smaller one."})
+    br_freq: int = field(default=10, metadata={"help": "Basis Rotation: refresh the bases every k steps (one power-iteration step + QR)."})
+    br_allocation: Literal["uniform", "stage-aware", "inverse"] = field(default="uniform", metadata={"help": "Basis Rotation: how a fixed refresh budget is split across stages (stage-aware: staler stages refresh more often)."})
+    stage_aware: bool = field(default=False, metadata={"help": "Shorthand for --br-allocation stage-aware."})
     clip_grad_norm: float | None = field(default=None, metadata={"help": 'Per-stage gradient-norm clipping; off by default (global clipping needs cross-stage sync).'})
     model: str = field(default="tiny", metadata={"help": 'Model preset (tiny, small-cpu, gpt2, gpt2-medium, gpt2-large, gpt2-xl).'})
     corpus: str = field(default="kjv", metadata={"help": 'kjv, shakespeare, a text file, or a folder of .txt files.'})
@@ -62,7 +72,11 @@ class TrainConfig:
         if self.schedule not in SCHEDULES:
             raise ConfigError(f"schedule={self.schedule!r} is unknown: valid schedules are "
                               f"{', '.join(SCHEDULES)} (set --schedule)")
-        for name in ("stages", "a", "m", "v", "micro_batch_size", "seq_len", "steps", "eval_batches", "threads_per_stage"):
+        if self.stage_aware:
+            if self.br_allocation == "inverse":
+                raise ConfigError("stage_aware=True contradicts br_allocation='inverse': give one of them")
+            self.br_allocation = "stage-aware"
+        for name in ("stages", "a", "m", "v", "br_freq", "micro_batch_size", "seq_len", "steps", "eval_batches", "threads_per_stage"):
             pos_int(name)
         pos_int("eval_interval", 0)
         pos_int("seed", 0)
@@ -79,6 +93,12 @@ class TrainConfig:
             raise ConfigError(f"clip_grad_norm={self.clip_grad_norm!r} is invalid: must be > 0 or unset")
         if self.engine not in ENGINES:
             raise ConfigError(f"engine={self.engine!r} is unknown: valid engines are {', '.join(ENGINES)} (set --engine)")
+        for name, valid in (("optimizer", OPTIMIZERS), ("br_source", ("2nd", "1st")),
+                            ("br_geometry", ("bilateral", "unilateral")),
+                            ("br_allocation", ("uniform", "stage-aware", "inverse"))):
+            if getattr(self, name) not in valid:
+                raise ConfigError(f"{name}={getattr(self, name)!r} is invalid: must be one of {', '.join(valid)} "
+                                  f"(set --{_flag(name)})")
         if self.tokenizer not in TOKENIZERS:
             raise ConfigError(f"tokenizer={self.tokenizer!r} is unknown: valid tokenizers are "
                               f"{', '.join(TOKENIZERS)} (set --tokenizer)")

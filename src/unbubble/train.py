@@ -23,6 +23,7 @@ from unbubble.errors import ConfigError
 from unbubble.lr import warmup_cosine
 from unbubble.metrics import RunWriter
 from unbubble.models import GPTConfig, build_gpt_stages, count_params, gpt_loss, make_config, partition_layers
+from unbubble.optim import build_optimizer
 from unbubble.runtime.emulator import run_emulator
 from unbubble.runtime.job import PipelineJob
 from unbubble.runtime.launch import run_processes, run_torchrun, under_torchrun
@@ -69,12 +70,11 @@ def gpt_stage(model: GPTConfig, n_stages: int, seed: int, seq_len: int, stage: i
     return build_gpt_stages(model, n_stages, seed, seq_len=seq_len, only=stage)[stage]
 
 
-def adamw(lr: float, betas: tuple[float, float], weight_decay: float, params: list, stage: int) -> torch.optim.Optimizer:
-    """AdamW with weight decay on matrices only (nanoGPT's grouping)."""
-    decay = [p for p in params if p.dim() >= 2]
-    no_decay = [p for p in params if p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=betas)
+def stage_optimizer(name: str, lr: float, betas: tuple[float, float], weight_decay: float, delays: tuple[int, ...],
+                    br_options: tuple[tuple[str, object], ...], params: list, stage: int) -> torch.optim.Optimizer:
+    """One stage's optimizer, knowing its index and delay τ_s (``unbubble.optim.build_optimizer``)."""
+    return build_optimizer(name, params, stage, len(delays), delays[stage], lr, betas, weight_decay,
+                           br_stage_delays=list(delays), **dict(br_options))
 
 
 def build_job(cfg: TrainConfig, tokens: TokenData) -> tuple[PipelineJob, GPTConfig]:
@@ -102,13 +102,18 @@ def build_job(cfg: TrainConfig, tokens: TokenData) -> tuple[PipelineJob, GPTConf
         stage_fn=functools.partial(gpt_stage, model, schedule.n_stages, cfg.seed, cfg.seq_len),
         loss_fn=gpt_loss,
         batch_fn=functools.partial(gpt_batch, data),
-        optimizer_fn=functools.partial(adamw, cfg.lr, (cfg.beta1, cfg.beta2), cfg.weight_decay),
+        optimizer_fn=functools.partial(
+            stage_optimizer, "adamw" if cfg.optimizer == "pipedream-lr" else cfg.optimizer, cfg.lr,
+            (cfg.beta1, cfg.beta2), cfg.weight_decay, tuple(schedule.delay_bound(s) for s in range(schedule.n_stages)),
+            (("br_source", cfg.br_source), ("br_geometry", cfg.br_geometry), ("br_freq", cfg.br_freq),
+             ("br_allocation", cfg.br_allocation))),
         schedule=schedule,
         lr_lambda=functools.partial(warmup_cosine, total=cfg.steps, warmup=warmup, min_ratio=cfg.min_lr_ratio),
         val_fn=functools.partial(gpt_val, data),
         eval_interval=cfg.eval_interval,
         tokens_per_mb=cfg.micro_batch_size * cfg.seq_len,
         clip_grad_norm=cfg.clip_grad_norm,
+        delay_lr=cfg.optimizer == "pipedream-lr",
     )
     return job, model
 

@@ -64,7 +64,7 @@ def _delayed_reference(job, records, gamma=0.9):
     the current version (PACI), the forward's version (stashed: PipeDream, 2BW) or the current
     version moved back by Δ·δ (PipeMare T2, δ the EMA of weight changes); the weight gradient
     uses the forward-time activations (x, y). PipeMare's SGD learning rate is scaled by T1:
-    τ^−(1 − min(u/K, 1)). Every version is kept, so the check does not depend on in-place tricks.
+    τ^−(1 − min((u+1)/K, 1)) for update u + 1. Every version is kept, so the check does not depend on in-place tricks.
     """
     n = job.schedule.n_stages
     mode = job.schedule.backward_weights
@@ -103,7 +103,7 @@ def _delayed_reference(job, records, gamma=0.9):
             lr = 0.2
             if mode == "corrected":
                 tau, u = n - 1 - s, len(versions[s]) - 1
-                lr *= 1.0 if tau <= 1 else tau ** -(1 - min(u / anneal, 1.0))
+                lr *= 1.0 if tau <= 1 else tau ** -(1 - min((u + 1) / anneal, 1.0))
             new = (w - lr * grads[s][0], b - lr * grads[s][1])
             velocity[s] = tuple(gamma * v + (1 - gamma) * (nw - ow) for v, nw, ow in zip(velocity[s], new, (w, b)))
             versions[s].append(new)

@@ -67,6 +67,14 @@ BAD = [
     (["--model", "gpt5"], "model='gpt5' is invalid"),
     (["--lr", "-1"], "lr=-1.0 is invalid"),
     (["--steps", "0"], "steps=0 is invalid"),
+    (["--engine", "gpu"], "engine='gpu' is unknown: valid engines are emulator, processes"),
+    (["--optimizer", "sgd"], "optimizer='sgd' is invalid: must be one of adamw, basis-rotation"),
+    (["--br-source", "3rd"], "br_source='3rd' is invalid: must be one of 2nd, 1st (set --br-source)"),
+    (["--br-freq", "0"], "br_freq=0 is invalid"),
+    (["--schedule", "interleaved-1f1b", "--v", "4"], "interleaved-1f1b needs stages × v = 16 model chunks"),
+    (["--schedule", "interleaved-1f1b", "--m", "6"], "m=6 is invalid for interleaved-1f1b"),
+    (["--schedule", "pipedream-2bw", "--m", "2"], "m=2 is invalid for pipedream-2bw with stages=4"),
+    (["--stage-aware", "--br-allocation", "inverse"], "stage_aware=True contradicts br_allocation='inverse'"),
 ]
 
 
@@ -94,3 +102,16 @@ def test_existing_run_folder_is_refused(tmp_path, cache_dir):
     assert res.exit_code == 2
     assert "already exists and is not empty" in res.stderr
     assert (run_dir / "summary.json").read_text() == "{}"
+
+
+@pytest.mark.parametrize("optimizer,extra", [("basis-rotation", True), ("pipedream-lr", False), ("nesterov", False)])
+def test_optimizers_train_through_the_pipeline(optimizer, extra, tmp_path, cache_dir):
+    run_dir = tmp_path / optimizer
+    res = CliRunner().invoke(cli, ["-q", "train", "--engine", "emulator", "--steps", "6", "--optimizer", optimizer,
+                                   "--stage-aware", "--br-freq", "2", "--eval-interval", "0", "--eval-batches", "2",
+                                   "--run-dir", str(run_dir), "--cache-dir", cache_dir])
+    assert res.exit_code == 0, res.output
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["final_val_loss"] < summary["initial_val_loss"] - 1.0
+    per_rotated = summary["optimizer_extra_per_rotated_param"]
+    assert (min(per_rotated) > 4.0) if extra else per_rotated == [0.0] * 4

@@ -23,16 +23,21 @@ def _options(fn):
     for f in reversed(dataclasses.fields(TrainConfig)):
         hint = hints[f.name]
         args = typing.get_args(hint)
+        helptext = f.metadata.get("help", "")
         if typing.get_origin(hint) is typing.Literal:
-            typ = click.Choice(args)
+            # validated by TrainConfig, so a bad value gets the same one-line error as the rest
+            typ = str
+            helptext += f" One of: {', '.join(args)}."
         elif type(None) in args:
             typ = next(a for a in args if a is not type(None))
         else:
             typ = hint
         flag = "--" + f.name.replace("_", "-")
         default = f.default_factory() if f.default is dataclasses.MISSING else f.default
-        fn = click.option(flag, f.name, type=typ, default=default, show_default=True,
-                          help=f.metadata.get("help", ""))(fn)
+        if hint is bool:
+            fn = click.option(flag, f.name, is_flag=True, default=default, help=helptext)(fn)
+            continue
+        fn = click.option(flag, f.name, type=typ, default=default, show_default=True, help=helptext)(fn)
     return fn
 
 
@@ -96,5 +101,7 @@ def train(**kwargs) -> None:
     click.echo(f"run folder: {run_dir}")
     if val:
         click.echo(f"validation loss {val[0][1]:.4f} -> {val[-1][1]:.4f} (ppl {math.exp(val[-1][1]):.2f})")
+    util = (result.sim_trace or result.trace).utilization()
+    kind = "simulated utilization" if result.sim_trace is not None else "utilization"
     click.echo(f"tokens/s {result.tokens_per_s:,.0f} | max Δ per stage {result.max_drift()} | "
-               f"utilization {' '.join(f'{u:.2f}' for u in result.trace.utilization())}")
+               f"{kind} {' '.join(f'{u:.2f}' for u in util)}")

@@ -6,6 +6,7 @@ import time
 
 import torch
 
+from unbubble.optim import optimizer_state_bytes
 from unbubble.runtime.job import PipelineJob
 from unbubble.runtime.telemetry import Listener, RunResult, Telemetry, snapshot
 from unbubble.schedules.actions import Action, ActionKind
@@ -69,4 +70,5 @@ def run_emulator(job: PipelineJob, costs: CostModel | None = None, replay: list[
     policies = None if replay is None else [ListPolicy(acts) for acts in replay]
     sim = run_policies(job.schedule, costs or UniformCosts(), execute, policies)
     wall = time.perf_counter() - t0
-    return telemetry.result([ex.module.state_dict() for ex in execs], wall, sim_trace=sim)
+    return telemetry.result([ex.module.state_dict() for ex in execs], wall, sim_trace=sim,
+                            optimizer_bytes=[optimizer_state_bytes(ex.optimizer) for ex in execs])

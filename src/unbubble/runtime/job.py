@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -10,7 +9,7 @@ import torch
 from torch import nn
 
 from unbubble.runtime.executor import BatchFn, LossFn, StageExecutor
-from unbubble.schedules.pipemare import t1_lr_factor
+from unbubble.optim.lr_rescheduling import PipeDreamLR
 from unbubble.schedules.registry import Schedule
 
 StageFn = Callable[[int], nn.Module]
@@ -31,7 +30,8 @@ class PipelineJob:
             once per stage and process, it must be deterministic (same weights every call).
         loss_fn: ``loss_fn(last_stage_output, targets) -> scalar`` mean loss.
         batch_fn: ``batch_fn(k) -> (inputs, targets)`` for global micro-batch id k.
-        optimizer_fn: ``optimizer_fn(params, stage) -> Optimizer`` for one stage.
+        optimizer_fn: ``optimizer_fn(named_params, stage) -> Optimizer`` for one stage, given
+            the stage's ``(name, parameter)`` pairs (which every ``torch.optim`` optimizer accepts).
         schedule: the pipeline schedule (N, micro-batches per step, steps).
         lr_lambda: multiplier of the base learning rate after ``u`` local updates
             (``torch.optim.lr_scheduler.LambdaLR`` semantics); ``None`` keeps it constant.
@@ -41,7 +41,9 @@ class PipelineJob:
             for every v that is a multiple of this; 0 evaluates only the final weights.
         tokens_per_mb: tokens in one micro-batch (for tokens/s); ``None`` reports samples.
         clip_grad_norm: per-stage gradient clipping (off if None).
-        pipemare_anneal_steps: K of PipeMare's T1 (default: a tenth of the steps).
+        delay_lr: scale each stage's learning rate by τ_s^−(1 − min(u/K, 1)) (PipeDream-LR;
+            always on for the pipemare schedule, where it is PipeMare's T1).
+        delay_lr_anneal_steps: K of that rescaling (default: a tenth of the steps).
     """
 
     stage_fn: StageFn
@@ -54,18 +56,20 @@ class PipelineJob:
     eval_interval: int = 0
     tokens_per_mb: int | None = None
     clip_grad_norm: float | None = None
-    pipemare_anneal_steps: int | None = None
+    delay_lr: bool = False
+    delay_lr_anneal_steps: int | None = None
 
     def build_executor(self, stage: int, module: nn.Module | None = None) -> StageExecutor:
         """Builds stage ``stage``'s module, optimizer and executor."""
         module = self.stage_fn(stage) if module is None else module
-        params = [p for p in module.parameters() if p.requires_grad]
+        # (name, parameter) pairs: torch optimizers accept them, and Basis Rotation uses the
+        # names to keep embeddings and the head on AdamW
+        params = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
         optimizer = self.optimizer_fn(params, stage)
         lr_lambda = self.lr_lambda
-        if self.schedule.name == "pipemare":  # T1: per-stage rescheduling on top of the base schedule
-            tau = self.schedule.delay_bound(stage)
-            anneal = max(self.schedule.steps // 10, 1) if self.pipemare_anneal_steps is None else self.pipemare_anneal_steps
-            lr_lambda = functools.partial(_pipemare_lr, self.lr_lambda, tau, anneal)
+        if self.delay_lr or self.schedule.name == "pipemare":  # PipeMare T1 / PipeDream-LR, per stage
+            anneal = self.delay_lr_anneal_steps or max(self.schedule.steps // 10, 1)
+            lr_lambda = PipeDreamLR(self.schedule.delay_bound(stage), anneal, self.lr_lambda)
         sched = None if lr_lambda is None else torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda)
         return StageExecutor(
             stage, self.schedule.n_stages, module, self.loss_fn if stage == self.schedule.n_stages - 1 else None,
@@ -81,10 +85,6 @@ class PipelineJob:
             return True  # the starting point of every validation curve
         last = version == self.schedule.steps
         return last or (self.eval_interval > 0 and version % self.eval_interval == 0)
-
-
-def _pipemare_lr(base: LrLambda | None, tau: int, anneal: int, step: int) -> float:
-    return (1.0 if base is None else base(step)) * t1_lr_factor(tau, step, anneal)
 
 
 @torch.no_grad()

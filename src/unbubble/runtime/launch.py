@@ -56,7 +56,7 @@ class _Collector:
     def __init__(self, job: PipelineJob, listener: Listener | None):
         self.job = job
         self.telemetry = Telemetry(job, listener)
-        self.finals: dict[int, tuple[dict, float]] = {}
+        self.finals: dict[int, tuple[dict, float, dict]] = {}
 
     def handle(self, msg: tuple) -> None:
         kind, stage, payload = msg
@@ -69,15 +69,16 @@ class _Collector:
             version, data = payload
             self.telemetry.add_snapshot(stage, version, from_bytes(data))
         elif kind == "final":
-            data, wall = payload
-            self.finals[stage] = (from_bytes(data), wall)
+            data, wall, opt_bytes = payload
+            self.finals[stage] = (from_bytes(data), wall, opt_bytes)
         elif kind == "error":
             raise PipelineFailure(f"stage {stage} failed: {payload}")
 
     def result(self) -> RunResult:
         n = self.job.schedule.n_stages
-        wall = max(w for _, w in self.finals.values())
-        return self.telemetry.result([self.finals[s][0] for s in range(n)], wall)
+        wall = max(f[1] for f in self.finals.values())
+        return self.telemetry.result([self.finals[s][0] for s in range(n)], wall,
+                                     optimizer_bytes=[self.finals[s][2] for s in range(n)])
 
 
 _SECONDARY = ("PeerFailure", "Connection closed by peer", "Connection reset by peer", "Broken pipe")

@@ -35,6 +35,8 @@ class RunResult:
         final_states: each stage's ``state_dict`` after the run.
         wall_s: wall-clock seconds of the training loop.
         tokens: tokens processed (micro-batches × tokens per micro-batch), or samples if unknown.
+        optimizer_bytes: per stage, ``unbubble.optim.optimizer_state_bytes`` of its optimizer
+            at the end (state bytes, extra bytes over AdamW, multiples of the parameters).
     """
 
     trace: Trace
@@ -44,6 +46,7 @@ class RunResult:
     final_states: list[dict[str, torch.Tensor]]
     wall_s: float
     tokens: int
+    optimizer_bytes: list[dict] = field(default_factory=list)
 
     @property
     def tokens_per_s(self) -> float:
@@ -111,11 +114,12 @@ class Telemetry:
             if self.listener is not None:
                 self.listener.on_eval(version, val)
 
-    def result(self, final_states: list[dict], wall_s: float, sim_trace: Trace | None = None) -> RunResult:
+    def result(self, final_states: list[dict], wall_s: float, sim_trace: Trace | None = None,
+               optimizer_bytes: list[dict] | None = None) -> RunResult:
         self.trace.records.sort(key=lambda r: (r.start, r.action.stage))
         tokens = self.job.schedule.total_mb * (self.job.tokens_per_mb or 1)
         return RunResult(self.trace, sim_trace, self.step_losses, sorted(self.val_losses),
-                         final_states, wall_s, tokens)
+                         final_states, wall_s, tokens, optimizer_bytes or [])
 
 
 def snapshot(module: torch.nn.Module) -> dict[str, torch.Tensor]:

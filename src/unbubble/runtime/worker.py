@@ -10,6 +10,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from unbubble.optim import optimizer_state_bytes
 from unbubble.runtime.job import PipelineJob
 from unbubble.runtime.transport import P2PTransport, PeerFailure, TensorMeta
 from unbubble.schedules.actions import Action, ActionKind
@@ -50,7 +51,7 @@ def run_stage(job: PipelineJob, rank: int, sink: Sink, replay: list[Action] | No
 
     Reports to ``sink``: ``("records", stage, [(action, start_s, end_s, version, weights), …])``
     and ``("step_loss", stage, loss)`` after each update, ``("snapshot", stage, (version,
-    bytes))`` for evaluation, and ``("final", stage, (state_bytes, wall_s))`` at the end.
+    bytes))`` for evaluation, and ``("final", stage, (state_bytes, wall_s, optimizer_bytes))`` at the end.
     Times are seconds since a start shared by all ranks.
 
     Args:
@@ -124,4 +125,4 @@ def run_stage(job: PipelineJob, rank: int, sink: Sink, replay: list[Action] | No
     if records:
         sink(("records", rank, records))
     for s, ex in execs.items():
-        sink(("final", s, (to_bytes(ex.module.state_dict()), time.time() - t0)))
+        sink(("final", s, (to_bytes(ex.module.state_dict()), time.time() - t0, optimizer_state_bytes(ex.optimizer))))
