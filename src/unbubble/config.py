@@ -54,6 +54,8 @@ class TrainConfig:
     cache_dir: str = field(default_factory=lambda: os.environ.get("UNBUBBLE_CACHE_DIR", "~/.cache/unbubble"),
                            metadata={"help": "Where tokenized corpora are stored (env UNBUBBLE_CACHE_DIR)."})
     run_dir: str | None = field(default=None, metadata={"help": 'Run folder; default runs/<time>-<schedule>-N<stages>. An existing non-empty folder is refused.'})
+    tensorboard: bool = field(default=True, metadata={"help": "Write TensorBoard event files into the run folder (tensorboard --logdir runs)."})
+    wandb: bool = field(default=False, metadata={"help": "Also log to Weights & Biases in offline mode (needs the wandb package; wandb sync uploads later)."})
 
     def __post_init__(self) -> None:
         self.validate()
@@ -117,3 +119,154 @@ class TrainConfig:
 
 def _flag(name: str) -> str:
     return name.replace("_", "-")
+
+
+# Configuration files ---------------------------------------------------------------------------
+# `unbubble train --config run.yaml` reads a YAML mapping of TrainConfig fields; flags given on the
+# command line win over the file; every run folder gets the effective configuration as config.yaml
+# (and config.json), so `--config RUN/config.yaml --run-dir NEW` repeats a run.
+
+_TYPE_NAMES = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+
+
+def _field_types() -> dict[str, object]:
+    import typing
+
+    return typing.get_type_hints(TrainConfig)
+
+
+def check_field(name: str, value: object, where: str = "config") -> object:
+    """Type-checks one configuration value read from a file and returns it normalised.
+
+    Integers are accepted for float fields (``lr: 1`` → 1.0), and so are strings that parse as
+    floats, since YAML 1.1 reads ``1e-3`` (no dot) as a string. Ranges and combinations are left
+    to :meth:`TrainConfig.validate`.
+
+    Args:
+        name: a :class:`TrainConfig` field.
+        value: the value as parsed (YAML scalars: bool, int, float, str, None).
+        where: the source named in errors (the file name).
+
+    Raises:
+        ConfigError: one line naming the key, the value and the expected type.
+    """
+    import typing
+
+    hint = _field_types()[name]
+    args = typing.get_args(hint)
+    optional = type(None) in args
+    if value is None:
+        if optional:
+            return None
+        hint_name = "one of " + ", ".join(args) if typing.get_origin(hint) is typing.Literal else _TYPE_NAMES.get(hint, str(hint))
+        raise ConfigError(f"{where}: {name} is empty (null): expected {hint_name}")
+    if optional:
+        hint = next(a for a in args if a is not type(None))
+    if typing.get_origin(hint) is typing.Literal:
+        if value not in typing.get_args(hint):
+            raise ConfigError(f"{where}: {name}={value!r} is invalid: must be one of {', '.join(typing.get_args(hint))}")
+        return value
+    ok = {bool: lambda v: isinstance(v, bool),
+          int: lambda v: isinstance(v, int) and not isinstance(v, bool),
+          str: lambda v: isinstance(v, str),
+          float: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)}.get(hint)
+    if ok is None:  # a type this loader does not know (a field added later): leave it to validate()
+        return value
+    if hint is float and isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    if not ok(value):
+        raise ConfigError(f"{where}: {name}={value!r} has the wrong type {type(value).__name__}: expected "
+                          f"{_TYPE_NAMES[hint]}")
+    return float(value) if hint is float else value
+
+
+def config_from_dict(data: dict, overrides: dict | None = None, where: str = "config") -> TrainConfig:
+    """A validated :class:`TrainConfig` from a mapping of field names (``-`` or ``_``) to values.
+
+    Args:
+        data: e.g. a parsed YAML file; keys missing from it keep their defaults.
+        overrides: values that win over ``data`` (the command-line flags given explicitly).
+        where: the source named in errors.
+
+    Raises:
+        ConfigError: an unknown key (named, with the closest valid key and all valid keys), a
+            wrong type, or any error of :meth:`TrainConfig.validate`.
+    """
+    import difflib
+
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: expected a mapping of option names to values (key: value lines), "
+                          f"got a {type(data).__name__}")
+    valid = [f.name for f in dataclasses.fields(TrainConfig)]
+    values: dict[str, object] = {}
+    for key, value in data.items():
+        name = str(key).replace("-", "_")
+        if name not in valid:
+            close = difflib.get_close_matches(name, valid, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ConfigError(f"{where}: unknown key {key!r}{hint}: valid keys are {', '.join(valid)}")
+        if name in values:
+            raise ConfigError(f"{where}: key {name!r} is given twice (as {name} and {name.replace('_', '-')})")
+        values[name] = check_field(name, value, where)
+    from_file = set(values) - set(overrides or {})
+    values.update(overrides or {})
+    try:
+        return TrainConfig(**values)
+    except ConfigError as exc:
+        name = str(exc).split("=", 1)[0]
+        if name in from_file:  # the file's value is the bad one: say where it came from
+            raise ConfigError(f"{where}: {exc}") from None
+        raise
+
+
+def load_config(path: str | os.PathLike, overrides: dict | None = None) -> TrainConfig:
+    """Reads a YAML configuration file (the format of a run folder's ``config.yaml``).
+
+    Args:
+        path: the file; an empty file means all defaults.
+        overrides: values that win over the file (``unbubble train --config f.yaml --steps 100``).
+
+    Returns:
+        The validated configuration.
+
+    Raises:
+        ConfigError: a missing or unreadable file, invalid YAML (with line and column), an unknown
+            key, a wrong type, or an invalid value; always one line.
+    """
+    import yaml
+
+    where = str(path)
+    try:
+        text = open(path, encoding="utf-8").read()
+    except FileNotFoundError:
+        raise ConfigError(f"config={where!r} does not exist: give a YAML file such as a run folder's "
+                          "config.yaml (set --config)") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"config={where!r} cannot be read: {type(exc).__name__}: {exc}".splitlines()[0]) from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ConfigError(f"{where}: not valid YAML{at}: {problem}") from None
+    return config_from_dict({} if data is None else data, overrides, where)
+
+
+def config_to_yaml(cfg: TrainConfig) -> str:
+    """The configuration as YAML, every field with its help as a comment; :func:`load_config`
+    reads it back to an equal configuration."""
+    import yaml
+
+    lines = ["# unbubble train configuration: unbubble train --config THIS_FILE [--flag value ...]",
+             "# (flags given on the command line win over this file; a repeated run needs a new --run-dir)"]
+    for f in dataclasses.fields(TrainConfig):
+        helptext = f.metadata.get("help")
+        if helptext:
+            lines.append(f"# {helptext}")
+        lines.append(yaml.safe_dump({f.name: getattr(cfg, f.name)}, allow_unicode=True, default_flow_style=False,
+                                    width=1000).rstrip("\n"))
+    return "\n".join(lines) + "\n"

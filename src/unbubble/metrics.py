@@ -10,8 +10,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from unbubble.config import TrainConfig
+from unbubble.config import TrainConfig, config_to_yaml
 from unbubble.errors import ConfigError
+from unbubble.loggers import open_loggers
 from unbubble.runtime.job import PipelineJob
 from unbubble.runtime.telemetry import RunResult
 
@@ -21,9 +22,14 @@ log = logging.getLogger(__name__)
 class RunWriter:
     """Writes a run folder and receives live progress (a :class:`~unbubble.runtime.telemetry.Listener`).
 
-    Files: ``config.json``, ``metrics.jsonl`` (one line per step and per evaluation),
-    ``actions.jsonl`` (every action: stage, micro-batch, start/end seconds, v_F/v_B, Δ),
-    ``summary.json`` and ``loss.png``.
+    Files: ``config.yaml`` and ``config.json`` (the effective configuration; ``unbubble train
+    --config RUN/config.yaml --run-dir NEW`` repeats the run), ``metrics.jsonl`` (one line per
+    step and per evaluation), ``actions.jsonl`` (every action: stage, micro-batch, start/end
+    seconds, v_F/v_B, Δ), ``summary.json``, ``loss.png``, and TensorBoard event files (and a
+    ``wandb/`` offline run) from :mod:`unbubble.loggers`.
+
+    Raises:
+        ConfigError: a requested logger's package is not installed.
     """
 
     def __init__(self, run_dir: Path, cfg: TrainConfig, job: PipelineJob):
@@ -31,6 +37,8 @@ class RunWriter:
         self.dir, self.cfg, self.job = run_dir, cfg, job
         self.info: dict[str, Any] = {}
         (run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+        (run_dir / "config.yaml").write_text(config_to_yaml(cfg))
+        self.loggers = open_loggers(run_dir, cfg)
         self._metrics = open(run_dir / "metrics.jsonl", "w")
         self.last: dict[str, Any] = {}
 
@@ -75,11 +83,15 @@ class RunWriter:
         self.last = {"step": step, "loss": loss, **info}
         self._metrics.write(json.dumps({"step": step, "loss": loss, **info}) + "\n")
         self._metrics.flush()
+        for lg in self.loggers:
+            lg.step(step, loss, info)
 
     def on_eval(self, version: int, val_loss: float) -> None:
         rec = {"step": version, "val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50.0))}
         self._metrics.write(json.dumps(rec) + "\n")
         self._metrics.flush()
+        for lg in self.loggers:
+            lg.eval(version, val_loss)
         log.info("eval at version %d: val loss %.4f, ppl %.2f", version, val_loss, rec["val_ppl"])
 
     # End of run ---------------------------------------------------------------------------
@@ -117,6 +129,8 @@ class RunWriter:
             summary["final_val_ppl"] = math.exp(min(summary["final_val_loss"], 50.0))
         (self.dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         self._plot(result)
+        for lg in self.loggers:
+            lg.finish(result, summary)
         return summary
 
     def _plot(self, result: RunResult) -> None:

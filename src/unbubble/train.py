@@ -21,6 +21,7 @@ from unbubble.data import MicroBatchSampler, prepare_tokens, val_batches
 from unbubble.data.memmap import TokenData
 from unbubble.errors import ConfigError
 from unbubble.lr import warmup_cosine
+from unbubble.loggers import check_loggers
 from unbubble.metrics import RunWriter
 from unbubble.models import GPTConfig, build_gpt_stages, count_params, gpt_loss, make_config, partition_layers
 from unbubble.optim import build_optimizer
@@ -143,6 +144,7 @@ def train(cfg: TrainConfig, listener_factory=None) -> tuple[RunResult | None, Pa
             is created, so nothing existing is overwritten.
     """
     cfg.validate()
+    check_loggers(cfg)
     run_dir = RunWriter.choose_dir(cfg)
     tokens = prepare_tokens(cfg.corpus, cfg.tokenizer, Path(cfg.cache_dir).expanduser())
     job, model = build_job(cfg, tokens)

@@ -34,8 +34,8 @@ def _options(fn):
             typ = hint
         flag = "--" + f.name.replace("_", "-")
         default = f.default_factory() if f.default is dataclasses.MISSING else f.default
-        if hint is bool:
-            fn = click.option(flag, f.name, is_flag=True, default=default, help=helptext)(fn)
+        if hint is bool:  # --x/--no-x, so a flag can turn off what a --config file turned on
+            fn = click.option(f"{flag}/--no-{flag[2:]}", f.name, default=default, help=helptext)(fn)
             continue
         fn = click.option(flag, f.name, type=typ, default=default, show_default=True, help=helptext)(fn)
     return fn
@@ -70,19 +70,46 @@ class ProgressListener:
             self.progress.stop()
 
 
+def _effective_config(kwargs: dict) -> TrainConfig:
+    """The configuration from ``--config`` (if given) with the flags given explicitly on top."""
+    from click.core import ParameterSource
+
+    from unbubble.config import load_config
+
+    path = kwargs.pop("config")
+    if path is None:
+        return TrainConfig(**kwargs)
+    ctx = click.get_current_context()
+    given = {k: v for k, v in kwargs.items()
+             if ctx.get_parameter_source(k) not in (ParameterSource.DEFAULT, ParameterSource.DEFAULT_MAP)}
+    return load_config(path, overrides=given)
+
+
 @click.command(context_settings={"show_default": True})
+@click.option("--config", "config", default=None, type=click.Path(dir_okay=False),
+              help="YAML file of options (a run folder's config.yaml, or --print-config output); flags given "
+                   "on the command line win over it.")
+@click.option("--print-config", is_flag=True, help="Print the effective configuration as YAML and exit.")
 @_options
-def train(**kwargs) -> None:
+def train(print_config: bool, **kwargs) -> None:
     """Train a GPT-2-style model on real text across a pipeline of stages.
 
     Defaults: PACI with a=4 on 4 stage processes, the tiny preset, byte-level tokens of the
-    King James Bible; a few minutes on 2 CPU cores. The run folder gets config.json,
-    metrics.jsonl, actions.jsonl (v_F, v_B, Δ per micro-batch and stage), summary.json and
-    loss.png.
+    King James Bible; a few minutes on 2 CPU cores. The run folder gets config.yaml and
+    config.json, metrics.jsonl, actions.jsonl (v_F, v_B, Δ per micro-batch and stage),
+    summary.json, loss.png and TensorBoard event files.
+
+    Options can come from a YAML file: `unbubble train --config run.yaml --steps 100` (flags
+    given explicitly win over the file); `--print-config > run.yaml` writes a starting point.
     """
     from unbubble.train import train as run_training
 
-    cfg = TrainConfig(**kwargs)
+    cfg = _effective_config(kwargs)
+    if print_config:
+        from unbubble.config import config_to_yaml
+
+        click.echo(config_to_yaml(cfg), nl=False)
+        return
     log.info("config: %s", ", ".join(f"{k}={v}" for k, v in cfg.to_dict().items()))
     listeners = []
 

@@ -1,0 +1,165 @@
+"""Experiment loggers fed by the run writer: TensorBoard event files (default) and Weights & Biases (offline).
+
+:class:`~unbubble.metrics.RunWriter` forwards every step, evaluation and the finished run here.
+What is logged (x axis: optimizer step of the last stage; evaluations: weight version v):
+
+* ``train/loss`` (nats per token, mean over the step's micro-batches), ``train/perplexity``,
+  ``train/tokens_per_s`` (tokens through the first stage per wall-clock second so far),
+  ``train/max_drift`` (largest Δ = v_B − v_F seen so far);
+* ``val/loss``, ``val/perplexity`` of the version-v weights of every stage;
+* at the end: ``utilization/rank_r`` per step (busy fraction of rank r between two updates of
+  the last stage, measured wall clock; the emulator runs stages one after another, so also
+  ``simulated_utilization/rank_r`` from its simulated clock), ``drift/stage_s`` histograms of Δ
+  per micro-batch, and the summary as a text table.
+
+TensorBoard: ``tensorboard --logdir runs`` (each run folder is one run). W&B runs in offline mode
+into ``RUN/wandb/``; ``wandb sync RUN/wandb/offline-run-*`` uploads it later.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from unbubble.analysis import drift_values, step_utilization
+from unbubble.config import TrainConfig
+from unbubble.errors import ConfigError
+
+
+def check_loggers(cfg: TrainConfig) -> None:
+    """Fails early when a requested logger's package is missing.
+
+    Raises:
+        ConfigError: ``wandb=True`` without the ``wandb`` package, or ``tensorboard=True``
+            without ``tensorboard``; one line saying what to install or which flag to drop.
+    """
+    if cfg.wandb and importlib.util.find_spec("wandb") is None:
+        raise ConfigError("wandb=True needs the wandb package, which is not installed: pip install wandb "
+                          "(or pip install 'unbubble[wandb]'), or drop --wandb")
+    if cfg.tensorboard and importlib.util.find_spec("tensorboard") is None:
+        raise ConfigError("tensorboard=True needs the tensorboard package, which is not installed: "
+                          "pip install tensorboard, or give --no-tensorboard")
+
+
+def open_loggers(run_dir: Path, cfg: TrainConfig) -> list["Logger"]:
+    """The loggers ``cfg`` asks for, writing into ``run_dir`` (see :func:`check_loggers` for errors)."""
+    check_loggers(cfg)
+    loggers: list[Logger] = []
+    if cfg.tensorboard:
+        loggers.append(TensorBoardLogger(run_dir, cfg))
+    if cfg.wandb:
+        loggers.append(WandbLogger(run_dir, cfg))
+    return loggers
+
+
+def _ppl(loss: float) -> float:
+    return math.exp(min(loss, 50.0))
+
+
+def _summary_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
+    keys = ("schedule", "stages", "mb_per_step", "steps", "engine", "optimizer", "tokens", "train_wall_s",
+            "tokens_per_s", "utilization", "simulated_utilization", "max_drift", "drift_bound", "final_train_loss",
+            "final_val_loss", "final_val_ppl")
+    rows = []
+    for k in keys:
+        v = summary.get(k)
+        if v is None:
+            continue
+        if isinstance(v, float):
+            v = f"{v:.4g}"
+        elif isinstance(v, list):
+            v = ", ".join(f"{x:.3f}" if isinstance(x, float) else str(x) for x in v)
+        rows.append((k, str(v)))
+    return rows
+
+
+class Logger:
+    """Interface of a logger: live steps and evaluations, then the finished run."""
+
+    def step(self, step: int, loss: float, info: dict[str, Any]) -> None: ...
+
+    def eval(self, version: int, val_loss: float) -> None: ...
+
+    def finish(self, result, summary: dict[str, Any]) -> None: ...
+
+
+class TensorBoardLogger(Logger):
+    """Event files in the run folder, written with ``torch.utils.tensorboard.SummaryWriter``."""
+
+    def __init__(self, run_dir: Path, cfg: TrainConfig):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(log_dir=str(run_dir), flush_secs=10)
+        table = "| option | value |\n|---|---|\n" + "\n".join(f"| {k} | {v} |" for k, v in cfg.to_dict().items())
+        self.writer.add_text("config", table, 0)
+
+    def step(self, step: int, loss: float, info: dict[str, Any]) -> None:
+        w = self.writer
+        w.add_scalar("train/loss", loss, step)
+        w.add_scalar("train/perplexity", _ppl(loss), step)
+        if "tok_per_s" in info:
+            w.add_scalar("train/tokens_per_s", info["tok_per_s"], step)
+        if "max_drift" in info:
+            w.add_scalar("train/max_drift", info["max_drift"], step)
+
+    def eval(self, version: int, val_loss: float) -> None:
+        self.writer.add_scalar("val/loss", val_loss, version)
+        self.writer.add_scalar("val/perplexity", _ppl(val_loss), version)
+
+    def finish(self, result, summary: dict[str, Any]) -> None:
+        w = self.writer
+        for prefix, trace in (("utilization", result.trace), ("simulated_utilization", result.sim_trace)):
+            if trace is None:
+                continue
+            steps, util = step_utilization(trace)
+            for r in range(util.shape[0]):
+                for t, u in zip(steps, util[r]):
+                    w.add_scalar(f"{prefix}/rank_{r}", float(u), t)
+        last = summary.get("steps") or 0
+        for s, values in enumerate(drift_values(result.trace)):
+            if values:
+                w.add_histogram(f"drift/stage_{s}", np.asarray(values), last, bins=np.arange(-0.5, max(values) + 1.5))
+        table = "| | |\n|---|---|\n" + "\n".join(f"| {k} | {v} |" for k, v in _summary_rows(summary))
+        w.add_text("summary", table, last)
+        w.close()
+
+
+class WandbLogger(Logger):
+    """A Weights & Biases run in offline mode under ``RUN/wandb/`` (nothing leaves the machine)."""
+
+    def __init__(self, run_dir: Path, cfg: TrainConfig):
+        import wandb
+
+        self.wandb = wandb
+        self.run = wandb.init(mode="offline", dir=str(run_dir), project="unbubble", name=run_dir.name,
+                              config=cfg.to_dict())
+        self.run.define_metric("train/step")
+        self.run.define_metric("train/*", step_metric="train/step")
+        self.run.define_metric("val/version")
+        self.run.define_metric("val/*", step_metric="val/version")
+
+    def step(self, step: int, loss: float, info: dict[str, Any]) -> None:
+        rec = {"train/step": step, "train/loss": loss, "train/perplexity": _ppl(loss)}
+        if "tok_per_s" in info:
+            rec["train/tokens_per_s"] = info["tok_per_s"]
+        if "max_drift" in info:
+            rec["train/max_drift"] = info["max_drift"]
+        self.run.log(rec)
+
+    def eval(self, version: int, val_loss: float) -> None:
+        self.run.log({"val/version": version, "val/loss": val_loss, "val/perplexity": _ppl(val_loss)})
+
+    def finish(self, result, summary: dict[str, Any]) -> None:
+        rec: dict[str, Any] = {}
+        for s, values in enumerate(drift_values(result.trace)):
+            if values:
+                counts, edges = np.histogram(values, bins=np.arange(-0.5, max(values) + 1.5))
+                rec[f"drift/stage_{s}"] = self.wandb.Histogram(np_histogram=(counts, edges))
+        if rec:
+            self.run.log(rec)
+        self.run.summary.update({k: v for k, v in summary.items() if isinstance(v, (int, float, str, list))})
+        self.run.finish()
