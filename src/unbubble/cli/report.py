@@ -1,0 +1,292 @@
+"""``unbubble report RUN_DIR [RUN_DIR …]``: pictures and a markdown summary of finished runs.
+
+Reads what ``unbubble train`` wrote into each run folder (``config.json``, ``summary.json``,
+``metrics.jsonl``, ``actions.jsonl``) and writes, into ``--out``:
+
+* ``loss_vs_tokens.png`` and ``loss_vs_time.png``: training loss (an exponential moving average over
+  about 2 % of the steps, raw values faint) and validation loss of every run, against tokens processed
+  and against wall-clock seconds since the run started;
+* ``drift.png``: per run, how many micro-batches had each drift Δ = v_B − v_F, per stage, beside the
+  schedule's bound (PACI: ⌈(N−i)/a⌉ for 1-based stage i);
+* ``utilization.png``: per run, the busy fraction of every rank in 60 windows of the measured wall
+  clock (from ``actions.jsonl``);
+* ``report.md``: one table row per run (throughput, speed-up against the first run, losses, drift,
+  utilization) with the pictures linked.
+
+Drawing uses matplotlib's Agg canvas only (no display, no pyplot state).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import click
+import numpy as np
+
+from unbubble.errors import ConfigError
+
+NEEDED = ("config.json", "summary.json", "metrics.jsonl", "actions.jsonl")
+
+
+@dataclass
+class ReportRun:
+    """One finished run, read back from its folder.
+
+    Attributes:
+        path: the run folder.
+        label: its name in legends and tables (the folder name, made unique).
+        config, summary: ``config.json`` and ``summary.json``.
+        steps: ``(step, loss, elapsed_s)`` per optimizer step of the last stage.
+        evals: ``(version, validation loss)``.
+        run: the measured trace and schedule (``unbubble.sim.measured.MeasuredRun``).
+    """
+
+    path: Path
+    label: str
+    config: dict[str, Any]
+    summary: dict[str, Any]
+    steps: list[tuple[int, float, float]]
+    evals: list[tuple[int, float]]
+    run: Any
+
+    @property
+    def tokens_per_step(self) -> float:
+        """Tokens (or samples) per optimizer step, from the summary (or tokens / steps)."""
+        tps = self.summary.get("tokens_per_step")
+        if tps:
+            return float(tps)
+        steps = self.summary.get("steps") or max(len(self.steps), 1)
+        return float(self.summary.get("tokens", 0)) / steps
+
+    def time_of_step(self, step: int) -> float:
+        """Seconds since the start when the last stage finished ``step`` (0 for step 0)."""
+        if step <= 0 or not self.steps:
+            return 0.0
+        i = min(step, len(self.steps)) - 1
+        return self.steps[i][2]
+
+
+def load_report_run(path: str | Path) -> ReportRun:
+    """Reads a run folder for the report.
+
+    Raises:
+        ConfigError: the folder or one of config.json, summary.json, metrics.jsonl, actions.jsonl is
+            missing or malformed; one line naming the folder and what is wrong.
+    """
+    from unbubble.sim.measured import load_run
+
+    path = Path(path)
+    if not path.is_dir():
+        raise ConfigError(f"run_dir={str(path)!r} is not a folder: give folders that `unbubble train` wrote")
+    missing = [name for name in NEEDED if not (path / name).is_file()]
+    if missing:
+        raise ConfigError(f"{path} is not a finished run folder: {', '.join(missing)} missing (a run writes "
+                          f"{', '.join(NEEDED)}; summary.json and actions.jsonl appear when it finishes)")
+    try:
+        summary = json.loads((path / "summary.json").read_text())
+        records = [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path} holds malformed JSON ({str(exc).splitlines()[0]}): not a run folder of "
+                          "unbubble train") from None
+    run = load_run(path)
+    try:
+        steps = [(int(r["step"]), float(r["loss"]), float(r.get("elapsed_s", math.nan)))
+                 for r in records if "loss" in r and "val_loss" not in r]
+        evals = sorted((int(r["step"]), float(r["val_loss"])) for r in records if "val_loss" in r)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ConfigError(f"{path / 'metrics.jsonl'} has a malformed line ({type(exc).__name__}: {exc}): "
+                          "not a run folder of unbubble train") from None
+    if not steps:
+        raise ConfigError(f"{path / 'metrics.jsonl'} records no training step: the run did not train")
+    return ReportRun(path, path.name, run.config, summary, steps, evals, run)
+
+
+def _unique_labels(runs: list[ReportRun]) -> None:
+    seen: dict[str, int] = {}
+    for r in runs:
+        seen[r.label] = seen.get(r.label, 0) + 1
+    for r in runs:
+        if seen[r.label] > 1:
+            r.label = f"{r.path.parent.name}/{r.path.name}" if r.path.parent.name else str(r.path)
+    labels = [r.label for r in runs]
+    for i, r in enumerate(runs):  # still equal (the same folder twice): number them
+        if labels.count(r.label) > 1:
+            r.label = f"{r.label} #{i + 1}"
+
+
+def _ema(values: list[float], span: int) -> np.ndarray:
+    alpha, out, acc = 2.0 / (span + 1), np.empty(len(values)), values[0]
+    for i, v in enumerate(values):
+        acc = alpha * v + (1 - alpha) * acc if i else v
+        out[i] = acc
+    return out
+
+
+def _figure(width: float, height: float):
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(width, height))
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def _describe(r: ReportRun) -> str:
+    s = r.summary
+    knob = "a" if r.run.schedule.asynchronous else "m"
+    return f"{s.get('schedule', '?')}, N={s.get('stages', '?')}, {knob}={s.get('mb_per_step', '?')}"
+
+
+def plot_loss(runs: list[ReportRun], out: Path, x: str) -> Path:
+    """Training and validation loss of every run against ``x`` = ``"tokens"`` or ``"time"``; returns the PNG."""
+    fig = _figure(8, 4.5)
+    ax = fig.add_subplot()
+    colors = [f"C{i % 10}" for i in range(len(runs))]
+    for r, color in zip(runs, colors):
+        steps = [s for s, _, _ in r.steps]
+        losses = [loss for _, loss, _ in r.steps]
+        xs = (np.asarray(steps) * r.tokens_per_step if x == "tokens" else np.asarray([t for _, _, t in r.steps]))
+        ax.plot(xs, losses, color=color, lw=0.5, alpha=0.25)
+        ax.plot(xs, _ema(losses, max(len(losses) // 50, 1)), color=color, lw=1.5,
+                label=f"{r.label} ({_describe(r)}) train")
+        if r.evals:
+            ex = [v * r.tokens_per_step if x == "tokens" else r.time_of_step(v) for v, _ in r.evals]
+            ax.plot(ex, [loss for _, loss in r.evals], "o--", color=color, ms=4, lw=1, label=f"{r.label} validation")
+    if x == "tokens":
+        ax.set_xlabel("tokens processed")
+        ax.set_title("loss against tokens (same data: curves of equally good optimizers overlap)", fontsize=10)
+    else:
+        ax.set_xlabel("wall-clock seconds since the start")
+        ax.set_title("loss against wall time (faster schedules reach a loss sooner)", fontsize=10)
+    ax.set_ylabel("loss (nats per token)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    path = out / f"loss_vs_{x}.png"
+    fig.savefig(path, dpi=100)
+    return path
+
+
+def plot_drift(runs: list[ReportRun], out: Path) -> Path:
+    """Per run, micro-batches per drift value Δ and stage (grouped bars); returns the PNG."""
+    fig = _figure(8, 2.6 * len(runs) + 0.4)
+    for row, r in enumerate(runs):
+        ax = fig.add_subplot(len(runs), 1, row + 1)
+        hist = r.run.trace.drift_histogram()
+        n = len(hist)
+        top = max((max(h) for h in hist if h), default=0)
+        width = 0.8 / max(n, 1)
+        for s, h in enumerate(hist):
+            xs = np.arange(top + 1) + (s - (n - 1) / 2) * width
+            ax.bar(xs, [h.get(d, 0) for d in range(top + 1)], width=width, label=f"stage {s}")
+        ax.set_xticks(range(top + 1))
+        ax.set_xlabel("drift Δ = v_B − v_F (optimizer updates between a micro-batch's forward and backward)")
+        ax.set_ylabel("micro-batches")
+        bound = r.summary.get("drift_bound")
+        ax.set_title(f"{r.label} ({_describe(r)}): max Δ per stage {r.run.trace.max_drift()}"
+                     + (f", bound {bound}" if bound is not None else ""), fontsize=9, loc="left")
+        ax.legend(fontsize=7, ncol=min(n, 8))
+        ax.grid(alpha=0.3, axis="y")
+    fig.tight_layout()
+    path = out / "drift.png"
+    fig.savefig(path, dpi=100)
+    return path
+
+
+def plot_utilization(runs: list[ReportRun], out: Path, bins: int = 60) -> Path:
+    """Per run, a rank × time heat map of the busy fraction (measured wall clock); returns the PNG."""
+    from unbubble.analysis import utilization_timeline
+
+    fig = _figure(9, 1.0 + sum(0.35 * r.run.trace.ranks + 1.0 for r in runs))
+    for row, r in enumerate(runs):
+        ax = fig.add_subplot(len(runs), 1, row + 1)
+        edges, util = utilization_timeline(r.run.trace, bins=bins)
+        im = ax.imshow(util, aspect="auto", cmap="viridis", vmin=0, vmax=1, interpolation="nearest",
+                       extent=(edges[0], edges[-1], util.shape[0] - 0.5, -0.5))
+        means = r.run.trace.utilization()
+        ax.set_yticks(range(util.shape[0]))
+        ax.set_yticklabels([f"rank {i} ({u:.0%})" for i, u in enumerate(means)], fontsize=7)
+        ax.set_xlabel("wall-clock seconds")
+        note = " (emulator: the stages take turns in one process, so the fractions add up to ≤ 1)" \
+            if r.config.get("engine") == "emulator" else ""
+        ax.set_title(f"{r.label} ({_describe(r)}): busy fraction per rank{note}", fontsize=9, loc="left")
+        fig.colorbar(im, ax=ax, fraction=0.03, pad=0.01)
+    fig.tight_layout()
+    path = out / "utilization.png"
+    fig.savefig(path, dpi=100)
+    return path
+
+
+def _fmt(v: Any, spec: str = ".4f") -> str:
+    if v is None or (isinstance(v, float) and not math.isfinite(v)):
+        return "–"
+    return format(v, spec)
+
+
+def summary_markdown(runs: list[ReportRun], pictures: list[Path]) -> str:
+    """The report's markdown: a table row per run, then the pictures."""
+    base = runs[0].summary.get("tokens_per_s")
+    lines = ["# unbubble report", "",
+             "| run | schedule | N | a/m | optimizer | engine | steps | tokens | wall s | tokens/s | speed-up "
+             "| final train loss | final val loss | val ppl | max Δ per stage (bound) | utilization per rank |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in runs:
+        s = r.summary
+        tail = [loss for _, loss, _ in r.steps[-max(len(r.steps) // 10, 1):]]
+        util = s.get("utilization") or []
+        sim = s.get("simulated_utilization")
+        util_text = " ".join(f"{u:.2f}" for u in util) + (f" (simulated {' '.join(f'{u:.2f}' for u in sim)})"
+                                                           if sim else "")
+        tps = s.get("tokens_per_s")
+        speed = tps / base if tps and base else None
+        lines.append(" | ".join([
+            f"| {r.label}", str(s.get("schedule")), str(s.get("stages")), str(s.get("mb_per_step")),
+            str(s.get("optimizer", "–")), str(s.get("engine", "–")), str(s.get("steps")),
+            f"{s.get('tokens', 0):,}", _fmt(s.get("train_wall_s"), ".1f"), _fmt(tps, ",.0f"),
+            _fmt(speed, ".2f") + "×" if speed else "–", _fmt(sum(tail) / len(tail)),
+            _fmt(s.get("final_val_loss")), _fmt(s.get("final_val_ppl"), ".2f"),
+            f"{r.run.trace.max_drift()} ({s.get('drift_bound', '–')})", util_text]) + " |")
+    lines += ["", "Final train loss: mean over the last 10 % of the steps. Speed-up: tokens/s against the first "
+              "run. Utilization: busy / wall time per rank, measured (the emulator runs the stages one after "
+              "another, so the simulated value shows the schedule's own utilization).", ""]
+    lines += [f"![{p.stem}]({p.name})" for p in pictures]
+    return "\n".join(lines) + "\n"
+
+
+def write_report(run_dirs: list[str | Path], out: str | Path) -> Path:
+    """Reads the runs and writes the pictures and ``report.md`` into ``out``; returns the markdown path.
+
+    Raises:
+        ConfigError: a bad run folder (see :func:`load_report_run`), or ``out`` is a file.
+    """
+    runs = [load_report_run(p) for p in run_dirs]
+    _unique_labels(runs)
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"out={str(out)!r} is a file: give a folder for the report (set --out)")
+    out.mkdir(parents=True, exist_ok=True)
+    pictures = [plot_loss(runs, out, "tokens"), plot_loss(runs, out, "time"), plot_drift(runs, out),
+                plot_utilization(runs, out)]
+    md = out / "report.md"
+    md.write_text(summary_markdown(runs, pictures))
+    return md
+
+
+@click.command(context_settings={"show_default": True})
+@click.argument("run_dirs", nargs=-1, required=True, type=click.Path())
+@click.option("--out", default="report", type=click.Path(), help="Folder for the PNGs and report.md (created).")
+def report(run_dirs: tuple[str, ...], out: str) -> None:
+    """Plot and summarise finished runs: loss against tokens and wall time, drift, utilization.
+
+    RUN_DIRS are folders written by `unbubble train`; the first is the baseline of the speed-up
+    column. Writes loss_vs_tokens.png, loss_vs_time.png, drift.png, utilization.png and report.md
+    into --out, and prints the table.
+    """
+    md = write_report(list(run_dirs), out)
+    text = md.read_text()
+    click.echo(text.split("\n\nFinal train loss")[0].split("\n", 2)[2])
+    click.echo(f"\nreport: {md} (with loss_vs_tokens.png, loss_vs_time.png, drift.png, utilization.png)")
