@@ -57,6 +57,7 @@ cli.add_command(__import__("unbubble.cli.simulate", fromlist=["simulate"]).simul
 cli.add_command(__import__("unbubble.cli.extrapolate", fromlist=["extrapolate"]).extrapolate)
 cli.add_command(__import__("unbubble.cli.predict", fromlist=["predict"]).predict)
 cli.add_command(__import__("unbubble.cli.report", fromlist=["report"]).report)
+cli.add_command(__import__("unbubble.cli.experiment", fromlist=["experiment"]).experiment)
 
 
 def main() -> None:

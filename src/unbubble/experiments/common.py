@@ -1,0 +1,118 @@
+"""What every experiment shares: running configurations, writing CSV/PNG and docs/results.md."""
+
+from __future__ import annotations
+
+import csv
+import logging
+import os
+import platform
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from unbubble.config import TrainConfig
+from unbubble.errors import ConfigError
+from unbubble.runtime.telemetry import RunResult
+from unbubble.schedules.actions import ActionKind
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ExperimentOutput:
+    """Files and the markdown section one experiment produced."""
+
+    name: str
+    markdown: str
+    files: list[Path] = field(default_factory=list)
+    wall_s: float = 0.0
+
+
+EXPERIMENTS: dict[str, tuple[str, Callable[..., ExperimentOutput]]] = {}
+
+
+def experiment(name: str, summary: str):
+    """Registers ``fn(out_dir, size, seeds) -> ExperimentOutput`` under ``name``."""
+    def wrap(fn):
+        EXPERIMENTS[name] = (summary, fn)
+        return fn
+    return wrap
+
+
+def get_experiment(name: str) -> Callable[..., ExperimentOutput]:
+    """Raises:
+        ConfigError: unknown name (the message lists the valid ones)."""
+    if name not in EXPERIMENTS:
+        raise ConfigError(f"experiment={name!r} is unknown: valid experiments are {', '.join(EXPERIMENTS)}")
+    return EXPERIMENTS[name][1]
+
+
+def run(cfg: TrainConfig) -> RunResult:
+    """Trains one configuration (its run folder goes under the experiment's folder)."""
+    from unbubble.train import train
+
+    result, _ = train(cfg)
+    return result
+
+
+def base_config(out_dir: Path, tag: str, **overrides: Any) -> TrainConfig:
+    """A CPU experiment configuration: emulator, byte-level KJV, evaluation at the end only."""
+    defaults = dict(engine="emulator", eval_interval=0, eval_batches=4, run_dir=str(out_dir / "runs" / tag))
+    defaults.update(overrides)
+    return TrainConfig(**defaults)
+
+
+def update_times(result: RunResult, sim: bool = False) -> list[float]:
+    """End time (s) of each update of the last stage: the moment version v exists everywhere
+    downstream (simulated clock if ``sim``, else measured wall clock)."""
+    trace = result.sim_trace if sim else result.trace
+    last = trace.n_stages - 1
+    return [r.end for r in trace.records if r.action.kind is ActionKind.U and r.action.stage == last]
+
+
+def write_csv(path: Path, rows: list[dict[str, Any]]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    return path
+
+
+def figure():
+    os.environ.setdefault("MPLBACKEND", "Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def md_table(rows: list[dict[str, Any]]) -> str:
+    def fmt(v):
+        return f"{v:.4g}" if isinstance(v, float) else ("—" if v is None else str(v))
+
+    head = list(rows[0])
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines += ["| " + " | ".join(fmt(r[h]) for h in head) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def provenance(command: str, seeds: list[int], wall_s: float) -> str:
+    """The line under every results table: command, seeds, hardware, wall time."""
+    return (f"Command: `{command}` · seeds {seeds} · {platform.machine()} CPU, {os.cpu_count()} cores, "
+            f"torch threads {__import__('torch').get_num_threads()} · wall time {wall_s / 60:.1f} min · "
+            f"{time.strftime('%Y-%m-%d')}")
+
+
+def update_results(doc: Path, name: str, markdown: str) -> None:
+    """Replaces (or appends) the section of ``name`` in ``docs/results.md``."""
+    begin, end = f"<!-- experiment:{name} -->", f"<!-- /experiment:{name} -->"
+    block = f"{begin}\n{markdown.strip()}\n{end}"
+    text = doc.read_text() if doc.exists() else "# Results\n\nEach section is written by `unbubble experiment NAME`.\n"
+    if begin in text:
+        text = re.sub(re.escape(begin) + ".*?" + re.escape(end), lambda _: block, text, flags=re.S)
+    else:
+        text = text.rstrip() + "\n\n" + block + "\n"
+    doc.parent.mkdir(parents=True, exist_ok=True)
+    doc.write_text(text)

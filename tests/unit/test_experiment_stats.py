@@ -1,0 +1,40 @@
+"""Experiment statistics on synthetic curves with known answers."""
+
+import math
+
+import pytest
+
+from unbubble.experiments.stats import mean_std, rms_std, slowdown, smooth, time_to_target
+
+
+def test_mean_std():
+    assert mean_std([2.0, 4.0, 6.0]) == (4.0, 2.0)
+    assert mean_std([3.0]) == (3.0, 0.0)
+
+
+def test_rms_std_of_constant_offsets():
+    # runs differ by ±1 at every step: the across-run sample std is sqrt(2)… at every step
+    a = [5.0, 4.0, 3.0]
+    runs = [[v - 1 for v in a], a, [v + 1 for v in a]]
+    assert rms_std(runs) == pytest.approx(1.0)
+    runs = [[1.0, 1.0], [1.0, 3.0]]  # variances 0 and 2 → sqrt(mean) = 1
+    assert rms_std(runs) == pytest.approx(1.0)
+    with pytest.raises(ValueError):
+        rms_std([a])
+
+
+def test_time_to_target_interpolates_the_crossing():
+    curve = [(0, 5.0), (10, 3.0), (20, 2.0), (30, 1.0)]
+    assert time_to_target(curve, 2.5) == pytest.approx(15.0)
+    assert time_to_target(curve, 3.0) == 10.0
+    assert time_to_target(curve, 6.0) == 0.0
+    assert time_to_target(curve, 0.5) is None
+    # exponential decay y = e^{-x}: the target e^{-2} is crossed at x = 2 between grid points 1 and 3
+    exp_curve = [(x, math.exp(-x)) for x in (0, 1, 3)]
+    x = time_to_target(exp_curve, math.exp(-2))
+    assert 1 < x < 3
+
+
+def test_slowdown_and_smooth():
+    assert slowdown({1: 100.0, 8: 150.0, 32: None}) == {1: 1.0, 8: 1.5, 32: None}
+    assert smooth([1, 2, 3, 4], 2) == [1.0, 1.5, 2.5, 3.5]
