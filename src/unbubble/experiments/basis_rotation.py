@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 from unbubble.experiments.common import (ExperimentOutput, base_config, experiment, figure, md_table, provenance,
+                                         save_figure,
                                          run, write_csv)
 from unbubble.experiments.stats import slowdown, smooth, time_to_target
 
@@ -53,11 +54,7 @@ def delay_scaling(out: Path, size: str = "default", seeds: list[int] | None = No
         ax.plot(depths, [y if y is not None else float("nan") for y in ys], "o-",
                 label=f"{row['optimizer']}{' (stash)' if row['stashing'] else ''}")
     ax.set(xscale="log", xlabel="pipeline depth P (delay τ_s = P−1−s)", ylabel=f"steps to loss {target:.3f}")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out / "delay_scaling.png", dpi=90)
-    plt.close(fig)
-    files.append(out / "delay_scaling.png")
+    files.append(save_figure(fig, ax, out / "delay_scaling.png"))
     wall = time.perf_counter() - t0
     md = ("## delay-scaling (Basis Rotation)\n\n" + f"Target training loss {target:.4f} (AdamW at P=1, 60 % of "
           f"{steps} steps, smoothed over 10).\n\n" + md_table(rows) + "\n\n"

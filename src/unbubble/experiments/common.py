@@ -88,6 +88,15 @@ def figure():
     return plt
 
 
+def save_figure(fig, ax, path: Path) -> Path:
+    """Adds the legend, saves ``fig`` as a small PNG and closes it."""
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    figure().close(fig)
+    return path
+
+
 def md_table(rows: list[dict[str, Any]]) -> str:
     def fmt(v):
         return f"{v:.4g}" if isinstance(v, float) else ("—" if v is None else str(v))

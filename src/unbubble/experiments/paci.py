@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 from unbubble.experiments.common import (ExperimentOutput, base_config, experiment, figure, md_table, provenance,
+                                         save_figure,
                                          run, update_times, write_csv)
 from unbubble.experiments.stats import mean_std, rms_std, time_to_target
 
@@ -44,11 +45,7 @@ def paci_stability(out: Path, size: str = "default", seeds: list[int] | None = N
         mean_curve = [sum(c[t] for c in runs) / len(runs) for t in range(len(runs[0]))]
         ax.plot([(t + 1) * x for t in range(len(mean_curve))], mean_curve, lw=1, label=label)
     ax.set(xlabel="micro-batches (equal tokens)", ylabel="training loss (mean over seeds)", title="PACI stability, N=8")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(out / "paci_stability.png", dpi=90)
-    plt.close(fig)
-    files.append(out / "paci_stability.png")
+    files.append(save_figure(fig, ax, out / "paci_stability.png"))
     wall = time.perf_counter() - t0
     md = ("## paci-stability (PACI Q1)\n\n" + md_table(rows) + "\n\n"
           f"![paci-stability]({(out / 'paci_stability.png').name})\n\n"
@@ -141,11 +138,7 @@ def throughput_memory(out: Path, size: str = "default", seeds: list[int] | None 
         ax.plot([r["m or a"] for r in sel], [r["tok/s measured"] for r in sel], "o-", label=f"{name} measured")
         ax.plot([r["m or a"] for r in sel], [r["tok/s predicted"] for r in sel], "x--", label=f"{name} predicted")
     ax.set(xscale="log", xlabel="micro-batches per step (m or a)", ylabel="tokens/s", title="N=2 processes")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(out / "throughput_memory.png", dpi=90)
-    plt.close(fig)
-    files.append(out / "throughput_memory.png")
+    files.append(save_figure(fig, ax, out / "throughput_memory.png"))
     wall = time.perf_counter() - t0
     md = ("## throughput-memory (PACI Q3)\n\n" + md_table(rows) + "\n\n"
           f"![throughput-memory]({(out / 'throughput_memory.png').name})\n\n"
