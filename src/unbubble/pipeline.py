@@ -139,7 +139,7 @@ class StageBuilder:
     build: Callable[[], nn.Module | Sequence[nn.Module]]
     cut_points: tuple[str | int, ...] | None = None
     seed: int = 0
-    _n: list = field(default_factory=list, compare=False, repr=False)  # cached stage count
+    _n: list = field(default_factory=list, init=False, compare=False, repr=False)  # cached stage count
 
     def __post_init__(self) -> None:
         if self.cut_points is not None:
