@@ -29,6 +29,7 @@ from collections import OrderedDict
 import torch
 from torch import nn
 
+from unbubble.errors import ConfigError
 from unbubble.pipeline import StageBuilder, merge_state_dicts, pipeline_optimizer, torch_optimizer
 from unbubble.runtime.emulator import run_emulator
 from unbubble.runtime.job import PipelineJob
@@ -161,8 +162,12 @@ def main(argv: list[str] | None = None) -> None:
                    help="also train without a pipeline and compare the weights (synchronous schedules)")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
-    job, builder = make_job(args.schedule, args.stages, args.steps, args.a, args.m, args.optimizer, args.lr,
-                            args.micro_batch_size, args.seed, eval_interval=max(args.steps // 6, 1))
+    try:
+        job, builder = make_job(args.schedule, args.stages, args.steps, args.a, args.m, args.optimizer, args.lr,
+                                args.micro_batch_size, args.seed, eval_interval=max(args.steps // 6, 1))
+        job.optimizer_fn([("w", nn.Parameter(torch.zeros(2, 2)))], 0)  # a bad optimizer option fails here
+    except (ValueError, ConfigError) as exc:  # ConfigError is a ValueError: one line, exit 2
+        p.exit(2, f"error: {exc}\n")
     print(f"{args.schedule} on {job.schedule.n_stages} stages ({job.schedule.mb_per_step} micro-batches of "
           f"{args.micro_batch_size} images per step), {args.steps} steps, optimizer {args.optimizer}, lr {args.lr}")
     if args.engine == "processes":

@@ -141,3 +141,11 @@ def test_digits_example_script(example, capsys):
     example.main(["--schedule", "gpipe", "--stages", "2", "--m", "2", "--steps", "12", "--check-reference"])
     out = capsys.readouterr().out
     assert "largest weight difference to the non-pipelined reference: 0.00e+00" in out
+
+
+@pytest.mark.parametrize("args, message", [(["--stages", "5"], "stages=5 is invalid for this 4-block MLP"),
+                                           (["--optimizer", "sgdx"], "optimizer='sgdx' is invalid")])
+def test_digits_example_bad_options_one_line(example, capsys, args, message):
+    with pytest.raises(SystemExit) as exc:
+        example.main(args)
+    assert exc.value.code == 2 and message in capsys.readouterr().err
