@@ -275,12 +275,13 @@ def test_too_many_stages_error_text():
 
 def test_unknown_preset_lists_names():
     msg = (
-        "model='gpt3' is invalid: must be one of tiny, small-cpu, gpt2, gpt2-medium, gpt2-large, "
-        "gpt2-xl (set --model)"
+        "model='gpt3' is invalid: must be one of tiny, small-cpu, deep-cpu, deep32-cpu, gpt2, gpt2-medium, "
+        "gpt2-large, gpt2-xl (set --model)"
     )
     with pytest.raises(ConfigError, match=re.escape(msg)):
         make_config("gpt3", 50257)
-    assert set(PRESETS) == {"tiny", "small-cpu", "gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl"}
+    assert set(PRESETS) == {"tiny", "small-cpu", "deep-cpu", "deep32-cpu", "gpt2", "gpt2-medium", "gpt2-large",
+                            "gpt2-xl"}
     xl = make_config("gpt2-xl", 50257)
     assert (xl.n_layer, xl.n_head, xl.n_embd, xl.block_size) == (48, 25, 1600, 1024)
 
