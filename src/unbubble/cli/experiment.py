@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import click
@@ -27,7 +28,14 @@ def experiment(name: str, size: str, seeds: tuple[int, ...], out: Path, results:
 
         raise ConfigError(f"out={str(folder)!r} already holds runs: choose another --out; nothing was overwritten")
     output = fn(folder, size=size, seeds=list(seeds) or None)
-    update_results(results, name, output.markdown)
+    markdown = output.markdown
+    img = results.parent / "img"
+    for f in output.files:  # figures travel with the results page
+        if f.suffix == ".png":
+            img.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(f, img / f.name)
+            markdown = markdown.replace(f"]({f.name})", f"](img/{f.name})")
+    update_results(results, name, markdown)
     for f in output.files:
         click.echo(str(f))
     click.echo(f"{name}: {output.wall_s:.0f} s; section written to {results}")

@@ -110,8 +110,7 @@ def md_table(rows: list[dict[str, Any]]) -> str:
 def provenance(command: str, seeds: list[int], wall_s: float) -> str:
     """The line under every results table: command, seeds, hardware, wall time."""
     return (f"Command: `{command}` · seeds {seeds} · {platform.machine()} CPU, {os.cpu_count()} cores, "
-            f"torch threads {__import__('torch').get_num_threads()} · wall time {wall_s / 60:.1f} min · "
-            f"{time.strftime('%Y-%m-%d')}")
+            f"emulator on 1 torch thread · wall time {wall_s / 60:.1f} min · {time.strftime('%Y-%m-%d')}")
 
 
 def update_results(doc: Path, name: str, markdown: str) -> None:
