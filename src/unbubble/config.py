@@ -21,6 +21,7 @@ class TrainConfig:
 
     schedule: str = field(default="paci", metadata={"help": 'Pipeline schedule: one of unbubble schedules.'})
     stages: int = field(default=4, metadata={"help": "Pipeline depth N (one process per stage with engine='processes')."})
+    dp: int = field(default=1, metadata={"help": "Data-parallel pipeline replicas D: D × stages processes; the replicas of a stage average their gradients at each of its updates (replica d reads micro-batch ids k·D + d)."})
     a: int = field(default=4, metadata={"help": 'PACI accumulation factor: backward passes per local optimizer step (= micro-batches per step).'})
     m: int = field(default=4, metadata={"help": 'Micro-batches per optimizer step of gpipe, 1f1b-flush, interleaved-1f1b, zb-h1, zb-h2 and pipedream-2bw.'})
     v: int = field(default=2, metadata={"help": "Virtual stages (model chunks) per rank for interleaved-1f1b."})
@@ -78,7 +79,7 @@ class TrainConfig:
             if self.br_allocation == "inverse":
                 raise ConfigError("stage_aware=True contradicts br_allocation='inverse': give one of them")
             self.br_allocation = "stage-aware"
-        for name in ("stages", "a", "m", "v", "br_freq", "micro_batch_size", "seq_len", "steps", "eval_batches", "threads_per_stage"):
+        for name in ("stages", "dp", "a", "m", "v", "br_freq", "micro_batch_size", "seq_len", "steps", "eval_batches", "threads_per_stage"):
             pos_int(name)
         pos_int("eval_interval", 0)
         pos_int("seed", 0)

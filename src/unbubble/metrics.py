@@ -70,7 +70,7 @@ class RunWriter:
             "model": {k: getattr(model, k) for k in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size")},
             "train_tokens": int(tokens.train.size),
             "val_tokens": int(tokens.val.size),
-            "tokens_per_step": self.cfg.mb_per_step * self.cfg.micro_batch_size * self.cfg.seq_len,
+            "tokens_per_step": self.cfg.mb_per_step * self.cfg.micro_batch_size * self.cfg.seq_len * self.cfg.dp,
         }
         log.info("run folder %s", self.dir)
         log.info("model %s: %.2fM parameters, stages hold blocks %s", self.cfg.model, info["n_params"] / 1e6,

@@ -94,6 +94,9 @@ def build_job(cfg: TrainConfig, tokens: TokenData) -> tuple[PipelineJob, GPTConf
                           f"{schedule.n_stages} model chunks but model {cfg.model!r} has {model.n_layer} layers "
                           "(lower --v or --stages, or pick a deeper --model)")
     partition_layers(model, schedule.n_stages, cfg.seq_len)  # raises on stages > layers
+    if cfg.dp > 1 and cfg.engine == "emulator":
+        raise ConfigError(f"dp={cfg.dp} is invalid with engine='emulator' (one replica): use --engine processes "
+                          "or --dp 1")
     data = _Data(str(tokens.meta["dir"]) + "/train.bin", str(tokens.meta["dir"]) + "/val.bin",
                  cfg.micro_batch_size, cfg.seq_len, cfg.seed, cfg.eval_batches)
     MicroBatchSampler(tokens.train, cfg.micro_batch_size, cfg.seq_len, cfg.seed)  # validates sizes
@@ -115,6 +118,7 @@ def build_job(cfg: TrainConfig, tokens: TokenData) -> tuple[PipelineJob, GPTConf
         tokens_per_mb=cfg.micro_batch_size * cfg.seq_len,
         clip_grad_norm=cfg.clip_grad_norm,
         delay_lr=cfg.optimizer == "pipedream-lr",
+        dp=cfg.dp,
     )
     return job, model
 
@@ -145,10 +149,11 @@ def train(cfg: TrainConfig, listener_factory=None) -> tuple[RunResult | None, Pa
     """
     cfg.validate()
     check_loggers(cfg)
-    run_dir = RunWriter.choose_dir(cfg)
+    rank0 = not under_torchrun() or int(__import__("os").environ.get("RANK", "0")) == 0
+    # only rank 0 owns the run folder: the others would find it already created (torchrun)
+    run_dir = RunWriter.choose_dir(cfg) if rank0 else None
     tokens = prepare_tokens(cfg.corpus, cfg.tokenizer, Path(cfg.cache_dir).expanduser())
     job, model = build_job(cfg, tokens)
-    rank0 = not under_torchrun() or int(__import__("os").environ.get("RANK", "0")) == 0
     writer = RunWriter(run_dir, cfg, job) if rank0 else None
     if writer is not None:
         n = job.schedule.n_stages

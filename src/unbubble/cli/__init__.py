@@ -56,6 +56,7 @@ cli.add_command(_schedules.schedules)
 cli.add_command(__import__("unbubble.cli.simulate", fromlist=["simulate"]).simulate)
 cli.add_command(__import__("unbubble.cli.extrapolate", fromlist=["extrapolate"]).extrapolate)
 cli.add_command(__import__("unbubble.cli.predict", fromlist=["predict"]).predict)
+cli.add_command(__import__("unbubble.cli.bench", fromlist=["bench"]).bench)
 cli.add_command(__import__("unbubble.cli.report", fromlist=["report"]).report)
 cli.add_command(__import__("unbubble.cli.experiment", fromlist=["experiment"]).experiment)
 

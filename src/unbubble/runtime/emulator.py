@@ -6,6 +6,7 @@ import time
 
 import torch
 
+from unbubble.errors import ConfigError
 from unbubble.optim import optimizer_state_bytes
 from unbubble.runtime.job import PipelineJob
 from unbubble.runtime.telemetry import Listener, RunResult, Telemetry, snapshot
@@ -36,7 +37,11 @@ def run_emulator(job: PipelineJob, costs: CostModel | None = None, replay: list[
 
     Raises:
         ScheduleError: the schedule deadlocks.
+        ConfigError: ``job.dp > 1`` (data parallelism needs the process engine).
     """
+    if job.dp != 1:
+        raise ConfigError(f"dp={job.dp} is invalid for the emulator: it runs one replica (dp=1); "
+                          "use the processes engine for data parallelism (set --engine processes)")
     n = job.schedule.n_stages
     execs = [job.build_executor(s, None if modules is None else modules[s]) for s in range(n)]
     telemetry = Telemetry(job, listener)

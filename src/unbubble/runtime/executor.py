@@ -45,13 +45,22 @@ class StageExecutor:
             through ``torch.func.functional_call``; live parameters are never swapped), or
             ``"corrected"`` (PipeMare T2: live weights moved back by Δ·δ during the backward).
         velocity_decay: γ of PipeMare's velocity estimate δ (T2).
+        grad_sync: ``grad_sync(params, step_loss) -> step_loss`` run at the start of every
+            update (data parallelism: averages the gradients and the last stage's step loss
+            over the replicas, ``data_parallel.GradientAverager``); ``None`` for one replica.
+        device: where the module lives; micro-batches from ``batch_fn`` are moved there.
+            ``None`` leaves them where ``batch_fn`` puts them.
+
+    On CUDA nothing in F, B, I or W synchronises with the host: the last stage keeps each
+    micro-batch's loss as a device tensor and reads the step's losses once, at ``U``.
     """
 
     def __init__(self, stage: int, n_stages: int, module: nn.Module, loss_fn: LossFn | None,
                  batch_fn: BatchFn, optimizer: torch.optim.Optimizer, loss_scale: float,
                  lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
                  clip_grad_norm: float | None = None, backward_weights: str = "current",
-                 velocity_decay: float = 0.9):
+                 velocity_decay: float = 0.9, grad_sync: Callable[[list, float | None], float | None] | None = None,
+                 device: torch.device | None = None):
         self.stage, self.n_stages = stage, n_stages
         self.module, self.loss_fn, self.batch_fn = module, loss_fn, batch_fn
         self.optimizer, self.lr_scheduler = optimizer, lr_scheduler
@@ -65,8 +74,9 @@ class StageExecutor:
         self.stash: dict[int, list] = {}
         self.fwd_version: dict[int, int] = {}
         self.velocity = [torch.zeros_like(p) for p in self.params] if backward_weights == "corrected" else None
-        self.losses: dict[int, float] = {}  # k -> unscaled loss (last stage)
-        self._step_losses: list[float] = []  # losses of the micro-batches in the current update
+        self.grad_sync, self.device = grad_sync, device
+        self.losses: dict[int, torch.Tensor] = {}  # k -> unscaled loss, detached 0-dim (last stage)
+        self._step_losses: list[torch.Tensor] = []  # losses of the micro-batches in the current update
         self.last_step_loss: float | None = None  # mean loss of the last update (last stage)
 
     @property
@@ -88,7 +98,7 @@ class StageExecutor:
             The activation to send to the next stage (detached), or ``None`` on the last stage.
         """
         if self.is_first:
-            inp, x = None, self.batch_fn(k)[0]
+            inp, x = None, self._on_device(self.batch_fn(k)[0])
         else:
             inp = x = activation.detach().requires_grad_(True)
         self.fwd_version[k] = self.version
@@ -97,12 +107,16 @@ class StageExecutor:
         else:
             out = self.module(x)
         if self.is_last:
-            loss = self.loss_fn(out, self.batch_fn(k)[1])
-            self.losses[k] = loss.item()
+            loss = self.loss_fn(out, self._on_device(self.batch_fn(k)[1]))
+            self.losses[k] = loss.detach()  # read at U: no host synchronisation per micro-batch
             self.store[k] = (inp, loss * self.loss_scale)
             return None
         self.store[k] = (inp, out)
         return out.detach()
+
+    def _on_device(self, t):
+        """A micro-batch tensor from ``batch_fn`` on the stage's device (non-blocking copy)."""
+        return t if self.device is None else t.to(self.device, non_blocking=True)
 
     def backward(self, k: int, grad: torch.Tensor | None = None) -> torch.Tensor | None:
         """Full backward of micro-batch ``k``; accumulates into the parameters' ``.grad``.
@@ -208,7 +222,18 @@ class StageExecutor:
         return len(self.stash)
 
     def update(self) -> None:
-        """Applies the accumulated gradients, zeroes them and bumps the weight version."""
+        """Applies the accumulated gradients, zeroes them and bumps the weight version.
+
+        With ``grad_sync`` (data parallelism) the gradients are first averaged over the
+        replicas; the last stage's step loss becomes the replicas' mean.
+        """
+        step_loss = None
+        if self._step_losses:  # one host synchronisation per update, on the last stage only
+            values = torch.stack(self._step_losses).tolist()
+            step_loss = sum(values) / len(values)
+            self._step_losses = []
+        if self.grad_sync is not None:
+            step_loss = self.grad_sync(self.params, step_loss)
         if self.clip_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(self.params, self.clip_grad_norm)
         before = [p.detach().clone() for p in self.params] if self.velocity is not None else None
@@ -226,9 +251,8 @@ class StageExecutor:
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
         self.version += 1
-        if self._step_losses:
-            self.last_step_loss = sum(self._step_losses) / len(self._step_losses)
-            self._step_losses = []
+        if step_loss is not None:
+            self.last_step_loss = step_loss
 
     def run(self, action: Action, payload: torch.Tensor | None = None) -> torch.Tensor | None:
         """Dispatches one action; returns the tensor to send (or ``None``)."""

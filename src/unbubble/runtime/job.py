@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 from torch import nn
 
+from unbubble.runtime.data_parallel import replica_batch
 from unbubble.runtime.executor import BatchFn, LossFn, StageExecutor
 from unbubble.optim.lr_rescheduling import PipeDreamLR
 from unbubble.schedules.registry import Schedule
@@ -29,7 +31,9 @@ class PipelineJob:
         stage_fn: ``stage_fn(stage) -> nn.Module`` builds 0-based stage ``stage``; called
             once per stage and process, it must be deterministic (same weights every call).
         loss_fn: ``loss_fn(last_stage_output, targets) -> scalar`` mean loss.
-        batch_fn: ``batch_fn(k) -> (inputs, targets)`` for global micro-batch id k.
+        batch_fn: ``batch_fn(k) -> (inputs, targets)`` for global micro-batch id k; with
+            ``dp`` replicas, replica d's micro-batch k calls ``batch_fn(k·dp + d)``
+            ([Note: replica data ids] in ``runtime/data_parallel.py``).
         optimizer_fn: ``optimizer_fn(named_params, stage) -> Optimizer`` for one stage, given
             the stage's ``(name, parameter)`` pairs (which every ``torch.optim`` optimizer accepts).
         schedule: the pipeline schedule (N, micro-batches per step, steps).
@@ -44,6 +48,9 @@ class PipelineJob:
         delay_lr: scale each stage's learning rate by τ_s^−(1 − min(u/K, 1)) (PipeDream-LR;
             always on for the pipemare schedule, where it is PipeMare's T1).
         delay_lr_anneal_steps: K of that rescaling (default: a tenth of the steps).
+        dp: D, data-parallel pipeline replicas (process engine only): D·R processes, the
+            replicas of a stage average their gradients right before each of its updates.
+            Each optimizer step then consumes D·mb_per_step micro-batches of data.
     """
 
     stage_fn: StageFn
@@ -58,10 +65,22 @@ class PipelineJob:
     clip_grad_norm: float | None = None
     delay_lr: bool = False
     delay_lr_anneal_steps: int | None = None
+    dp: int = 1
 
-    def build_executor(self, stage: int, module: nn.Module | None = None) -> StageExecutor:
-        """Builds stage ``stage``'s module, optimizer and executor."""
+    def build_executor(self, stage: int, module: nn.Module | None = None, replica: int = 0,
+                       grad_sync=None, device: torch.device | None = None) -> StageExecutor:
+        """Builds stage ``stage``'s module, optimizer and executor.
+
+        Args:
+            stage: 0-based stage index.
+            module: a pre-built stage module (else ``stage_fn(stage)``).
+            replica: d, the data-parallel replica (selects its data ids).
+            grad_sync: the executor's gradient averaging over replicas (``None`` if D = 1).
+            device: where the module and its micro-batches live (``None``: as built).
+        """
         module = self.stage_fn(stage) if module is None else module
+        if device is not None:
+            module = module.to(device)
         # (name, parameter) pairs: torch optimizers accept them, and Basis Rotation uses the
         # names to keep embeddings and the head on AdamW
         params = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
@@ -71,10 +90,11 @@ class PipelineJob:
             anneal = self.delay_lr_anneal_steps or max(self.schedule.steps // 10, 1)
             lr_lambda = PipeDreamLR(self.schedule.delay_bound(stage), anneal, self.lr_lambda)
         sched = None if lr_lambda is None else torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda)
+        batch_fn = self.batch_fn if self.dp == 1 else functools.partial(replica_batch, self.batch_fn, self.dp, replica)
         return StageExecutor(
             stage, self.schedule.n_stages, module, self.loss_fn if stage == self.schedule.n_stages - 1 else None,
-            self.batch_fn, optimizer, self.schedule.loss_scale, sched, self.clip_grad_norm,
-            backward_weights=self.schedule.backward_weights,
+            batch_fn, optimizer, self.schedule.loss_scale, sched, self.clip_grad_norm,
+            backward_weights=self.schedule.backward_weights, grad_sync=grad_sync, device=device,
         )
 
     def wants_snapshot(self, version: int) -> bool:

@@ -1,4 +1,8 @@
-"""Process engine: one process per stage on this machine, or under ``torchrun``."""
+"""Process engine: one process per pipeline rank and replica on this machine, or under ``torchrun``.
+
+A run has ``job.dp × R`` processes ([Note: 2-D rank layout] in ``data_parallel.py``). The backend
+is NCCL with one CUDA device per process when CUDA has enough devices, else gloo on the CPU.
+"""
 
 from __future__ import annotations
 
@@ -34,15 +38,55 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _stage_entry(stage: int, job: PipelineJob, replay, q, port: int, threads: int, timeout_s: float) -> None:
+def choose_backend(local_processes: int, backend: str | None = None) -> str:
+    """``backend`` if given, else ``"nccl"`` when CUDA has a device for each of this machine's
+    ``local_processes``, else ``"gloo"``.
+
+    Raises:
+        ConfigError: ``backend`` is not gloo or nccl, or nccl without enough CUDA devices.
+    """
+    from unbubble.errors import ConfigError
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if backend is None:
+        return "nccl" if gpus >= local_processes else "gloo"
+    if backend not in ("gloo", "nccl"):
+        raise ConfigError(f"backend={backend!r} is invalid: must be gloo or nccl")
+    if backend == "nccl" and gpus < local_processes:
+        raise ConfigError(f"backend='nccl' needs one CUDA device per process: {local_processes} processes here "
+                          f"but {gpus} devices (use backend='gloo')")
+    return backend
+
+
+def _init(backend: str, local_rank: int, **kwargs):
+    """Initialises the default group; returns ``(device, control group)`` for :func:`run_stage`."""
+    device = None
+    if backend == "nccl":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, **kwargs)
+    control = dist.new_group(backend="gloo") if backend == "nccl" else None  # host-side control messages
+    return device, control
+
+
+def _rank_name(job: PipelineJob, rank: int) -> int | str:
+    """How errors name a process: its stage (one replica) or ``"s (replica d)"``."""
+    if job.dp == 1:
+        return rank
+    d, r = divmod(rank, job.schedule.n_ranks)
+    return f"{r} (replica {d})"
+
+
+def _stage_entry(rank: int, job: PipelineJob, replay, q, port: int, threads: int, timeout_s: float,
+                 backend: str = "gloo") -> None:
     torch.set_num_threads(threads)
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=stage,
-                                world_size=job.schedule.n_ranks, timeout=timedelta(seconds=timeout_s))
-        run_stage(job, stage, q.put, replay, recv_timeout_s=timeout_s)
+        device, control = _init(backend, rank, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=job.dp * job.schedule.n_ranks, timeout=timedelta(seconds=timeout_s))
+        run_stage(job, rank, q.put, replay, recv_timeout_s=timeout_s, device=device, control_group=control)
         dist.destroy_process_group()
     except BaseException as exc:  # noqa: BLE001 - reported to the coordinator, then exit 1
-        q.put(("error", stage, f"{type(exc).__name__}: {exc}"))
+        q.put(("error", _rank_name(job, rank), f"{type(exc).__name__}: {exc}"))
         traceback.print_exc()
         sys.stderr.flush()
         q.close()
@@ -57,6 +101,13 @@ class _Collector:
         self.job = job
         self.telemetry = Telemetry(job, listener)
         self.finals: dict[int, tuple[dict, float, dict]] = {}
+        self.done_walls: list[float] = []  # from replicas d > 0
+
+    @property
+    def complete(self) -> bool:
+        """Every stage of every replica has finished."""
+        n = self.job.schedule.n_stages
+        return len(self.finals) == n and len(self.done_walls) == (self.job.dp - 1) * n
 
     def handle(self, msg: tuple) -> None:
         kind, stage, payload = msg
@@ -71,12 +122,14 @@ class _Collector:
         elif kind == "final":
             data, wall, opt_bytes = payload
             self.finals[stage] = (from_bytes(data), wall, opt_bytes)
+        elif kind == "done":
+            self.done_walls.append(payload)
         elif kind == "error":
             raise PipelineFailure(f"stage {stage} failed: {payload}")
 
     def result(self) -> RunResult:
         n = self.job.schedule.n_stages
-        wall = max(f[1] for f in self.finals.values())
+        wall = max([f[1] for f in self.finals.values()] + self.done_walls)
         return self.telemetry.result([self.finals[s][0] for s in range(n)], wall,
                                      optimizer_bytes=[self.finals[s][2] for s in range(n)])
 
@@ -100,16 +153,19 @@ def _root_cause(first: tuple, q, wait_s: float = 2.0) -> tuple:
 
 
 def run_processes(job: PipelineJob, replay: list[list[Action]] | None = None, listener: Listener | None = None,
-                  threads_per_stage: int = 1, timeout_s: float = 300.0) -> RunResult:
-    """Trains ``job`` with one spawned process per stage, over ``torch.distributed`` (gloo).
+                  threads_per_stage: int = 1, timeout_s: float = 300.0, backend: str | None = None) -> RunResult:
+    """Trains ``job`` with ``job.dp × R`` spawned processes (one per pipeline rank and replica)
+    over ``torch.distributed``.
 
     Args:
         job: what to train; must be picklable.
-        replay: per-stage action lists to follow (e.g. an emulator run's ``trace.order()``):
-            the run is then bit-identical to that run.
+        replay: per-rank action lists to follow (e.g. an emulator run's ``trace.order()``):
+            the run is then bit-identical to that run (every replica follows them).
         listener: receives per-step losses and evaluations (in this, the coordinating process).
         threads_per_stage: ``torch.set_num_threads`` in each stage process.
         timeout_s: a stage waiting longer than this for a neighbour fails the run.
+        backend: ``"gloo"`` or ``"nccl"``; default :func:`choose_backend` (NCCL when CUDA has
+            a device per process).
 
     Returns:
         A :class:`RunResult`; ``trace`` holds wall-clock times (seconds since the shared
@@ -119,19 +175,22 @@ def run_processes(job: PipelineJob, replay: list[list[Action]] | None = None, li
         PipelineFailure: a stage process raised or died; every other stage is terminated.
     """
     n = job.schedule.n_ranks
+    world = job.dp * n
+    backend = choose_backend(world, backend)
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = _free_port()
     procs = [
-        ctx.Process(target=_stage_entry, name=f"unbubble-stage-{s}",
-                    args=(s, job, None if replay is None else replay[s], q, port, threads_per_stage, timeout_s))
-        for s in range(n)
+        ctx.Process(target=_stage_entry, name=f"unbubble-rank-{g}",
+                    args=(g, job, None if replay is None else replay[g % n], q, port, threads_per_stage, timeout_s,
+                          backend))
+        for g in range(world)
     ]
     for p in procs:
         p.start()
     collector = _Collector(job, listener)
     try:
-        while len(collector.finals) < job.schedule.n_stages:
+        while not collector.complete:
             try:
                 msg = q.get(timeout=0.5)
             except queue.Empty:
@@ -143,7 +202,7 @@ def run_processes(job: PipelineJob, replay: list[list[Action]] | None = None, li
                         collector.handle(_root_cause(msg, q) if msg[0] == "error" else msg)
                     except queue.Empty:
                         pass
-                    raise PipelineFailure(f"stage {s} exited with code {code} without a report")
+                    raise PipelineFailure(f"stage {_rank_name(job, s)} exited with code {code} without a report")
                 continue
             if msg[0] == "error":
                 msg = _root_cause(msg, q)
@@ -167,27 +226,35 @@ def under_torchrun() -> bool:
 
 
 def run_torchrun(job: PipelineJob, replay: list[list[Action]] | None = None, listener: Listener | None = None,
-                 timeout_s: float = 300.0) -> RunResult | None:
-    """Runs this process's stage when launched by ``torchrun`` (rank = stage).
+                 timeout_s: float = 300.0, backend: str | None = None) -> RunResult | None:
+    """Runs this process's pipeline rank when launched by ``torchrun``: WORLD_SIZE = D·R,
+    global rank ``d·R + r`` ([Note: 2-D rank layout]; ``--nnodes D --nproc-per-node R`` puts
+    one replica on each machine). NCCL on ``cuda:LOCAL_RANK`` when CUDA has a device per
+    local process (LOCAL_WORLD_SIZE), else gloo.
 
     Reports are gathered on rank 0 at the end, which returns the :class:`RunResult`; other
     ranks return ``None``.
 
     Raises:
-        ConfigError: WORLD_SIZE differs from the number of stages.
+        ConfigError: WORLD_SIZE differs from dp × pipeline ranks.
     """
     from unbubble.errors import ConfigError
 
     world = int(os.environ["WORLD_SIZE"])
-    if world != job.schedule.n_ranks:
-        raise ConfigError(f"WORLD_SIZE={world} does not match the pipeline's {job.schedule.n_ranks} ranks: "
-                          "launch one process per stage (torchrun --nproc-per-node … with nnodes × nproc = stages)")
-    dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
+    n = job.schedule.n_ranks
+    if world != job.dp * n:
+        raise ConfigError(f"WORLD_SIZE={world} does not match dp × pipeline ranks = {job.dp} × {n} = {job.dp * n}: "
+                          "launch one process per stage and replica (torchrun --nnodes … --nproc-per-node … with "
+                          "nnodes × nproc-per-node = dp × stages)")
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    backend = choose_backend(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), backend)
+    device, control = _init(backend, local_rank, timeout=timedelta(seconds=timeout_s))
     rank = dist.get_rank()
     messages: list[tuple] = []
-    run_stage(job, rank, messages.append, None if replay is None else replay[rank], recv_timeout_s=timeout_s)
+    run_stage(job, rank, messages.append, None if replay is None else replay[rank % n], recv_timeout_s=timeout_s,
+              device=device, control_group=control)
     gathered = [None] * world if rank == 0 else None
-    dist.gather_object(messages, gathered, dst=0)
+    dist.gather_object(messages, gathered, dst=0, group=control)
     dist.destroy_process_group()
     if rank != 0:
         return None

@@ -34,7 +34,8 @@ class RunResult:
         val_losses: ``(version, validation loss)`` pairs.
         final_states: each stage's ``state_dict`` after the run.
         wall_s: wall-clock seconds of the training loop.
-        tokens: tokens processed (micro-batches × tokens per micro-batch), or samples if unknown.
+        tokens: tokens processed by all replicas (micro-batches × tokens per micro-batch × D),
+            or samples if unknown.
         optimizer_bytes: per stage, ``unbubble.optim.optimizer_state_bytes`` of its optimizer
             at the end (state bytes, extra bytes over AdamW, multiples of the parameters).
     """
@@ -92,7 +93,7 @@ class Telemetry:
         self.step_losses.append(loss)
         if self.listener is not None:
             elapsed = time.perf_counter() - self.t0
-            mb_tokens = self.job.tokens_per_mb or 1
+            mb_tokens = (self.job.tokens_per_mb or 1) * self.job.dp  # every replica forwards its own
             self.listener.on_step(len(self.step_losses), loss, {
                 "tok_per_s": self._n_fwd_first * mb_tokens / elapsed if elapsed > 0 else 0.0,
                 "max_drift": max(self._max_drift),
@@ -117,7 +118,7 @@ class Telemetry:
     def result(self, final_states: list[dict], wall_s: float, sim_trace: Trace | None = None,
                optimizer_bytes: list[dict] | None = None) -> RunResult:
         self.trace.records.sort(key=lambda r: (r.start, r.action.stage))
-        tokens = self.job.schedule.total_mb * (self.job.tokens_per_mb or 1)
+        tokens = self.job.schedule.total_mb * (self.job.tokens_per_mb or 1) * self.job.dp
         return RunResult(self.trace, sim_trace, self.step_losses, sorted(self.val_losses),
                          final_states, wall_s, tokens, optimizer_bytes or [])
 

@@ -12,7 +12,8 @@ import torch.distributed as dist
 
 from unbubble.optim import optimizer_state_bytes
 from unbubble.runtime.job import PipelineJob
-from unbubble.runtime.transport import P2PTransport, PeerFailure, TensorMeta
+from unbubble.runtime.data_parallel import GradientAverager, Layout
+from unbubble.runtime.transport import P2PTransport, PeerFailure, TensorMeta, channel_groups
 from unbubble.schedules.actions import Action, ActionKind
 from unbubble.schedules.policy import ListPolicy, RankView, StageState
 
@@ -23,8 +24,9 @@ Sink = Callable[[tuple], None]
 
 
 def to_bytes(state: dict) -> bytes:
+    """Serialises a state dict (tensors moved to the CPU first; no-op for CPU tensors)."""
     buf = io.BytesIO()
-    torch.save(state, buf)
+    torch.save({k: v.detach().cpu() if isinstance(v, torch.Tensor) else v for k, v in state.items()}, buf)
     return buf.getvalue()
 
 
@@ -38,49 +40,68 @@ def _probe(executor, meta: TensorMeta | None) -> TensorMeta:
     was_training = module.training
     module.eval()
     with torch.no_grad(), torch.random.fork_rng(devices=[]):
-        x = executor.batch_fn(0)[0] if meta is None else torch.zeros(meta.shape, dtype=meta.dtype)
+        x = executor._on_device(executor.batch_fn(0)[0]) if meta is None else \
+            torch.zeros(meta.shape, dtype=meta.dtype, device=executor.device)
         out = module(x)
     module.train(was_training)
     return TensorMeta(tuple(out.shape), out.dtype)
 
 
 def run_stage(job: PipelineJob, rank: int, sink: Sink, replay: list[Action] | None = None,
-              recv_timeout_s: float = 300.0) -> None:
+              recv_timeout_s: float = 300.0, device: torch.device | None = None, control_group=None) -> None:
     """Runs the stages of one rank until its policy is done; ``torch.distributed`` must be
-    initialised (rank = stage, or the v stages ``rank, rank + N, …`` when interleaved).
+    initialised with ``job.dp × R`` ranks. Global rank ``rank = d·R + r`` runs pipeline rank
+    r of replica d ([Note: 2-D rank layout] in ``data_parallel.py``): stage r, or the v stages
+    ``r, r + R, …`` when interleaved. May be called again (same job sizes or not) in the same
+    process group: the channel groups are created once.
 
-    Reports to ``sink``: ``("records", stage, [(action, start_s, end_s, version, weights), …])``
-    and ``("step_loss", stage, loss)`` after each update, ``("snapshot", stage, (version,
-    bytes))`` for evaluation, and ``("final", stage, (state_bytes, wall_s, optimizer_bytes))`` at the end.
-    Times are seconds since a start shared by all ranks.
+    Reports to ``sink`` (replica 0): ``("records", stage, [(action, start_s, end_s, version,
+    weights), …])`` and ``("step_loss", stage, loss)`` after each update (with D > 1 the loss is
+    the replicas' mean), ``("snapshot", stage, (version, bytes))`` for evaluation, and
+    ``("final", stage, (state_bytes, wall_s, optimizer_bytes))`` at the end; other replicas,
+    whose weights equal replica 0's, report only ``("done", stage, wall_s)``. Times are seconds
+    since a start shared by all ranks.
 
     Args:
         job: the job (every rank holds the same one).
-        rank: this process's pipeline rank.
+        rank: this process's global rank (= pipeline rank when ``job.dp == 1``).
         sink: where reports go.
         replay: this rank's recorded action list (follow it instead of the policy).
         recv_timeout_s: longest wait for a neighbour's message before failing.
+        device: the CUDA device of this rank under NCCL; ``None`` on CPU (gloo).
+        control_group: a gloo group of all ranks for host-side control messages (the shared
+            start time) when the default group is NCCL; ``None`` uses the default group.
 
     Raises:
         PeerFailure: a neighbour stopped sending within ``recv_timeout_s``.
     """
     sched = job.schedule
     n = sched.n_stages
-    stages = list(range(rank, n, sched.n_ranks))
-    execs = {s: job.build_executor(s) for s in stages}
-    if job.wants_snapshot(0):
+    layout = Layout(job.dp, sched.n_ranks)
+    replica, prank = layout.split(rank)
+    primary = replica == 0  # replica 0 reports; the others' weights are identical
+    stages = list(range(prank, n, sched.n_ranks))
+    # [Note: 2-D rank layout]: every rank creates every data-parallel group, in the same order
+    dp_groups = channel_groups([(("dp", r), layout.replica_ranks(r)) for r in range(sched.n_ranks)]) \
+        if job.dp > 1 else None
+    averager = GradientAverager(dp_groups[prank], job.dp, device) if dp_groups else None
+    execs = {s: job.build_executor(s, replica=replica, grad_sync=averager, device=device) for s in stages}
+    if primary and job.wants_snapshot(0):
         for s, ex in execs.items():
             sink(("snapshot", s, (0, to_bytes(ex.module.state_dict()))))
-    transport = P2PTransport(rank, sched.n_ranks, n, sched.total_mb)
+    transport = P2PTransport(prank, sched.n_ranks, n, sched.total_mb, replica=replica, dp=job.dp, device=device)
     transport.exchange_meta(lambda s, meta: _probe(execs[s], meta))
     transport.start()
-    policy = ListPolicy(replay) if replay is not None else sched.policy(rank)
+    policy = ListPolicy(replay) if replay is not None else sched.policy(prank)
     states = {s: StageState(s, n, sched.total_mb) for s in stages}
-    view = states[rank] if len(stages) == 1 else RankView(list(states.values()))
+    view = states[prank] if len(stages) == 1 else RankView(list(states.values()))
     inputs: dict[tuple[ActionKind, int, int], torch.Tensor] = {}
 
+    # a start time shared by every rank (host tensors), taken once all have finished setting up:
+    # the shape exchange is a chain through the stages, so rank 0 is ready first
+    dist.barrier(group=control_group)
     t_ref = torch.tensor([time.time()], dtype=torch.float64)
-    dist.broadcast(t_ref, src=0)  # a start time shared by every rank
+    dist.broadcast(t_ref, src=0, group=control_group)
     t0 = float(t_ref[0])
     records: list[tuple[str, float, float, int, int]] = []
     last: Action | None = None
@@ -109,12 +130,16 @@ def run_stage(job: PipelineJob, rank: int, sink: Sink, replay: list[Action] | No
         version, weights = ex.version, ex.weights_version(action)
         start = time.time() - t0
         out = ex.run(action, payload)
-        records.append((str(action), start, time.time() - t0, version, weights))
-        if out is not None:
+        end = time.time() - t0
+        if out is not None:  # first, so the neighbour's wait is not lengthened by bookkeeping
             transport.send(action.kind, s, action.mb, out)
+        records.append((str(action), start, end, version, weights))
         view.apply(action)
         last = action
         if action.kind is ActionKind.U:
+            if not primary:
+                records = []
+                continue
             sink(("records", s, records))
             records = []
             if ex.is_last and ex.last_step_loss is not None:
@@ -122,7 +147,12 @@ def run_stage(job: PipelineJob, rank: int, sink: Sink, replay: list[Action] | No
             if job.wants_snapshot(ex.version):
                 sink(("snapshot", s, (ex.version, to_bytes(ex.module.state_dict()))))
     transport.close()
+    wall = time.time() - t0
+    if not primary:
+        for s in execs:
+            sink(("done", s, wall))
+        return
     if records:
-        sink(("records", rank, records))
+        sink(("records", prank, records))
     for s, ex in execs.items():
-        sink(("final", s, (to_bytes(ex.module.state_dict()), time.time() - t0, optimizer_state_bytes(ex.optimizer))))
+        sink(("final", s, (to_bytes(ex.module.state_dict()), wall, optimizer_state_bytes(ex.optimizer))))

@@ -1,0 +1,489 @@
+"""Runtime throughput against torch.distributed.pipelining, and the runtime against the simulator.
+
+What is measured (``unbubble bench``, or ``python benchmarks/bench_runtime.py``):
+
+1. **Same model, same micro-batches, same processes.** N = 2 gloo processes are spawned once and run,
+   one after the other and in a rotating order each repeat: our ``1f1b-flush``, ``gpipe`` and ``paci``
+   (a = m) against ``torch.distributed.pipelining``'s ``ScheduleGPipe`` and ``Schedule1F1B``. The model is
+   the tiny GPT-2 preset (4 layers, d = 128, byte vocabulary 257) cut into N cost-balanced stages, AdamW,
+   random tokens; micro-batch k is the same tensor for every system (torch gets step t's m micro-batches
+   concatenated and splits them back along dim 0). Every system runs ``--steps`` optimizer steps of m
+   micro-batches after an untimed warm-up run in the same processes. Reported per system: tokens/s
+   (median over ``--repeats``), per-stage utilization, and the ratios to torch's schedules (median of the
+   per-repeat ratios, so systems timed close together are compared).
+
+   Timed region: ours from the start shared by all ranks (after building the stages and agreeing on
+   shapes) to the last rank's last action; torch from a barrier after its first (shape-inferring) step
+   to a barrier after the last step. Utilization = busy / wall, busy = wall time inside compute: ours
+   the actions F, B, U; torch ``forward_one_chunk``, the loss, ``backward_one_chunk``, the gradient
+   scaling and the optimizer step (its P2P waits are outside).
+
+2. **Synthetic stages, N = 8.** Each stage's forward takes F and its backward B (a one-scalar stage,
+   tiny messages) by a calibrated sleep: ``time.sleep`` until the measured wake-up overshoot of this
+   process (90th percentile, ≥ 0.5 ms) before the deadline, then a spin, so F and B are what the
+   simulator is given:
+   ``run_policies(schedule, UniformCosts(F, B, u=0))`` predicts the makespan of ``1f1b-flush`` (m = 8) and
+   ``paci`` (a = 8); the runtime's makespan (median over repeats) is compared with it. A second
+   prediction from the run's own measured action durations (``sim.measured.measured_costs``) separates
+   the runtime's scheduling and messaging overhead from sleep inaccuracy.
+
+Targets (issue 7), reported, never asserted: our flush ≥ 0.95 × torch's 1F1B; PACI ≥ 0.95 × (m+N−1)/m ×
+torch's 1F1B at equal micro-batches; synthetic N = 8 makespan within 5 % of the simulator.
+
+Usage::
+
+    unbubble bench                       # ≈ 3 min on 2 CPU cores
+    unbubble bench --quick               # 1 repeat, fewer steps (a smoke run, ≈ 1 min)
+    unbubble bench --out bench.json      # also write the JSON
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import platform
+import queue
+import socket
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from unbubble.models import gpt_loss, make_config
+from unbubble.runtime.job import PipelineJob
+from unbubble.runtime.worker import run_stage
+from unbubble.schedules import get_schedule
+from unbubble.schedules.actions import Action
+from unbubble.sim import UniformCosts, run_policies
+from unbubble.sim.engine import ActionRecord, Trace
+from unbubble.sim.measured import measured_costs
+from unbubble.testing import random_tokens
+from unbubble.train import gpt_stage
+
+OURS = ("1f1b-flush", "gpipe", "paci")
+TORCH = ("ScheduleGPipe", "Schedule1F1B")
+
+
+@dataclass
+class BenchConfig:
+    """Sizes of both parts (defaults: ≈ 3 min on 2 CPU cores)."""
+
+    n: int = 2  #: pipeline stages (processes) of the model comparison
+    m: int = 4  #: micro-batches per step (PACI: a = m)
+    steps: int = 12  #: optimizer steps per timed run
+    repeats: int = 4
+    micro_batch_size: int = 8
+    seq_len: int = 128
+    model: str = "tiny"
+    vocab_size: int = 257
+    lr: float = 1e-3
+    threads: int = 1  #: torch threads per process
+    sleep_n: int = 8  #: synthetic stages
+    sleep_f: float = 0.05  #: synthetic forward (s)
+    sleep_b: float = 0.10  #: synthetic backward (s)
+    sleep_m: int = 8  #: synthetic micro-batches per step (PACI: a)
+    sleep_steps: int = 3
+    parts: tuple[str, ...] = field(default=("model", "synthetic"))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawn(target, world: int, cfg: BenchConfig, timeout_s: float = 900.0) -> list:
+    """Runs ``target(rank, world, cfg, port, q)`` in ``world`` processes; returns rank-ordered results."""
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=target, args=(r, world, cfg, port, q)) for r in range(world)]
+    for p in procs:
+        p.start()
+    out: dict[int, object] = {}
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(out) < world:
+            try:
+                rank, payload = q.get(timeout=1.0)
+            except queue.Empty:
+                if any(p.exitcode not in (None, 0) for p in procs) or time.monotonic() > deadline:
+                    raise RuntimeError(f"a benchmark process failed (exit codes {[p.exitcode for p in procs]})")
+                continue
+            if isinstance(payload, str):
+                raise RuntimeError(f"benchmark rank {rank} failed: {payload}")
+            out[rank] = payload
+        for p in procs:
+            p.join(timeout=60)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+    return [out[r] for r in range(world)]
+
+
+def _init(rank: int, world: int, port: int, threads: int) -> None:
+    torch.set_num_threads(threads)
+    torch.set_flush_denormal(True)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=600))
+
+
+def _run_ours(job: PipelineJob, rank: int) -> dict:
+    """One run of our runtime on this rank: wall from the shared start, busy time of the actions."""
+    msgs: list[tuple] = []
+    run_stage(job, rank, msgs.append)
+    records = [r for kind, _, recs in msgs if kind == "records" for r in recs]
+    wall = next(p[1] for kind, _, p in msgs if kind == "final")
+    return {"wall_s": wall, "busy_s": sum(end - start for _, start, end, _, _ in records), "records": records}
+
+
+# -- part 1: our schedules against torch.distributed.pipelining ------------------------------------
+
+def _adamw(lr: float, params, stage: int) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=lr)
+
+
+def _model_job(cfg: BenchConfig, name: str, steps: int) -> PipelineJob:
+    model = make_config(cfg.model, cfg.vocab_size)
+    kw = {"a": cfg.m} if name == "paci" else {"m": cfg.m}
+    return PipelineJob(
+        stage_fn=functools.partial(gpt_stage, model, cfg.n, 0, cfg.seq_len),
+        loss_fn=gpt_loss,
+        batch_fn=functools.partial(random_tokens, cfg.vocab_size, cfg.micro_batch_size, cfg.seq_len, 0),
+        optimizer_fn=functools.partial(_adamw, cfg.lr),
+        schedule=get_schedule(name, cfg.n, steps, **kw),
+        tokens_per_mb=cfg.micro_batch_size * cfg.seq_len,
+    )
+
+
+def _run_torch(cfg: BenchConfig, name: str, rank: int, steps: int) -> dict:
+    """``steps`` optimizer steps of torch.distributed.pipelining's ``name`` on this rank."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    job = _model_job(cfg, "1f1b-flush", steps)
+    module = job.stage_fn(rank)
+    stage = PipelineStage(module, rank, cfg.n, torch.device("cpu"))
+    cls = {"ScheduleGPipe": ScheduleGPipe, "Schedule1F1B": Schedule1F1B}[name]
+    schedule = cls(stage, n_microbatches=cfg.m, loss_fn=gpt_loss)  # scale_grads: mean over micro-batches
+    opt = job.optimizer_fn(list(module.parameters()), rank)
+
+    def step(t: int) -> None:
+        mbs = [job.batch_fn(t * cfg.m + j) for j in range(cfg.m)]  # the same micro-batches as ours
+        if rank == 0:
+            schedule.step(torch.cat([x for x, _ in mbs]), return_outputs=False)
+        elif rank == cfg.n - 1:
+            schedule.step(target=torch.cat([y for _, y in mbs]), return_outputs=False)
+        else:
+            schedule.step(return_outputs=False)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step(0)  # shape inference (untimed)
+    busy = [0.0]  # wall time inside compute, as our actions are timed
+
+    def timed(fn):
+        def call(*args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                busy[0] += time.perf_counter() - t
+        return call
+
+    stage.forward_one_chunk = timed(stage.forward_one_chunk)
+    stage.backward_one_chunk = timed(stage.backward_one_chunk)
+    stage.perform_reduce_grad = timed(stage.perform_reduce_grad)
+    schedule._maybe_compute_loss = timed(schedule._maybe_compute_loss)
+    opt.step = timed(opt.step)
+    dist.barrier()
+    t0 = time.perf_counter()
+    for t in range(1, steps + 1):
+        step(t)
+    busy = busy[0]
+    dist.barrier()
+    return {"wall_s": time.perf_counter() - t0, "busy_s": busy}
+
+
+def _model_worker(rank: int, world: int, cfg: BenchConfig, port: int, q) -> None:
+    try:
+        _init(rank, world, port, cfg.threads)
+        systems = [("unbubble", s) for s in OURS] + [("torch", s) for s in TORCH]
+        results = []
+        for rep in range(-1, cfg.repeats):  # rep −1: warm-up of every system in these processes
+            steps = cfg.steps if rep >= 0 else 2
+            shift = max(rep, 0) % len(systems)
+            for engine, name in systems[shift:] + systems[:shift]:
+                dist.barrier()
+                if engine == "unbubble":
+                    res = _run_ours(_model_job(cfg, name, steps), rank)
+                    res.pop("records")
+                else:
+                    res = _run_torch(cfg, name, rank, steps)
+                if rep >= 0:
+                    results.append({"repeat": rep, "engine": engine, "schedule": name, **res})
+        dist.destroy_process_group()
+        q.put((rank, results))
+    except BaseException as exc:  # noqa: BLE001 - reported to the coordinator
+        q.put((rank, f"{type(exc).__name__}: {exc}"))
+        raise
+
+
+def bench_model(cfg: BenchConfig) -> dict:
+    """Part 1: tokens/s, utilization and ratios of our schedules against torch's (N = cfg.n processes)."""
+    per_rank = _spawn(_model_worker, cfg.n, cfg)
+    tokens = cfg.steps * cfg.m * cfg.micro_batch_size * cfg.seq_len
+    runs: dict[str, list[dict]] = {}
+    for i, row in enumerate(per_rank[0]):
+        walls = [per_rank[r][i]["wall_s"] for r in range(cfg.n)]
+        wall = max(walls)
+        runs.setdefault(f"{row['engine']} {row['schedule']}", []).append({
+            "repeat": row["repeat"], "wall_s": wall, "tokens_per_s": tokens / wall,
+            "utilization": [per_rank[r][i]["busy_s"] / wall for r in range(cfg.n)],
+            "busy_ms_per_mb": [1e3 * per_rank[r][i]["busy_s"] / (cfg.steps * cfg.m) for r in range(cfg.n)],
+        })
+    systems = {}
+    for name, rs in runs.items():
+        systems[name] = {
+            "tokens_per_s": statistics.median(r["tokens_per_s"] for r in rs),
+            "utilization": [statistics.median(r["utilization"][s] for r in rs) for s in range(cfg.n)],
+            "busy_ms_per_mb": [statistics.median(r["busy_ms_per_mb"][s] for r in rs) for s in range(cfg.n)],
+            "runs": rs,
+        }
+
+    def ratio(a: str, b: str) -> float:
+        by_rep = {r["repeat"]: r["tokens_per_s"] for r in runs[b]}
+        return statistics.median(r["tokens_per_s"] / by_rep[r["repeat"]] for r in runs[a])
+
+    bubble = (cfg.m + cfg.n - 1) / cfg.m
+    ratios = {
+        "flush / torch 1F1B": ratio("unbubble 1f1b-flush", "torch Schedule1F1B"),
+        "gpipe / torch GPipe": ratio("unbubble gpipe", "torch ScheduleGPipe"),
+        "paci / torch 1F1B": ratio("unbubble paci", "torch Schedule1F1B"),
+        "paci / flush": ratio("unbubble paci", "unbubble 1f1b-flush"),
+        "torch 1F1B / torch GPipe": ratio("torch Schedule1F1B", "torch ScheduleGPipe"),
+    }
+    # the schedule's own gain, free of compute slowing down when both processes compute at once:
+    # the ratio of mean utilizations (= of tokens/s at equal busy time per micro-batch)
+    util = {name: statistics.fmean(s["utilization"]) for name, s in systems.items()}
+    ratios["paci / flush utilization"] = util["unbubble paci"] / util["unbubble 1f1b-flush"]
+    targets = {
+        "flush >= 0.95 x torch 1F1B": {"value": ratios["flush / torch 1F1B"], "target": 0.95,
+                                         "met": ratios["flush / torch 1F1B"] >= 0.95},
+        "paci >= 0.95 x (m+N-1)/m x torch 1F1B": {"value": ratios["paci / torch 1F1B"], "target": 0.95 * bubble,
+                                                  "met": ratios["paci / torch 1F1B"] >= 0.95 * bubble},
+    }
+    return {"systems": systems, "ratios": ratios, "bubble_ratio": bubble, "targets": targets,
+            "tokens_per_run": tokens}
+
+
+# -- part 2: synthetic sleep stages against the simulator -------------------------------------------
+
+def calibrated_sleep(seconds: float, margin_s: float) -> None:
+    """Sleeps ``seconds`` precisely: ``time.sleep`` until ``margin_s`` before the deadline (the
+    calibrated wake-up overshoot), then a spin until the deadline."""
+    deadline = time.perf_counter() + seconds
+    if seconds > margin_s:
+        time.sleep(seconds - margin_s)
+    while time.perf_counter() < deadline:
+        pass
+
+
+class _Sleep(torch.autograd.Function):
+    """y = x·w; the forward takes ``f_s`` seconds, the backward ``b_s`` (calibrated sleeps)."""
+
+    @staticmethod
+    def forward(ctx, x, w, f_s: float, b_s: float, margin_s: float):
+        calibrated_sleep(f_s, margin_s)
+        ctx.save_for_backward(x, w)
+        ctx.b_s, ctx.margin_s = b_s, margin_s
+        return x * w
+
+    @staticmethod
+    def backward(ctx, g):
+        calibrated_sleep(ctx.b_s, ctx.margin_s)
+        x, w = ctx.saved_tensors
+        return g * w, (g * x).sum().reshape(1), None, None, None
+
+
+class SleepStage(torch.nn.Module):
+    """A stage whose forward costs ``f_s`` and backward ``b_s`` seconds (one scalar weight)."""
+
+    def __init__(self, f_s: float, b_s: float, margin_s: float):
+        super().__init__()
+        self.f_s, self.b_s, self.margin_s = f_s, b_s, margin_s
+        self.w = torch.nn.Parameter(torch.ones(1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _Sleep.apply(x, self.w, self.f_s, self.b_s, self.margin_s)
+
+
+def _sleep_stage(f_s: float, b_s: float, margin_s: float, stage: int) -> SleepStage:
+    return SleepStage(f_s, b_s, margin_s)
+
+
+def _sleep_batch(k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(k)
+    return torch.randn(4, 16, generator=g), torch.zeros(4, 16)
+
+
+def _mean_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return (out - y).pow(2).mean()
+
+
+def _sgd(params, stage: int) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=1e-3)
+
+
+def sleep_margin(samples: int = 40, probe_s: float = 0.005) -> float:
+    """The wake-up overshoot of ``time.sleep`` on this machine now: its 90th percentile (s), at least
+    0.5 ms (a busy machine wakes sleepers late)."""
+    over = []
+    for _ in range(samples):
+        t = time.perf_counter()
+        time.sleep(probe_s)
+        over.append(time.perf_counter() - t - probe_s)
+    over.sort()
+    return max(0.0005, over[int(0.9 * (len(over) - 1))])
+
+
+def _sleep_job(cfg: BenchConfig, name: str, margin_s: float, steps: int | None = None) -> PipelineJob:
+    kw = {"a": cfg.sleep_m} if name == "paci" else {"m": cfg.sleep_m}
+    return PipelineJob(stage_fn=functools.partial(_sleep_stage, cfg.sleep_f, cfg.sleep_b, margin_s), loss_fn=_mean_loss,
+                       batch_fn=_sleep_batch, optimizer_fn=_sgd,
+                       schedule=get_schedule(name, cfg.sleep_n, steps or cfg.sleep_steps, **kw))
+
+
+def _sleep_worker(rank: int, world: int, cfg: BenchConfig, port: int, q) -> None:
+    try:
+        _init(rank, world, port, 1)
+        margin = sleep_margin()
+        results = []
+        for rep in range(-1, cfg.repeats):
+            for name in ("1f1b-flush", "paci"):
+                dist.barrier()
+                res = _run_ours(_sleep_job(cfg, name, margin, None if rep >= 0 else 1), rank)
+                if rep >= 0:
+                    results.append({"repeat": rep, "schedule": name, **res})
+        dist.destroy_process_group()
+        q.put((rank, {"margin_s": margin, "runs": results}))
+    except BaseException as exc:  # noqa: BLE001
+        q.put((rank, f"{type(exc).__name__}: {exc}"))
+        raise
+
+
+def bench_synthetic(cfg: BenchConfig) -> dict:
+    """Part 2: makespan of the runtime against ``run_policies`` with the sleeps' costs (N = cfg.sleep_n)."""
+    per_rank = _spawn(_sleep_worker, cfg.sleep_n, cfg)
+    nominal = UniformCosts(f=cfg.sleep_f, b=cfg.sleep_b, u=0.0)
+    out = {"f_s": cfg.sleep_f, "b_s": cfg.sleep_b, "sleep_margins_s": [p["margin_s"] for p in per_rank],
+           "schedules": {}}
+    for name in ("1f1b-flush", "paci"):
+        job = _sleep_job(cfg, name, 0.0)
+        predicted = run_policies(job.schedule, nominal).makespan
+        spans, calibrated = [], []
+        for rep in range(cfg.repeats):
+            records = []
+            for r in range(cfg.sleep_n):
+                run = next(x for x in per_rank[r]["runs"] if x["repeat"] == rep and x["schedule"] == name)
+                records += [ActionRecord(Action.parse(a), s, e, v, w) for a, s, e, v, w in run["records"]]
+            trace = Trace(cfg.sleep_n, records)
+            spans.append(trace.makespan)
+            calibrated.append(run_policies(job.schedule, measured_costs(trace, blocking_sends=False)).makespan)
+        span = statistics.median(spans)
+        out["schedules"][name] = {
+            "runtime_makespan_s": span, "runtime_makespans_s": spans,
+            "simulated_makespan_s": predicted, "ratio": span / predicted,
+            "within_5pct": abs(span / predicted - 1) <= 0.05,
+            "simulated_from_measured_durations_s": statistics.median(calibrated),
+        }
+    return out
+
+
+# -- report -------------------------------------------------------------------------------------------
+
+def run(cfg: BenchConfig) -> dict:
+    """Runs the selected parts; returns the JSON-ready results."""
+    out = {"config": asdict(cfg), "machine": {"python": sys.version.split()[0], "torch": torch.__version__,
+                                              "platform": platform.platform(), "cpus": os.cpu_count()}}
+    # other work on the machine takes cores from the stage processes: the load is part of the result
+    out["machine"]["load_avg_1min_before"] = os.getloadavg()[0]
+    if "model" in cfg.parts:
+        out["model"] = bench_model(cfg)
+    if "synthetic" in cfg.parts:
+        out["synthetic"] = bench_synthetic(cfg)
+    out["machine"]["load_avg_1min_after"] = os.getloadavg()[0]
+    return out
+
+
+def format_report(res: dict) -> str:
+    """Plain-text tables of :func:`run`'s results."""
+    cfg, mach = res["config"], res["machine"]
+    lines = [f"machine: {mach['cpus']} CPUs, torch {mach['torch']}, 1-min load average "
+             f"{mach['load_avg_1min_before']:.1f} before / {mach['load_avg_1min_after']:.1f} after"
+             + ("  (other work shares the cores: expect noise)" if mach["load_avg_1min_before"] > 1 else "")]
+    if "model" in res:
+        mod = res["model"]
+        lines.append(f"Same model and micro-batches, N={cfg['n']} gloo processes, m={cfg['m']} (PACI a={cfg['m']}), "
+                     f"{cfg['steps']} steps × {cfg['repeats']} repeats, {cfg['threads']} thread(s) per process")
+        lines.append(f"{'system':28} {'tokens/s':>10}  {'utilization':>11}  busy ms per micro-batch, per stage")
+        for name, s in mod["systems"].items():
+            lines.append(f"{name:28} {s['tokens_per_s']:>10,.0f}  {' '.join(f'{u:.2f}' for u in s['utilization']):>11}  "
+                         f"{' '.join(f'{b:.1f}' for b in s['busy_ms_per_mb'])}")
+        lines.append("")
+        lines.append(f"{'ratio (median of per-repeat ratios)':40} {'value':>7}")
+        for name, v in mod["ratios"].items():
+            lines.append(f"{name:40} {v:>7.3f}")
+        lines.append(f"{'(m+N-1)/m':40} {mod['bubble_ratio']:>7.3f}")
+        for name, t in mod["targets"].items():
+            lines.append(f"target {name}: {t['value']:.3f} vs {t['target']:.3f} -> {'met' if t['met'] else 'NOT met'}")
+    if "synthetic" in res:
+        syn = res["synthetic"]
+        lines.append("")
+        lines.append(f"Synthetic sleep stages, N={cfg['sleep_n']}, F={syn['f_s'] * 1e3:.0f} ms, "
+                     f"B={syn['b_s'] * 1e3:.0f} ms, m=a={cfg['sleep_m']}, {cfg['sleep_steps']} steps")
+        lines.append(f"{'schedule':12} {'runtime s':>10} {'simulated s':>12} {'ratio':>7} {'sim(measured) s':>16}")
+        for name, s in syn["schedules"].items():
+            lines.append(f"{name:12} {s['runtime_makespan_s']:>10.3f} {s['simulated_makespan_s']:>12.3f} "
+                         f"{s['ratio']:>7.3f} {s['simulated_from_measured_durations_s']:>16.3f}"
+                         f"  within 5%: {'yes' if s['within_5pct'] else 'NO'}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--repeats", type=int, default=None)
+    p.add_argument("--steps", type=int, default=None)
+    p.add_argument("--m", type=int, default=None)
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--only", choices=["model", "synthetic"], default=None)
+    p.add_argument("--out", default=None)
+    a = p.parse_args(argv)
+    cfg = quick_config() if a.quick else BenchConfig()
+    for name in ("repeats", "steps", "m"):
+        if getattr(a, name) is not None:
+            setattr(cfg, name, getattr(a, name))
+    if a.only:
+        cfg.parts = (a.only,)
+    res = run(cfg)
+    print(format_report(res))
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(res, f, indent=1)
+    return res
+
+
+def quick_config() -> BenchConfig:
+    """A smoke run: one repeat, fewer steps."""
+    return BenchConfig(steps=3, repeats=1, sleep_steps=2)
+
+
+if __name__ == "__main__":
+    main()

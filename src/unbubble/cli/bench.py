@@ -1,0 +1,62 @@
+"""``unbubble bench``: our runtime against torch.distributed.pipelining, and against the simulator.
+
+A thin layer over ``benchmarks/bench_runtime.py`` (in the source checkout), which documents what is
+measured; this command only finds it, runs it and prints its table.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import sys
+from pathlib import Path
+
+import click
+
+from unbubble.errors import ConfigError
+
+
+def load_bench_module():
+    """Imports ``benchmarks/bench_runtime.py`` from the source checkout (or the current folder).
+
+    Raises:
+        ConfigError: no ``benchmarks/bench_runtime.py`` next to the installed package or here.
+    """
+    roots = [Path(__file__).resolve().parents[3], Path.cwd()]
+    for root in roots:
+        folder = root / "benchmarks"
+        if (folder / "bench_runtime.py").is_file():
+            if str(folder) not in sys.path:
+                sys.path.insert(0, str(folder))  # spawned benchmark processes inherit sys.path
+            return importlib.import_module("bench_runtime")
+    raise ConfigError(f"benchmarks/bench_runtime.py was not found in {' or '.join(str(r) for r in roots)}: "
+                      "run unbubble bench from the source checkout (pip install -e .)")
+
+
+@click.command(context_settings={"show_default": True})
+@click.option("--repeats", type=click.IntRange(1), default=None, help="Timed runs per system (default 4; medians).")
+@click.option("--steps", type=click.IntRange(1), default=None, help="Optimizer steps per timed run (default 12).")
+@click.option("--m", "m", type=click.IntRange(1), default=None,
+              help="Micro-batches per step of the model comparison; PACI uses a = m (default 4).")
+@click.option("--quick", is_flag=True, help="A smoke run: 1 repeat, fewer steps (≈ 1 min).")
+@click.option("--only", type=click.Choice(["model", "synthetic"]), default=None,
+              help="Run one part: the model against torch, or the synthetic stages against the simulator.")
+@click.option("--out", type=click.Path(dir_okay=False), default="bench_runtime.json", help="JSON results file.")
+def bench(repeats: int | None, steps: int | None, m: int | None, quick: bool, only: str | None, out: str) -> None:
+    """Throughput of 1f1b-flush, gpipe and paci against torch.distributed.pipelining's ScheduleGPipe and
+    Schedule1F1B (same model, micro-batches and N = 2 gloo processes): tokens/s, ratios, per-stage
+    utilization, medians over repeats; then synthetic sleep stages (N = 8) against the simulator's
+    makespan. Targets are reported, not asserted: flush ≥ 0.95 × torch 1F1B, PACI ≥ 0.95 × (m+N−1)/m ×
+    torch 1F1B, synthetic within 5 %. About 3 minutes on 2 CPU cores.
+    """
+    mod = load_bench_module()
+    cfg = mod.quick_config() if quick else mod.BenchConfig()
+    for name, value in (("repeats", repeats), ("steps", steps), ("m", m)):
+        if value is not None:
+            setattr(cfg, name, value)
+    if only:
+        cfg.parts = (only,)
+    res = mod.run(cfg)
+    click.echo(mod.format_report(res))
+    Path(out).write_text(json.dumps(res, indent=1))
+    click.echo(f"results: {out}")
