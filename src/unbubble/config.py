@@ -51,7 +51,7 @@ class TrainConfig:
     seed: int = field(default=0, metadata={"help": "Seed of the initial weights and of the data order."})
     eval_interval: int = field(default=50, metadata={"help": 'Evaluate the version-v weights every this many steps (and at the end).'})
     eval_batches: int = field(default=8, metadata={"help": 'Validation micro-batches per evaluation.'})
-    threads_per_stage: int = field(default=1, metadata={"help": 'torch threads in each stage process (processes engine).'})
+    threads_per_stage: int = field(default=1, metadata={"help": 'torch threads in each stage process (processes engine), and in the emulator.'})
     cache_dir: str = field(default_factory=lambda: os.environ.get("UNBUBBLE_CACHE_DIR", "~/.cache/unbubble"),
                            metadata={"help": "Where tokenized corpora are stored (env UNBUBBLE_CACHE_DIR)."})
     run_dir: str | None = field(default=None, metadata={"help": 'Run folder; default runs/<time>-<schedule>-N<stages>. An existing non-empty folder is refused.'})

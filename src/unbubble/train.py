@@ -126,7 +126,15 @@ def build_job(cfg: TrainConfig, tokens: TokenData) -> tuple[PipelineJob, GPTConf
 def run_job(job: PipelineJob, engine: str, listener: Listener | None = None, threads_per_stage: int = 1) -> RunResult | None:
     """Runs a job on ``engine`` (``"emulator"`` or ``"processes"``; under torchrun, this rank's stage)."""
     if engine == "emulator":
-        return run_emulator(job, listener=listener)
+        # small per-stage kernels gain nothing from intra-op threads, and on a loaded machine
+        # oversubscribed OpenMP threads slow them down by 10-20×: the emulator uses as many
+        # threads as one stage process does
+        previous = torch.get_num_threads()
+        torch.set_num_threads(threads_per_stage)
+        try:
+            return run_emulator(job, listener=listener)
+        finally:
+            torch.set_num_threads(previous)
     if under_torchrun():
         return run_torchrun(job, listener=listener)
     return run_processes(job, listener=listener, threads_per_stage=threads_per_stage)

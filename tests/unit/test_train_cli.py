@@ -115,3 +115,16 @@ def test_optimizers_train_through_the_pipeline(optimizer, extra, tmp_path, cache
     assert summary["final_val_loss"] < summary["initial_val_loss"] - 1.0
     per_rotated = summary["optimizer_extra_per_rotated_param"]
     assert (min(per_rotated) > 4.0) if extra else per_rotated == [0.0] * 4
+
+
+def test_emulator_runs_on_threads_per_stage_and_restores_threads(monkeypatch):
+    import torch
+
+    import unbubble.train as train_mod
+
+    seen = []
+    monkeypatch.setattr(train_mod, "run_emulator", lambda job, listener=None: seen.append(torch.get_num_threads()))
+    before = torch.get_num_threads()
+    train_mod.run_job(None, "emulator", threads_per_stage=1)
+    assert seen == [1]  # not the process default: oversubscribed threads made small kernels 20x slower
+    assert torch.get_num_threads() == before
