@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from unbubble.runtime.launch import run_processes
-from unbubble.runtime.transport import decode_header, encode_header
+from unbubble.runtime.transport import frame_bytes, frame_header, pack_frame
 from unbubble.schedules import get_schedule
 from unbubble.testing import tiny_gpt_job, train_without_pipeline
 
@@ -33,13 +33,10 @@ def test_forward_backward_and_headers_do_not_synchronise_with_the_host():
             last.forward(k, act)
             grad = last.backward(k)
             first.backward(k, grad)
-            room = act.numel() * act.element_size()  # a multiple of 8 here
-            frame = torch.empty(room + 8, dtype=torch.uint8, device=dev)  # as P2PTransport.send builds it
-            frame[room:].view(torch.int64).fill_(encode_header(1, k))
-            frame[:room].view(act.dtype).view(act.shape).copy_(act)
+            frame = pack_frame(act, 1, k, frame_bytes(act.numel() * act.element_size()))  # as send() does
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    assert decode_header(int(frame[room:].view(torch.int64).item())) == (1, 1)
+    assert frame_header(frame) == (1, 1)
     last.update()  # reads the step's losses: the one synchronisation per update (last stage)
     assert last.last_step_loss is not None
 

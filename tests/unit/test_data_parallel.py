@@ -9,7 +9,8 @@ from unbubble.config import TrainConfig
 from unbubble.errors import ConfigError
 from unbubble.runtime.data_parallel import GradientAverager, Layout, replica_batch
 from unbubble.runtime.emulator import run_emulator
-from unbubble.runtime.transport import decode_header, encode_header
+from unbubble.runtime.transport import (TensorMeta, decode_header, encode_header, frame_bytes, frame_header,
+                                       frame_payload, pack_frame)
 from unbubble.schedules import get_schedule
 from unbubble.testing import tiny_gpt_job
 
@@ -42,6 +43,18 @@ def test_header_round_trips_and_rejects_out_of_range_ids():
         assert decode_header(encode_header(stage, k)) == (stage, k)
     with pytest.raises(ValueError, match="k=1099511627776"):
         encode_header(0, 2**40)
+
+
+def test_frames_carry_payloads_of_any_size_and_dtype_padded_to_the_channel():
+    payloads = [torch.randn(3, 5), torch.arange(7, dtype=torch.int32), torch.randn(2, dtype=torch.float64),
+                torch.randn(4, 3).t()]  # the last one non-contiguous
+    size = frame_bytes(max(t.numel() * t.element_size() for t in payloads))
+    assert size % 8 == 0
+    for stage, t in enumerate(payloads):
+        frame = pack_frame(t, stage, 1000 + stage, size)
+        assert frame.numel() == size and frame_header(frame) == (stage, 1000 + stage)
+        got = frame_payload(frame, TensorMeta(tuple(t.shape), t.dtype))
+        assert torch.equal(got, t) and got.data_ptr() == frame.data_ptr()  # a view at offset 0
 
 
 def test_dp_is_validated_and_the_emulator_refuses_replicas():

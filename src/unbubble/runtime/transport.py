@@ -55,6 +55,31 @@ _HEAD = 8  # header bytes, at the end of a frame (the payload starts at offset 0
 def _payload_bytes(nbytes: int) -> int:
     """Payload room of a frame: ``nbytes`` rounded up to 8 so the int64 header after it is aligned."""
     return -(-nbytes // _HEAD) * _HEAD
+
+
+def frame_bytes(max_payload_bytes: int) -> int:
+    """Size of every frame on a channel whose largest payload has ``max_payload_bytes`` bytes."""
+    return _payload_bytes(max_payload_bytes) + _HEAD
+
+
+def pack_frame(tensor: torch.Tensor, stage: int, k: int, size: int) -> torch.Tensor:
+    """A frame of ``size`` bytes (:func:`frame_bytes`) on ``tensor``'s device: its bytes at offset 0,
+    then the header of ``(stage, k)`` in the last 8 bytes (written by a kernel, no host copy)."""
+    nbytes = tensor.numel() * tensor.element_size()
+    frame = torch.empty(size, dtype=torch.uint8, device=tensor.device)
+    frame[size - _HEAD:].view(torch.int64).fill_(encode_header(stage, k))
+    frame[:nbytes].view(tensor.dtype).view(tensor.shape).copy_(tensor)
+    return frame
+
+
+def frame_header(frame: torch.Tensor) -> tuple[int, int]:
+    """``(stage, k)`` of a frame (on CUDA: waits for the current stream)."""
+    return decode_header(int(frame[frame.numel() - _HEAD:].view(torch.int64).item()))
+
+
+def frame_payload(frame: torch.Tensor, meta: TensorMeta) -> torch.Tensor:
+    """The payload of a frame as a tensor of ``meta`` (a view: no copy)."""
+    return frame[:meta.nbytes].view(meta.dtype).view(meta.shape)
 #: At most this many sends may be unfinished before the oldest is waited for.
 MAX_PENDING_SENDS = 256
 
@@ -224,7 +249,7 @@ class P2PTransport:
 
     def _spawn(self, kind: ActionKind, src_rank: int, group, count: int, metas: dict[int, TensorMeta]) -> None:
         src, device = self.base + src_rank, self.device
-        room = _payload_bytes(max(metas[s].nbytes for s in self.stages if s in metas))
+        size = frame_bytes(max(metas[s].nbytes for s in self.stages if s in metas))
 
         def loop() -> None:
             try:
@@ -234,12 +259,10 @@ class P2PTransport:
                     stream = torch.cuda.Stream(device)
                 with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
                     for _ in range(count):
-                        frame = torch.empty(room + _HEAD, dtype=torch.uint8, device=device)
+                        frame = torch.empty(size, dtype=torch.uint8, device=device)
                         dist.recv(frame, src, group=group)
-                        # CUDA: .item() waits on this thread's stream only
-                        stage, k = decode_header(int(frame[room:].view(torch.int64).item()))
-                        meta = metas[stage]
-                        payload = frame[:meta.nbytes].view(meta.dtype).view(meta.shape)
+                        stage, k = frame_header(frame)  # CUDA: waits on this thread's stream only
+                        payload = frame_payload(frame, metas[stage])
                         event = None
                         if stream is not None:
                             event = torch.cuda.Event()
@@ -262,11 +285,7 @@ class P2PTransport:
         if dst == self.rank:  # both stages on this rank
             self.inbox.put((ActionKind.F if forward else ActionKind.B, dst_stage, k, tensor, None))
             return
-        nbytes = tensor.numel() * tensor.element_size()
-        room = _payload_bytes(self._frame_bytes[forward])
-        frame = torch.empty(room + _HEAD, dtype=torch.uint8, device=self.device)
-        frame[room:].view(torch.int64).fill_(encode_header(dst_stage, k))
-        frame[:nbytes].view(tensor.dtype).view(tensor.shape).copy_(tensor)
+        frame = pack_frame(tensor, dst_stage, k, frame_bytes(self._frame_bytes[forward]))
         pending = self._pending_sends
         pending.append((dist.isend(frame, self.base + dst, group=self._send_group[forward]), frame))
         # reap without waiting where the backend can tell (NCCL polls an event; gloo's sends
