@@ -1,0 +1,43 @@
+"""``unbubble bench`` without spawning processes: the module loads, the calibrated sleep is
+precise, and the report renders the targets (the timed parts run in ``unbubble bench`` only)."""
+
+import time
+
+from click.testing import CliRunner
+
+from unbubble.cli import cli
+from unbubble.cli.bench import bench, load_bench_module
+
+
+def test_bench_module_loads_and_its_sleep_is_calibrated():
+    mod = load_bench_module()
+    margin = mod.sleep_margin(samples=5, probe_s=0.001)
+    t = time.perf_counter()
+    mod.calibrated_sleep(0.01, margin)
+    assert 0.01 <= time.perf_counter() - t < 0.02
+
+
+def test_report_names_the_targets_and_the_simulator_ratio():
+    mod = load_bench_module()
+    systems = {name: {"tokens_per_s": 1000.0, "utilization": [0.8, 0.8], "busy_ms_per_mb": [10.0, 10.0]}
+               for name in ("unbubble 1f1b-flush", "torch Schedule1F1B")}
+    res = {
+        "config": {"n": 2, "m": 4, "steps": 2, "repeats": 1, "threads": 1, "sleep_n": 8, "sleep_m": 8, "sleep_steps": 1},
+        "machine": {"cpus": 2, "torch": "x", "load_avg_1min_before": 0.5, "load_avg_1min_after": 0.5},
+        "model": {"systems": systems, "ratios": {"flush / torch 1F1B": 1.0}, "bubble_ratio": 1.25,
+                  "targets": {"flush >= 0.95 x torch 1F1B": {"value": 1.0, "target": 0.95, "met": True}}},
+        "synthetic": {"f_s": 0.05, "b_s": 0.1, "schedules": {
+            "paci": {"runtime_makespan_s": 1.02, "simulated_makespan_s": 1.0, "ratio": 1.02, "within_5pct": True,
+                     "simulated_from_measured_durations_s": 1.01}},
+            "paci_speedup_over_flush": {"runtime": 1.4, "simulated": 1.45}},
+    }
+    text = mod.format_report(res)
+    assert "target flush >= 0.95 x torch 1F1B: 1.000 vs 0.950 -> met" in text
+    assert "within 5%: yes" in text and "runtime 1.400, simulator 1.450" in text
+
+
+def test_bench_command_is_registered():
+    # the command itself, not through the group: the group's logging set-up would outlive the test
+    assert cli.commands["bench"] is bench
+    out = CliRunner().invoke(bench, ["--help"])
+    assert out.exit_code == 0 and "torch.distributed.pipelining" in out.output
