@@ -13,21 +13,22 @@ from unbubble.experiments import EXPERIMENTS, get_experiment, update_results
 @pytest.mark.parametrize("name", ["delay-scaling", "br-ablation"])
 def test_experiment_tiny(name, tmp_path):
     assert name in EXPERIMENTS
-    out = fn_out = tmp_path / name
-    output = get_experiment(name)(fn_out, size="tiny")
+    output = get_experiment(name)(tmp_path / name, size="tiny")
     assert output.files and all(f.exists() and f.stat().st_size > 0 for f in output.files)
     rows = list(csv.DictReader(open(output.files[0])))
     assert rows
+    numbers = []
     for row in rows:
-        for key, value in row.items():
-            if value not in ("", "None", "True", "False") and key not in ("schedule", "variant", "optimizer", "allocation"):
-                if value.replace(".", "", 1).replace("-", "", 1).replace("e", "", 1).isdigit():
-                    assert math.isfinite(float(value))
+        for value in row.values():
+            try:
+                numbers.append(float(value))
+            except ValueError:
+                pass  # labels, True/False, empty (target not reached)
+    assert numbers and all(math.isfinite(x) for x in numbers)
     doc = tmp_path / "results.md"
     update_results(doc, name, output.markdown)
     update_results(doc, name, output.markdown)  # replacing a section keeps one copy
     assert doc.read_text().count(f"<!-- experiment:{name} -->") == 1
-    assert out.exists()
 
 
 def test_paci_stability_tiny_values(tmp_path):
