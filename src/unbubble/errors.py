@@ -11,3 +11,8 @@ class ConfigError(ValueError):
 
 class ScheduleError(RuntimeError):
     """A schedule is malformed or deadlocks; the message names the first offending action."""
+
+
+class NonFiniteError(RuntimeError):
+    """A stage met a non-finite loss or gradient under ``nan_policy="abort"``; the message
+    names the stage, the micro-batch and the weight version."""

@@ -11,13 +11,14 @@ from unbubble.optim import optimizer_state_bytes
 from unbubble.runtime.job import PipelineJob
 from unbubble.runtime.telemetry import Listener, RunResult, Telemetry, snapshot
 from unbubble.schedules.actions import Action, ActionKind
-from unbubble.schedules.policy import ListPolicy
+from unbubble.schedules.policy import CutPolicy, Cuts, ListPolicy
 from unbubble.sim.costs import UniformCosts
 from unbubble.sim.engine import ActionRecord, CostModel, run_policies
 
 
 def run_emulator(job: PipelineJob, costs: CostModel | None = None, replay: list[list[Action]] | None = None,
-                 listener: Listener | None = None, modules: list[torch.nn.Module] | None = None) -> RunResult:
+                 listener: Listener | None = None, modules: list[torch.nn.Module] | None = None,
+                 cuts: Cuts | None = None) -> RunResult:
     """Trains ``job`` with every stage in this process, in the order a cost model gives.
 
     Each action runs for real at its simulated start time, so the run is deterministic:
@@ -30,6 +31,13 @@ def run_emulator(job: PipelineJob, costs: CostModel | None = None, replay: list[
         replay: per-stage action lists to follow instead of the schedule's policies.
         listener: receives per-step losses and evaluations.
         modules: pre-built stage modules (else ``job.stage_fn`` builds them).
+        cuts: the run's cut points (default ``job.cuts()``); setting ``cuts.stop_requested``
+            (a signal handler does) stops the run at the next step boundary, after a checkpoint
+            when ``job.checkpoint`` is set.
+
+    With ``job.checkpoint.resume_step = V`` every stage starts from its saved state; the
+    simulated schedule is replayed from step 0 and actions before the cut after V are skipped,
+    so the resumed run executes exactly what the uninterrupted one executes after that cut.
 
     Returns:
         A :class:`RunResult` whose ``trace`` holds measured wall times and ``sim_trace`` the
@@ -44,36 +52,66 @@ def run_emulator(job: PipelineJob, costs: CostModel | None = None, replay: list[
                           "use the processes engine for data parallelism (set --engine processes)")
     n = job.schedule.n_stages
     execs = [job.build_executor(s, None if modules is None else modules[s]) for s in range(n)]
-    telemetry = Telemetry(job, listener)
-    if job.wants_snapshot(0):
+    cuts = cuts or job.cuts()
+    start = job.start_step
+    if start:
+        for ex in execs:  # one process: one RNG stream, equal in every stage's file
+            job.load_checkpoint(ex, restore_rng=ex.stage == 0)
+    telemetry = Telemetry(job, listener, start_step=start)
+    if job.wants_snapshot(0) and not start:
         for ex in execs:
             telemetry.add_snapshot(ex.stage, 0, snapshot(ex.module))
     mailbox: dict[tuple[int, ActionKind, int], torch.Tensor] = {}
+    skip_mb = start * job.schedule.mb_per_step
+    updates_seen = [0] * n  # U actions replayed per stage, to skip those before the cut
+    saved: set[tuple[int, int]] = set()
     t0 = time.perf_counter()
+
+    def checkpoint(ex) -> None:
+        if job.checkpoint is not None and (ex.stage, ex.version) not in saved:
+            saved.add((ex.stage, ex.version))
+            job.save_checkpoint(ex, cuts.stop_step)
 
     def execute(action: Action) -> None:
         ex = execs[action.stage]
+        if action.kind is ActionKind.U:
+            updates_seen[action.stage] += 1
+            if updates_seen[action.stage] <= start:
+                return
+        elif action.mb < skip_mb:
+            return
         payload = None
         if action.kind is ActionKind.F and not ex.is_first:
             payload = mailbox.pop((action.stage, ActionKind.F, action.mb))
         elif action.kind in (ActionKind.B, ActionKind.I) and not ex.is_last:
             payload = mailbox.pop((action.stage, ActionKind.B, action.mb))
         version, weights = ex.version, ex.weights_version(action)
-        start = time.perf_counter() - t0
+        t_start = time.perf_counter() - t0
         out = ex.run(action, payload)
-        telemetry.add_record(ActionRecord(action, start, time.perf_counter() - t0, version, weights))
+        telemetry.add_record(ActionRecord(action, t_start, time.perf_counter() - t0, version, weights))
         if out is not None:
             forward = action.kind is ActionKind.F
             mailbox[(action.stage + 1 if forward else action.stage - 1,
                      ActionKind.F if forward else ActionKind.B, action.mb)] = out
+        while ex.events:
+            telemetry.add_event(ex.events.pop(0))
         if action.kind is ActionKind.U:
             if ex.is_last and ex.last_step_loss is not None:
                 telemetry.add_step_loss(ex.last_step_loss)
             if job.wants_snapshot(ex.version):
                 telemetry.add_snapshot(action.stage, ex.version, snapshot(ex.module))
+            if cuts.is_cut(ex.version) or ex.version == job.schedule.steps:
+                checkpoint(ex)
+        if cuts.stop_step is not None:  # stages already at the stop step save now
+            for other in execs:
+                if other.version == cuts.stop_step and other.idle:
+                    checkpoint(other)
 
-    policies = None if replay is None else [ListPolicy(acts) for acts in replay]
+    policies = [ListPolicy(acts) for acts in replay] if replay is not None else \
+        [job.schedule.policy(r) for r in range(job.schedule.n_ranks)]
+    policies = [CutPolicy(p, cuts) for p in policies]
     sim = run_policies(job.schedule, costs or UniformCosts(), execute, policies)
     wall = time.perf_counter() - t0
     return telemetry.result([ex.module.state_dict() for ex in execs], wall, sim_trace=sim,
-                            optimizer_bytes=[optimizer_state_bytes(ex.optimizer) for ex in execs])
+                            optimizer_bytes=[optimizer_state_bytes(ex.optimizer) for ex in execs],
+                            stopped_at=cuts.stop_step)

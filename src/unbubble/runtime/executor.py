@@ -3,14 +3,23 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Callable
+import logging
+import math
+from typing import Any, Callable
 
 import torch
 from torch import nn
 from torch.func import functional_call
 
+from unbubble.errors import NonFiniteError
 from unbubble.runtime.versions import keep_version_counters
 from unbubble.schedules.actions import Action, ActionKind
+
+log = logging.getLogger(__name__)
+
+#: What a stage does with a micro-batch whose loss or gradient is not finite
+#: ([Note: non-finite guard]).
+NAN_POLICIES = ("skip", "lower-lr", "abort", "off")
 
 BatchFn = Callable[[int], tuple[torch.Tensor, torch.Tensor]]
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -50,6 +59,9 @@ class StageExecutor:
             over the replicas, ``data_parallel.GradientAverager``); ``None`` for one replica.
         device: where the module lives; micro-batches from ``batch_fn`` are moved there.
             ``None`` leaves them where ``batch_fn`` puts them.
+        nan_policy: the non-finite guard, one of :data:`NAN_POLICIES` ([Note: non-finite guard]).
+        nan_lr_factor: with ``"lower-lr"``, the stage's learning rate is multiplied by this
+            after each dropped micro-batch.
 
     On CUDA nothing in F, B, I or W synchronises with the host: the last stage keeps each
     micro-batch's loss as a device tensor and reads the step's losses once, at ``U``.
@@ -60,7 +72,7 @@ class StageExecutor:
                  lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
                  clip_grad_norm: float | None = None, backward_weights: str = "current",
                  velocity_decay: float = 0.9, grad_sync: Callable[[list, float | None], float | None] | None = None,
-                 device: torch.device | None = None):
+                 device: torch.device | None = None, nan_policy: str = "skip", nan_lr_factor: float = 0.5):
         self.stage, self.n_stages = stage, n_stages
         self.module, self.loss_fn, self.batch_fn = module, loss_fn, batch_fn
         self.optimizer, self.lr_scheduler = optimizer, lr_scheduler
@@ -78,6 +90,10 @@ class StageExecutor:
         self.losses: dict[int, torch.Tensor] = {}  # k -> unscaled loss, detached 0-dim (last stage)
         self._step_losses: list[torch.Tensor] = []  # losses of the micro-batches in the current update
         self.last_step_loss: float | None = None  # mean loss of the last update (last stage)
+        self.nan_policy, self.nan_lr_factor = nan_policy, nan_lr_factor
+        self.lr_factor = 1.0  # product of the guard's learning-rate cuts
+        self.events: list[dict[str, Any]] = []  # non-finite micro-batches this stage dropped
+        self._dropped: set[int] = set()  # split backward (I then W): dropped at I
 
     @property
     def is_first(self) -> bool:
@@ -128,11 +144,20 @@ class StageExecutor:
 
         Returns:
             Gradient w.r.t. this stage's input, to send to the previous stage, or ``None`` on
-            the first stage.
+            the first stage. A NaN-filled tensor if the guard dropped ``k``.
+
+        Raises:
+            NonFiniteError: non-finite loss or gradient under ``nan_policy="abort"``.
         """
         inp, out = self.store.pop(k)
+        if self._incoming_bad(k, grad):
+            return self._drop(k, inp, self._incoming_reason(grad))
+        held = self._hold_grads()
         with self._backward_weights(k):
             out.backward(None if self.is_last else grad)
+        if held is not None and not self._new_grads_finite(k, inp):
+            return self._drop(k, inp, "gradient", held)
+        self._merge_grads(held)
         self._finish(k)
         return None if inp is None else inp.grad
 
@@ -144,18 +169,123 @@ class StageExecutor:
         """
         inp, out = self.store[k]
         self.store[k] = (inp, out, grad)
+        if self._incoming_bad(k, grad):
+            self._dropped.add(k)
+            return self._poison(inp, k, self._incoming_reason(grad))
         if inp is None:
             return None
         with self._backward_weights(k):
             (gx,) = torch.autograd.grad(out, inp, None if self.is_last else grad, retain_graph=True)
+        if self.nan_policy != "off" and not _finite([gx]):
+            self._dropped.add(k)
+            return self._poison(inp, k, "input gradient")
         return gx
 
     def backward_weight(self, k: int) -> None:
         """``W``: the weight gradient of micro-batch ``k`` (after its ``I``), accumulated into ``.grad``."""
-        _, out, grad = self.store.pop(k)
+        inp, out, grad = self.store.pop(k)
+        if k in self._dropped:
+            self._dropped.discard(k)
+            self._release(k)
+            return
+        held = self._hold_grads()
         with self._backward_weights(k):
             torch.autograd.backward(out, None if self.is_last else grad, inputs=self._grad_targets(k))
+        if held is not None and not self._new_grads_finite(k, None):
+            self._drop(k, None, "weight gradient", held)
+            return
+        self._merge_grads(held)
         self._finish(k)
+
+    # -- [Note: non-finite guard] -------------------------------------------------------------
+    # A micro-batch whose loss (last stage), incoming gradient or own gradients are not finite
+    # contributes nothing: its gradients are computed apart from the accumulated ones (the
+    # ``.grad`` of earlier micro-batches is held aside and added back, the very addition
+    # autograd would do, so a clean run is bit-identical with the guard on or off) and dropped,
+    # and the stage sends a NaN-filled gradient upstream, which every earlier stage recognises
+    # and drops in turn. Stages downstream of the one that found it have already applied their
+    # (finite) part. The update still happens, with the other micro-batches' gradients and
+    # the usual 1/a (1/m) scale. "lower-lr" also multiplies the stage's learning rate by
+    # ``nan_lr_factor``; "abort" raises ``NonFiniteError``. Each drop is logged with stage,
+    # micro-batch and weight version (``events``). On CUDA each check is one host
+    # synchronisation per backward; ``nan_policy="off"`` removes them.
+
+    def _incoming_bad(self, k: int, grad: torch.Tensor | None) -> bool:
+        if self.nan_policy == "off":
+            return False
+        if self.is_last:
+            return not math.isfinite(float(self.losses[k]))
+        return not _finite([grad])
+
+    def _incoming_reason(self, grad) -> str:
+        if self.is_last:
+            return "loss"
+        return "gradient from the next stage"
+
+    def _hold_grads(self) -> list | None:
+        """Sets the accumulated gradients aside so the next backward's land alone (guard on)."""
+        if self.nan_policy == "off":
+            return None
+        held = [p.grad for p in self.params]
+        for p in self.params:
+            p.grad = None
+        return held
+
+    def _new_grads_finite(self, k: int, inp: torch.Tensor | None) -> bool:
+        new = [t.grad for t in self._grad_targets(k) if t.grad is not None]
+        if inp is not None and inp.grad is not None:
+            new.append(inp.grad)
+        return _finite(new)
+
+    def _merge_grads(self, held: list | None) -> None:
+        if held is None:
+            return
+        for p, g in zip(self.params, held):
+            if g is not None:
+                p.grad = g if p.grad is None else g.add_(p.grad)
+
+    def _drop(self, k: int, inp, what: str, held: list | None = None) -> torch.Tensor | None:
+        """Discards micro-batch ``k``'s contribution and returns the poison for upstream."""
+        if held is not None:
+            for p, g in zip(self.params, held):
+                p.grad = g
+        for t in self._grad_targets(k):
+            if t is not None and self.backward_weights == "stashed":
+                t.grad = None
+        poison = self._poison(inp, k, what)
+        self._release(k)
+        return poison
+
+    def _poison(self, inp, k: int, what: str) -> torch.Tensor | None:
+        event = {"stage": self.stage, "mb": k, "version": self.version, "what": what, "policy": self.nan_policy}
+        if self.nan_policy == "abort":
+            raise NonFiniteError(f"stage {self.stage}: non-finite {what} in micro-batch {k} at weight version "
+                                 f"{self.version} (nan_policy='abort'; 'skip' drops the micro-batch instead)")
+        if self.nan_policy == "lower-lr":
+            self._scale_lr(self.nan_lr_factor)
+            event["lr_factor"] = self.lr_factor
+        self.events.append(event)
+        log.warning("stage %d dropped micro-batch %d at weight version %d: non-finite %s", self.stage, k,
+                    self.version, what)
+        return None if inp is None else torch.full_like(inp, math.nan)
+
+    def _scale_lr(self, factor: float) -> None:
+        self.lr_factor *= factor
+        for group in self.optimizer.param_groups:
+            group["lr"] *= factor
+        if self.lr_scheduler is not None:  # LambdaLR recomputes lr from base_lrs each step
+            self.lr_scheduler.base_lrs = [lr * factor for lr in self.lr_scheduler.base_lrs]
+
+    def _release(self, k: int) -> None:
+        """Forgets micro-batch ``k`` without using its gradients."""
+        version = self.fwd_version.pop(k)
+        if self.is_last:
+            self.losses.pop(k, None)
+        if self.backward_weights == "stashed":
+            entry = self.stash[version]
+            entry[1] -= 1
+            if entry[1] == 0 and version != self.version:
+                del self.stash[version]
 
     # -- weight versions for the backward ----------------------------------------------------
     def _stashed_weights(self) -> dict[str, torch.Tensor]:
@@ -221,6 +351,48 @@ class StageExecutor:
         """Weight versions held besides the live parameters (stashed copies)."""
         return len(self.stash)
 
+    @property
+    def idle(self) -> bool:
+        """True at a cut: no stored activation, stashed version or accumulated gradient."""
+        return not (self.store or self.stash or self._step_losses or any(p.grad is not None for p in self.params))
+
+    def state_dict(self) -> dict[str, Any]:
+        """The stage's training state at a cut ([Note: the checkpoint cut] in ``checkpoint.py``).
+
+        Raises:
+            RuntimeError: the stage is not idle (something is in flight).
+        """
+        if not self.idle:
+            raise RuntimeError(f"stage {self.stage} is not at a cut: {len(self.store)} micro-batches in flight, "
+                               f"{len(self.stash)} stashed versions")
+        sched = self.lr_scheduler
+        return {
+            "version": self.version,
+            "model": self.module.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "lr_scheduler": None if sched is None else {"last_epoch": sched.last_epoch,
+                                                        "base_lrs": list(sched.base_lrs)},
+            "velocity": self.velocity,
+            "lr_factor": self.lr_factor,
+            "last_step_loss": self.last_step_loss,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restores :meth:`state_dict`'s output (the module must have the same parameters)."""
+        self.module.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        sched = self.lr_scheduler
+        if sched is not None and state["lr_scheduler"] is not None:
+            sched.last_epoch = state["lr_scheduler"]["last_epoch"]
+            sched.base_lrs = list(state["lr_scheduler"]["base_lrs"])
+            sched._last_lr = [group["lr"] for group in self.optimizer.param_groups]
+        if self.velocity is not None and state["velocity"] is not None:
+            for v, saved in zip(self.velocity, state["velocity"]):
+                v.copy_(saved)
+        self.version = state["version"]
+        self.lr_factor = state["lr_factor"]
+        self.last_step_loss = state["last_step_loss"]
+
     def update(self) -> None:
         """Applies the accumulated gradients, zeroes them and bumps the weight version.
 
@@ -269,3 +441,11 @@ class StageExecutor:
             self.update()
             return None
         raise NotImplementedError(f"action {action}: kind {action.kind.value} is not supported by this executor")
+
+
+def _finite(tensors: list[torch.Tensor | None]) -> bool:
+    """True if every element of ``tensors`` is finite (one host synchronisation)."""
+    ts = [t for t in tensors if t is not None]
+    if not ts:
+        return True
+    return bool(torch.isfinite(torch.stack([t.detach().float().abs().amax() for t in ts])).all())

@@ -9,9 +9,12 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from unbubble.runtime.checkpoint import Checkpointing, check_fingerprint, fingerprint, load_stage, rng_state, \
+    save_stage, set_rng_state
 from unbubble.runtime.data_parallel import replica_batch
 from unbubble.runtime.executor import BatchFn, LossFn, StageExecutor
 from unbubble.optim.lr_rescheduling import PipeDreamLR
+from unbubble.schedules.policy import Cuts
 from unbubble.schedules.registry import Schedule
 
 StageFn = Callable[[int], nn.Module]
@@ -51,6 +54,11 @@ class PipelineJob:
         dp: D, data-parallel pipeline replicas (process engine only): D·R processes, the
             replicas of a stage average their gradients right before each of its updates.
             Each optimizer step then consumes D·mb_per_step micro-batches of data.
+        checkpoint: where and how often stages save their state, and the step to resume
+            from ([Note: the checkpoint cut] in ``runtime/checkpoint.py``); ``None``: never.
+        nan_policy: the non-finite guard (skip, lower-lr, abort, off; [Note: non-finite guard]
+            in ``executor.py``).
+        nan_lr_factor: learning-rate factor per dropped micro-batch with ``"lower-lr"``.
     """
 
     stage_fn: StageFn
@@ -66,6 +74,9 @@ class PipelineJob:
     delay_lr: bool = False
     delay_lr_anneal_steps: int | None = None
     dp: int = 1
+    checkpoint: Checkpointing | None = None
+    nan_policy: str = "skip"
+    nan_lr_factor: float = 0.5
 
     def build_executor(self, stage: int, module: nn.Module | None = None, replica: int = 0,
                        grad_sync=None, device: torch.device | None = None) -> StageExecutor:
@@ -95,7 +106,44 @@ class PipelineJob:
             stage, self.schedule.n_stages, module, self.loss_fn if stage == self.schedule.n_stages - 1 else None,
             batch_fn, optimizer, self.schedule.loss_scale, sched, self.clip_grad_norm,
             backward_weights=self.schedule.backward_weights, grad_sync=grad_sync, device=device,
+            nan_policy=self.nan_policy, nan_lr_factor=self.nan_lr_factor,
         )
+
+    # -- checkpoints ([Note: the checkpoint cut]) --------------------------------------------------
+    def cuts(self) -> Cuts:
+        """This job's cut points (one object per process, shared by its policies)."""
+        ck = self.checkpoint
+        return Cuts(self.schedule.mb_per_step, every=0 if ck is None else ck.every,
+                    extra=() if ck is None else ck.extra_cuts, decide=self.dp == 1)
+
+    @property
+    def start_step(self) -> int:
+        """The update the run starts after (0, or the checkpoint it resumes)."""
+        ck = self.checkpoint
+        return 0 if ck is None or ck.resume_step is None else ck.resume_step
+
+    def save_checkpoint(self, ex: StageExecutor, stop_step: int | None = None) -> None:
+        """Writes stage ``ex``'s file for the cut at its current version."""
+        ck = self.checkpoint
+        extra = tuple(sorted(set(ck.extra_cuts) | ({stop_step} if stop_step is not None else set())))
+        save_stage(ck.directory, ex.version, ex.stage, {
+            "executor": ex.state_dict(), "rng": rng_state(ex.device),
+            "next_mb": ex.version * self.schedule.mb_per_step, "extra_cuts": list(extra),
+            "fingerprint": fingerprint(self, ex.stage, ex.module)}, keep=ck.keep)
+
+    def load_checkpoint(self, ex: StageExecutor, restore_rng: bool = True) -> None:
+        """Restores stage ``ex`` from the checkpoint of ``checkpoint.resume_step``.
+
+        Raises:
+            ConfigError: missing or unreadable file, or one written by another configuration.
+        """
+        ck = self.checkpoint
+        data = load_stage(ck.directory, ck.resume_step, ex.stage)
+        check_fingerprint(data["fingerprint"], fingerprint(self, ex.stage, ex.module),
+                          f"{ck.directory}/step-{ck.resume_step:08d}")
+        ex.load_state_dict(data["executor"])
+        if restore_rng:
+            set_rng_state(data["rng"], ex.device)
 
     def wants_snapshot(self, version: int) -> bool:
         """True if the weights of ``version`` are to be evaluated."""

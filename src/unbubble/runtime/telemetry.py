@@ -21,6 +21,8 @@ class Listener(Protocol):
 
     def on_eval(self, version: int, val_loss: float) -> None: ...
 
+    def on_event(self, event: dict[str, Any]) -> None: ...
+
 
 @dataclass
 class RunResult:
@@ -38,6 +40,10 @@ class RunResult:
             or samples if unknown.
         optimizer_bytes: per stage, ``unbubble.optim.optimizer_state_bytes`` of its optimizer
             at the end (state bytes, extra bytes over AdamW, multiples of the parameters).
+        start_step: the update the run started after (0, or the checkpoint it resumed);
+            ``step_losses[i]`` belongs to update ``start_step + i + 1``.
+        stopped_at: the step T a stop (SIGINT/SIGTERM) ended the run at, else ``None``.
+        events: micro-batches the non-finite guard dropped (stage, mb, version, what, policy).
     """
 
     trace: Trace
@@ -48,6 +54,9 @@ class RunResult:
     wall_s: float
     tokens: int
     optimizer_bytes: list[dict] = field(default_factory=list)
+    start_step: int = 0
+    stopped_at: int | None = None
+    events: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def tokens_per_s(self) -> float:
@@ -66,8 +75,9 @@ class Telemetry:
     the interleaving, and the emulator and the process engine report identical values.
     """
 
-    def __init__(self, job: PipelineJob, listener: Listener | None = None):
-        self.job, self.listener = job, listener
+    def __init__(self, job: PipelineJob, listener: Listener | None = None, start_step: int = 0):
+        self.job, self.listener, self.start_step = job, listener, start_step
+        self.events: list[dict[str, Any]] = []
         n = job.schedule.n_stages
         self.trace = Trace(n, n_ranks=job.schedule.n_ranks)
         self.step_losses: list[float] = []
@@ -94,11 +104,17 @@ class Telemetry:
         if self.listener is not None:
             elapsed = time.perf_counter() - self.t0
             mb_tokens = (self.job.tokens_per_mb or 1) * self.job.dp  # every replica forwards its own
-            self.listener.on_step(len(self.step_losses), loss, {
+            self.listener.on_step(self.start_step + len(self.step_losses), loss, {
                 "tok_per_s": self._n_fwd_first * mb_tokens / elapsed if elapsed > 0 else 0.0,
                 "max_drift": max(self._max_drift),
                 "elapsed_s": elapsed,
             })
+
+    def add_event(self, event: dict[str, Any]) -> None:
+        """A micro-batch dropped by the non-finite guard."""
+        self.events.append(event)
+        if self.listener is not None and hasattr(self.listener, "on_event"):
+            self.listener.on_event(event)
 
     def add_snapshot(self, stage: int, version: int, state: dict[str, torch.Tensor]) -> None:
         got = self._snapshots.setdefault(version, {})
@@ -116,11 +132,14 @@ class Telemetry:
                 self.listener.on_eval(version, val)
 
     def result(self, final_states: list[dict], wall_s: float, sim_trace: Trace | None = None,
-               optimizer_bytes: list[dict] | None = None) -> RunResult:
+               optimizer_bytes: list[dict] | None = None, stopped_at: int | None = None) -> RunResult:
         self.trace.records.sort(key=lambda r: (r.start, r.action.stage))
-        tokens = self.job.schedule.total_mb * (self.job.tokens_per_mb or 1) * self.job.dp
+        sched = self.job.schedule
+        end = sched.steps if stopped_at is None else stopped_at
+        tokens = (end - self.start_step) * sched.mb_per_step * (self.job.tokens_per_mb or 1) * self.job.dp
         return RunResult(self.trace, sim_trace, self.step_losses, sorted(self.val_losses),
-                         final_states, wall_s, tokens, optimizer_bytes or [])
+                         final_states, wall_s, tokens, optimizer_bytes or [], self.start_step, stopped_at,
+                         self.events)
 
 
 def snapshot(module: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -168,3 +168,113 @@ class ListPolicy:
 
     def done(self, state: StageState) -> bool:
         return state.n_actions >= len(self.actions)
+
+
+@dataclass
+class Cuts:
+    """Where a run drains for a checkpoint, and where it stops
+    ([Note: the checkpoint cut] in ``runtime/checkpoint.py``).
+
+    A *cut* after update V is a point where no micro-batch is in flight on any stage: every
+    micro-batch ``< V·mb_per_step`` is done and none after it has started. Flushed schedules
+    reach one after every update; asynchronous ones only where :class:`CutPolicy` drains.
+
+    Attributes:
+        mb_per_step: micro-batches per update.
+        every: K: a cut after every K-th update (0: none but the end and the stop).
+        extra: further cut steps (a stop placed by an earlier run, replayed on resume).
+        stop_step: T once a stop has been placed: the run ends at the cut after update T.
+        stop_requested: a stop was asked for (SIGINT/SIGTERM) and not yet placed.
+        decide: whether this process places the stop itself when it hosts stage 0 (``False``
+            with data-parallel replicas, which agree on T collectively).
+    """
+
+    mb_per_step: int
+    every: int = 0
+    extra: tuple[int, ...] = ()
+    stop_step: int | None = None
+    stop_requested: bool = False
+    decide: bool = True
+
+    def is_cut(self, step: int) -> bool:
+        """True if the pipeline is drained after update ``step`` (≥ 1)."""
+        return step == self.stop_step or step in self.extra or (self.every > 0 and step % self.every == 0)
+
+    def place_stop(self, n_fwd: int) -> int:
+        """Places the stop at the first step boundary stage 0 has not passed: T = ⌈n_fwd / mb_per_step⌉
+        (every micro-batch already forwarded finishes; none is dropped)."""
+        if self.stop_step is None:
+            self.stop_step = -(-n_fwd // self.mb_per_step)
+        return self.stop_step
+
+
+class CutPolicy:
+    """Wraps a rank's policy with checkpoint cuts and a stop (:class:`Cuts`).
+
+    * Drain: stage 0 does not forward the first micro-batch after a cut step V
+      (``k = V·mb_per_step``) until its own update V is applied. Everything before the cut
+      then finishes on every stage before anything after it starts (backward passes reach
+      stage 0 last), and each stage is idle at its update V. Flushed schedules already order
+      their lists this way, so for them this never waits.
+    * Stop: once ``cuts.stop_step = T``, no forward of ``k ≥ T·mb_per_step`` starts and the rank
+      is done when each of its stages has applied update T.
+
+    Args:
+        inner: the schedule's policy for this rank.
+        cuts: shared by every policy of one process (one object in the emulator).
+    """
+
+    def __init__(self, inner, cuts: Cuts):
+        self.inner, self.cuts = inner, cuts
+
+    @staticmethod
+    def _states(view) -> list[StageState]:
+        return list(view.states.values()) if isinstance(view, RankView) else [view]
+
+    def next_action(self, view) -> Action | None:
+        cuts = self.cuts
+        states = self._states(view)
+        first = next((st for st in states if st.stage == 0), None)
+        if first is not None and cuts.stop_requested and cuts.decide and cuts.stop_step is None:
+            cuts.place_stop(first.n_fwd)
+        action = self.inner.next_action(view)
+        if action is None or action.kind is not ActionKind.F:
+            return action
+        m = cuts.mb_per_step
+        if cuts.stop_step is not None and action.mb >= cuts.stop_step * m:
+            return None
+        if action.stage == 0 and action.mb > 0 and action.mb % m == 0 and cuts.is_cut(action.mb // m) \
+                and first.version < action.mb // m:
+            return None  # drain: wait for this stage's own update at the cut
+        return action
+
+    def done(self, view) -> bool:
+        t = self.cuts.stop_step
+        if t is not None and all(st.version >= t for st in self._states(view)):
+            return True
+        return self.inner.done(view)
+
+
+def resume_state(state: StageState, step: int, mb_per_step: int) -> None:
+    """Moves a fresh :class:`StageState` to the cut after update ``step``: every micro-batch
+    ``< step·mb_per_step`` forwarded and backwarded, version ``step``, nothing in flight."""
+    state.n_fwd = state.n_bwd = step * mb_per_step
+    state.version = step
+
+
+def resume_position(actions: list[Action], stages: list[int], step: int) -> int:
+    """Index in a rank's action list right after the last of its stages' ``step``-th ``U``
+    (where a run resumed at the cut after update ``step`` continues; 0 if ``step`` is 0).
+
+    Raises:
+        ValueError: the list has fewer than ``step`` updates for one of ``stages``.
+    """
+    if step == 0:
+        return 0
+    seen = dict.fromkeys(stages, 0)
+    for i, a in enumerate(actions):
+        if a.kind is ActionKind.U:
+            seen[a.stage] += 1
+            if all(c >= step for c in seen.values()):
+                return i + 1
+    raise ValueError(f"the action list has fewer than {step} updates for stages {stages}")

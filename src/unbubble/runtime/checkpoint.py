@@ -1,0 +1,161 @@
+"""Checkpoints of a running pipeline: one file per stage, written at drained cuts.
+
+[Note: the checkpoint cut]
+A checkpoint is taken at a *cut*: the boundary after update V where no micro-batch is in flight
+on any stage. V is a multiple of the checkpoint interval K, the last step, or the step T at which
+a stop (SIGINT/SIGTERM) was placed. Flushed schedules (GPipe, 1F1B, interleaved, ZB) reach a cut
+after every update. Asynchronous ones (PACI, PipeDream, 2BW, PipeMare) never flush, so at a cut
+stage 0 holds back the forward of micro-batch V·mb_per_step until its own update V is applied
+(``schedules.policy.CutPolicy``): the pipeline drains once per K steps, a cool-down and warm-up of
+≈ (N−1)(F+B) per K·mb_per_step micro-batches (< 1 % at K=100, N=4, a=4), and the drift bounds
+still hold. The in-flight state (activations with their autograd graphs) is never saved: at a
+cut there is none.
+
+At its update V each stage is idle — no stored activation, no accumulated gradient, no stashed
+weight version — and writes its own file without waiting for the others (no global
+synchronisation). A checkpoint is *complete* when every stage's file exists; files are written
+to a temporary name and renamed, so a file that exists is whole. Before any stage writes the
+cut after V' > V, every stage has written V (the micro-batches after V pass through all of
+them first), so keeping each stage's newest two files always keeps a complete checkpoint.
+
+A stage file holds: model, optimizer and learning-rate scheduler state, weight version V, the
+PipeMare velocity (T2), the non-finite guard's learning-rate factor, the RNG states, the data
+position (next micro-batch id V·mb_per_step; the accumulation counter is 0 at a cut) and a
+fingerprint of the run (schedule, N, micro-batches per step, steps, D, parameter shapes) that
+resume checks. Resuming restarts every stage at the cut; the emulator replays the simulated
+schedule from step 0 and executes from the cut on, so an interrupted and resumed run is
+bit-identical to an uninterrupted one with the same cuts.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from unbubble.errors import ConfigError
+
+FORMAT = 1
+_STEP_DIR = re.compile(r"^step-(\d{8})$")
+
+
+@dataclass(frozen=True)
+class Checkpointing:
+    """Checkpoint settings of a job.
+
+    Attributes:
+        directory: folder of the ``step-VVVVVVVV/stage-SSS.pt`` files.
+        every: K: a checkpoint at every K-th update (0: only at the end and on a stop).
+        keep: complete checkpoints kept (each stage deletes its older files), ≥ 2.
+        resume_step: start from the complete checkpoint of this step (``None``: from scratch).
+        extra_cuts: steps where an earlier run stopped (replayed so the schedule is the same).
+    """
+
+    directory: str
+    every: int = 0
+    keep: int = 2
+    resume_step: int | None = None
+    extra_cuts: tuple[int, ...] = ()
+
+
+def stage_path(directory: str | Path, step: int, stage: int) -> Path:
+    return Path(directory) / f"step-{step:08d}" / f"stage-{stage:03d}.pt"
+
+
+def complete_steps(directory: str | Path, n_stages: int) -> list[int]:
+    """Steps whose checkpoint has a file for each of ``n_stages`` stages, ascending."""
+    root = Path(directory)
+    if not root.is_dir():
+        return []
+    steps = []
+    for d in root.iterdir():
+        m = _STEP_DIR.match(d.name)
+        if m and all(stage_path(root, int(m.group(1)), s).is_file() for s in range(n_stages)):
+            steps.append(int(m.group(1)))
+    return sorted(steps)
+
+
+def save_stage(directory: str | Path, step: int, stage: int, payload: dict[str, Any], keep: int = 2) -> Path:
+    """Writes one stage's file atomically (temporary file, fsync, rename), then deletes this
+    stage's files of all but the newest ``keep`` steps."""
+    path = stage_path(directory, step, stage)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "wb") as f:
+        torch.save({"format": FORMAT, **payload}, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    root = Path(directory)
+    mine = sorted(int(m.group(1)) for d in root.iterdir() if (m := _STEP_DIR.match(d.name))
+                  and stage_path(root, int(m.group(1)), stage).is_file())
+    for old in mine[:-keep]:
+        stage_path(root, old, stage).unlink(missing_ok=True)
+        try:
+            stage_path(root, old, stage).parent.rmdir()  # the last stage to leave removes the folder
+        except OSError:
+            pass
+    return path
+
+
+def load_stage(directory: str | Path, step: int, stage: int) -> dict[str, Any]:
+    """Reads one stage's file (tensors and plain containers only: ``weights_only=True``).
+
+    Raises:
+        ConfigError: the file is missing, unreadable or of another format.
+    """
+    path = stage_path(directory, step, stage)
+    try:
+        data = torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise ConfigError(f"checkpoint file {str(path)!r} is missing: the checkpoint of step {step} is incomplete") \
+            from None
+    except Exception as exc:  # noqa: BLE001 - any unpickling error means a damaged file
+        raise ConfigError(f"checkpoint file {str(path)!r} cannot be read ({type(exc).__name__}: {exc}); "
+                          "delete that step's folder to resume from the previous checkpoint") from None
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        raise ConfigError(f"checkpoint file {str(path)!r} is not an unbubble checkpoint of format {FORMAT}")
+    return data
+
+
+def fingerprint(job, stage: int, module: torch.nn.Module) -> dict[str, Any]:
+    """What must match between the run that wrote a stage file and the run that resumes it."""
+    s = job.schedule
+    return {"schedule": s.name, "n_stages": s.n_stages, "mb_per_step": s.mb_per_step, "steps": s.steps,
+            "dp": job.dp, "stage": stage,
+            "params": {n: list(p.shape) for n, p in module.state_dict().items()}}
+
+
+def check_fingerprint(saved: dict[str, Any], expected: dict[str, Any], where: str) -> None:
+    """Raises:
+        ConfigError: naming the first field that differs and both values."""
+    labels = {"schedule": "schedule", "n_stages": "stages", "mb_per_step": "micro-batches per step",
+              "steps": "steps", "dp": "dp", "stage": "stage"}
+    for key, label in labels.items():
+        if saved.get(key) != expected[key]:
+            raise ConfigError(f"checkpoint {where} was written with {label}={saved.get(key)!r} but this run has "
+                              f"{label}={expected[key]!r}: resume with the configuration that wrote it")
+    got, want = saved.get("params", {}), expected["params"]
+    if got != want:
+        diff = sorted(set(got) ^ set(want)) or [n for n in want if got[n] != want[n]]
+        name = diff[0]
+        raise ConfigError(f"checkpoint {where} holds another model: parameter {name!r} is "
+                          f"{got.get(name, 'absent')} there and {want.get(name, 'absent')} in this run "
+                          "(resume with the same --model, --stages and tokenizer)")
+
+
+def rng_state(device: torch.device | None) -> dict[str, torch.Tensor]:
+    state = {"cpu": torch.get_rng_state()}
+    if device is not None and device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def set_rng_state(state: dict[str, torch.Tensor], device: torch.device | None) -> None:
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state and device is not None and device.type == "cuda":
+        torch.cuda.set_rng_state(state["cuda"], device)
