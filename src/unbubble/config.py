@@ -12,6 +12,8 @@ from unbubble.schedules.registry import SCHEDULES
 
 ENGINES = ("emulator", "processes")
 TOKENIZERS = ("byte", "gpt2")
+#: What a stage does with a non-finite micro-batch ([Note: non-finite guard] in runtime/executor.py).
+NAN_POLICIES = ("skip", "lower-lr", "abort", "off")
 OPTIMIZERS = ("adamw", "basis-rotation", "nesterov", "nadam", "pipedream-lr")
 
 
@@ -51,6 +53,11 @@ class TrainConfig:
     seed: int = field(default=0, metadata={"help": "Seed of the initial weights and of the data order."})
     eval_interval: int = field(default=50, metadata={"help": 'Evaluate the version-v weights every this many steps (and at the end).'})
     eval_batches: int = field(default=8, metadata={"help": 'Validation micro-batches per evaluation.'})
+    checkpoints: bool = field(default=True, metadata={"help": "Save checkpoints into RUN/checkpoints (every --checkpoint-every steps, at the end, and when SIGINT/SIGTERM stops the run); continue with --resume RUN."})
+    checkpoint_every: int = field(default=100, metadata={"help": "Checkpoint after every K-th update (0: only at the end and on a stop). Asynchronous schedules drain the pipeline once per K steps for it."})
+    nan_policy: Literal["skip", "lower-lr", "abort", "off"] = field(default="skip", metadata={"help": "A micro-batch with a non-finite loss or gradient: skip (it contributes nothing; logged), lower-lr (skip and multiply that stage's lr by --nan-lr-factor), abort (stop with an error), off (no checks)."})
+    nan_lr_factor: float = field(default=0.5, metadata={"help": "Learning-rate factor per dropped micro-batch with --nan-policy lower-lr, in (0, 1]."})
+    timeout_s: float = field(default=60.0, metadata={"help": "Seconds a stage process waits for a neighbour before the run fails (processes engine, torchrun)."})
     threads_per_stage: int = field(default=1, metadata={"help": 'torch threads in each stage process (processes engine), and in the emulator.'})
     cache_dir: str = field(default_factory=lambda: os.environ.get("UNBUBBLE_CACHE_DIR", "~/.cache/unbubble"),
                            metadata={"help": "Where tokenized corpora are stored (env UNBUBBLE_CACHE_DIR)."})
@@ -83,6 +90,17 @@ class TrainConfig:
             pos_int(name)
         pos_int("eval_interval", 0)
         pos_int("seed", 0)
+        pos_int("checkpoint_every", 0)
+        if self.nan_policy not in NAN_POLICIES:
+            raise ConfigError(f"nan_policy={self.nan_policy!r} is invalid: must be one of {', '.join(NAN_POLICIES)} "
+                              "(set --nan-policy)")
+        if isinstance(self.nan_lr_factor, bool) or not (isinstance(self.nan_lr_factor, (int, float))
+                                                        and 0 < self.nan_lr_factor <= 1):
+            raise ConfigError(f"nan_lr_factor={self.nan_lr_factor!r} is invalid: must be in (0, 1] "
+                              "(set --nan-lr-factor)")
+        if isinstance(self.timeout_s, bool) or not (isinstance(self.timeout_s, (int, float)) and self.timeout_s > 0):
+            raise ConfigError(f"timeout_s={self.timeout_s!r} is invalid: must be a number of seconds > 0 "
+                              "(set --timeout-s)")
         if not (isinstance(self.lr, (int, float)) and self.lr > 0):
             raise ConfigError(f"lr={self.lr!r} is invalid: must be > 0 (set --lr)")
         for name in ("beta1", "beta2", "min_lr_ratio", "warmup_frac"):

@@ -16,3 +16,8 @@ class ScheduleError(RuntimeError):
 class NonFiniteError(RuntimeError):
     """A stage met a non-finite loss or gradient under ``nan_policy="abort"``; the message
     names the stage, the micro-batch and the weight version."""
+
+
+class PipelineFailure(RuntimeError):
+    """A stage process failed, died or hung, or a second signal stopped the run; the message
+    names the stage and its last action. Every stage process has been terminated."""

@@ -32,14 +32,20 @@ class RunWriter:
         ConfigError: a requested logger's package is not installed.
     """
 
-    def __init__(self, run_dir: Path, cfg: TrainConfig, job: PipelineJob):
+    def __init__(self, run_dir: Path, cfg: TrainConfig, job: PipelineJob, resume_step: int | None = None):
         run_dir.mkdir(parents=True, exist_ok=True)
         self.dir, self.cfg, self.job = run_dir, cfg, job
         self.info: dict[str, Any] = {}
-        (run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
-        (run_dir / "config.yaml").write_text(config_to_yaml(cfg))
+        self.resume_step = resume_step
+        if resume_step is None:
+            (run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+            (run_dir / "config.yaml").write_text(config_to_yaml(cfg))
+        else:  # continuing: keep the config and the metrics up to the checkpoint, drop later ones
+            path = run_dir / "metrics.jsonl"
+            lines = path.read_text().splitlines(keepends=True) if path.exists() else []
+            path.write_text("".join(ln for ln in lines if _step_of(ln) <= resume_step))
         self.loggers = open_loggers(run_dir, cfg)
-        self._metrics = open(run_dir / "metrics.jsonl", "w")
+        self._metrics = open(run_dir / "metrics.jsonl", "w" if resume_step is None else "a")
         self.last: dict[str, Any] = {}
 
     @staticmethod
@@ -86,6 +92,11 @@ class RunWriter:
         for lg in self.loggers:
             lg.step(step, loss, info)
 
+    def on_event(self, event: dict[str, Any]) -> None:
+        """A micro-batch the non-finite guard dropped: one JSONL line."""
+        self._metrics.write(json.dumps({"event": "nonfinite", "step": event["version"], **event}) + "\n")
+        self._metrics.flush()
+
     def on_eval(self, version: int, val_loss: float) -> None:
         rec = {"step": version, "val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50.0))}
         self._metrics.write(json.dumps(rec) + "\n")
@@ -124,6 +135,9 @@ class RunWriter:
             "val_losses": result.val_losses,
             "initial_val_loss": result.val_losses[0][1] if result.val_losses else None,
             "final_val_loss": result.val_losses[-1][1] if result.val_losses else None,
+            "resumed_from_step": self.resume_step,
+            "stopped_at_step": result.stopped_at,
+            "nonfinite_dropped": [{k: e[k] for k in ("stage", "mb", "version", "what")} for e in result.events],
         }
         if summary["final_val_loss"] is not None:
             summary["final_val_ppl"] = math.exp(min(summary["final_val_loss"], 50.0))
@@ -151,3 +165,11 @@ class RunWriter:
         fig.tight_layout()
         fig.savefig(self.dir / "loss.png", dpi=100)
         plt.close(fig)
+
+
+def _step_of(line: str) -> float:
+    """The ``step`` of a metrics.jsonl line (∞ for a damaged line, so it is dropped)."""
+    try:
+        return json.loads(line).get("step", 0)
+    except (ValueError, AttributeError):
+        return float("inf")

@@ -7,8 +7,10 @@ partials of the functions below, runs it on the chosen engine and writes the run
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
+import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,9 +27,10 @@ from unbubble.loggers import check_loggers
 from unbubble.metrics import RunWriter
 from unbubble.models import GPTConfig, build_gpt_stages, count_params, gpt_loss, make_config, partition_layers
 from unbubble.optim import build_optimizer
+from unbubble.runtime.checkpoint import Checkpointing, complete_steps, load_stage
 from unbubble.runtime.emulator import run_emulator
 from unbubble.runtime.job import PipelineJob
-from unbubble.runtime.launch import run_processes, run_torchrun, under_torchrun
+from unbubble.runtime.launch import install_stop_handlers, run_processes, run_torchrun, under_torchrun
 from unbubble.runtime.telemetry import Listener, RunResult
 from unbubble.schedules.registry import get_schedule
 
@@ -119,50 +122,136 @@ def build_job(cfg: TrainConfig, tokens: TokenData) -> tuple[PipelineJob, GPTConf
         clip_grad_norm=cfg.clip_grad_norm,
         delay_lr=cfg.optimizer == "pipedream-lr",
         dp=cfg.dp,
+        nan_policy=cfg.nan_policy,
+        nan_lr_factor=cfg.nan_lr_factor,
     )
     return job, model
 
 
-def run_job(job: PipelineJob, engine: str, listener: Listener | None = None, threads_per_stage: int = 1) -> RunResult | None:
-    """Runs a job on ``engine`` (``"emulator"`` or ``"processes"``; under torchrun, this rank's stage)."""
+#: Options ``--resume`` lets change: how the run executes, not what it computes.
+RESUME_OVERRIDES = ("engine", "threads_per_stage", "timeout_s")
+
+
+def resume_config(run_dir: str | Path, overrides: dict | None = None) -> TrainConfig:
+    """The configuration of the run in ``run_dir`` (its ``config.yaml``), with ``overrides``
+    of :data:`RESUME_OVERRIDES` only.
+
+    Raises:
+        ConfigError: no such run folder or config.yaml, or an override of another option.
+    """
+    from unbubble.config import load_config
+
+    path = Path(run_dir)
+    if not (path / "config.yaml").is_file():
+        raise ConfigError(f"resume={str(path)!r} is not a run folder: {str(path / 'config.yaml')!r} is missing "
+                          "(give the folder a previous unbubble train wrote)")
+    bad = sorted(set(overrides or {}) - set(RESUME_OVERRIDES))
+    if bad:
+        raise ConfigError(f"{bad[0]} cannot change on --resume: the run continues with {str(path / 'config.yaml')!r}; "
+                          f"only {', '.join('--' + o.replace('_', '-') for o in RESUME_OVERRIDES)} may be given "
+                          "(to change more, start a new run with --config)")
+    return load_config(path / "config.yaml", overrides=overrides or {})
+
+
+def attach_checkpoints(job: PipelineJob, cfg: TrainConfig, run_dir: Path, resume: bool) -> PipelineJob:
+    """Sets ``job.checkpoint`` for ``run_dir/checkpoints``; when resuming, picks the newest
+    complete checkpoint and checks every stage's file against ``job`` before anything runs.
+
+    Raises:
+        ConfigError: nothing to resume, the run already finished, or a file that is damaged
+            or was written by another configuration.
+    """
+    if not cfg.checkpoints:
+        if resume:
+            raise ConfigError(f"run {str(run_dir)!r} was configured with checkpoints=False: there is nothing to resume")
+        return job
+    directory = run_dir / "checkpoints"
+    n = job.schedule.n_stages
+    step, extra = None, ()
+    if resume:
+        steps = complete_steps(directory, n)
+        if not steps:
+            raise ConfigError(f"run {str(run_dir)!r} has no complete checkpoint in {str(directory)!r} "
+                              f"(one needs a file for each of the {n} stages)")
+        step = steps[-1]
+        if step >= job.schedule.steps:
+            raise ConfigError(f"run {str(run_dir)!r} already finished: its checkpoint is at the last step {step}")
+        extra = tuple(load_stage(directory, step, 0)["extra_cuts"])
+    job = dataclasses.replace(job, checkpoint=Checkpointing(str(directory), cfg.checkpoint_every, 2, step, extra))
+    if resume:  # every file is read and checked here, so a bad one fails before any process starts
+        for s in range(n):
+            job.load_checkpoint(job.build_executor(s), restore_rng=False)
+    return job
+
+
+def run_job(job: PipelineJob, engine: str, listener: Listener | None = None, threads_per_stage: int = 1,
+            timeout_s: float = 60.0) -> RunResult | None:
+    """Runs a job on ``engine`` (``"emulator"`` or ``"processes"``; under torchrun, this rank's stage).
+
+    SIGINT/SIGTERM stop the run at the next step boundary (``RunResult.stopped_at``), after a
+    checkpoint when ``job.checkpoint`` is set; a second one stops at once.
+    """
     if engine == "emulator":
         # small per-stage kernels gain nothing from intra-op threads, and on a loaded machine
         # oversubscribed OpenMP threads slow them down by 10-20×: the emulator uses as many
         # threads as one stage process does
         previous = torch.get_num_threads()
         torch.set_num_threads(threads_per_stage)
+        cuts = job.cuts()
+        handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+        install_stop_handlers(cuts)
         try:
-            return run_emulator(job, listener=listener)
+            return run_emulator(job, listener=listener, cuts=cuts)
         finally:
             torch.set_num_threads(previous)
+            for sig, handler in handlers.items():
+                signal.signal(sig, handler)
     if under_torchrun():
-        return run_torchrun(job, listener=listener)
-    return run_processes(job, listener=listener, threads_per_stage=threads_per_stage)
+        return run_torchrun(job, listener=listener, timeout_s=timeout_s)
+    return run_processes(job, listener=listener, threads_per_stage=threads_per_stage, timeout_s=timeout_s)
 
 
-def train(cfg: TrainConfig, listener_factory=None) -> tuple[RunResult | None, Path | None]:
+def train(cfg: TrainConfig | None = None, listener_factory=None, resume: str | Path | None = None,
+          resume_overrides: dict | None = None) -> tuple[RunResult | None, Path | None]:
     """Validates ``cfg``, trains, and writes the run folder.
 
     Args:
-        cfg: the run configuration.
+        cfg: the run configuration (``None`` with ``resume``).
         listener_factory: ``f(writer, total_steps) -> Listener`` for live progress; default:
             the writer alone (JSONL metrics, no terminal output).
+        resume: a run folder to continue from its newest complete checkpoint, with its own
+            config.yaml ([Note: the checkpoint cut] in ``runtime/checkpoint.py``).
+        resume_overrides: options of :data:`RESUME_OVERRIDES` to change when resuming.
 
     Returns:
-        ``(result, run_dir)``; both ``None`` on non-zero torchrun ranks.
+        ``(result, run_dir)``; both ``None`` on non-zero torchrun ranks. ``result.stopped_at``
+        is set when a signal stopped the run (a checkpoint of that step is in the run folder).
 
     Raises:
-        ConfigError: any invalid value, file or combination — raised before the run folder
-            is created, so nothing existing is overwritten.
+        ConfigError: any invalid value, file, checkpoint or combination — raised before the run
+            folder is created or touched, so nothing existing is overwritten.
     """
+    if resume is not None:
+        cfg = resume_config(resume, resume_overrides)
     cfg.validate()
     check_loggers(cfg)
     rank0 = not under_torchrun() or int(__import__("os").environ.get("RANK", "0")) == 0
     # only rank 0 owns the run folder: the others would find it already created (torchrun)
-    run_dir = RunWriter.choose_dir(cfg) if rank0 else None
+    if resume is not None:
+        run_dir = Path(resume)
+    else:
+        run_dir = RunWriter.choose_dir(cfg) if rank0 else None
     tokens = prepare_tokens(cfg.corpus, cfg.tokenizer, Path(cfg.cache_dir).expanduser())
     job, model = build_job(cfg, tokens)
-    writer = RunWriter(run_dir, cfg, job) if rank0 else None
+    if under_torchrun() and cfg.checkpoints and cfg.run_dir is None and resume is None:
+        raise ConfigError("checkpoints under torchrun need --run-dir: every rank writes its stage's checkpoint "
+                          "there (a folder all machines share), or give --no-checkpoints")
+    if run_dir is None and cfg.run_dir is not None:  # torchrun rank > 0: same folder as rank 0
+        run_dir = Path(cfg.run_dir)
+    if run_dir is not None:
+        job = attach_checkpoints(job, cfg, run_dir, resume is not None)
+    writer = RunWriter(run_dir, cfg, job, resume_step=job.start_step if resume is not None else None) \
+        if rank0 else None
     if writer is not None:
         n = job.schedule.n_stages
         ranges = partition_layers(model, n, cfg.seq_len)
@@ -170,7 +259,7 @@ def train(cfg: TrainConfig, listener_factory=None) -> tuple[RunResult | None, Pa
         writer.describe(model=model, n_params=n_params, ranges=ranges, tokens=tokens)
     listener = (listener_factory(writer, cfg.steps) if listener_factory and writer else writer)
     t0 = time.perf_counter()
-    result = run_job(job, cfg.engine, listener, cfg.threads_per_stage)
+    result = run_job(job, cfg.engine, listener, cfg.threads_per_stage, cfg.timeout_s)
     if writer is None or result is None:
         return None, None
     writer.finish(result, time.perf_counter() - t0)

@@ -9,7 +9,7 @@ import click
 from rich.console import Console
 from rich.logging import RichHandler
 
-from unbubble.errors import ConfigError, ScheduleError
+from unbubble.errors import ConfigError, NonFiniteError, PipelineFailure, ScheduleError
 
 #: Results go to stdout, messages (logs, errors) to stderr.
 err_console = Console(stderr=True)
@@ -24,11 +24,11 @@ def setup_logging(verbosity: int) -> None:
     root.propagate = False
 
 
-def abort(message: str) -> None:
-    """Prints one error line and exits with status 2 (bad input)."""
+def abort(message: str, status: int = 2) -> None:
+    """Prints one error line and exits with ``status`` (2: bad input, 1: the run failed)."""
     err_console.print("[bold red]error:[/] ", markup=True, end="")
     err_console.print(message, markup=False, emoji=False, highlight=False, soft_wrap=True)
-    sys.exit(2)
+    sys.exit(status)
 
 
 class _Group(click.Group):
@@ -37,6 +37,8 @@ class _Group(click.Group):
             return super().invoke(ctx)
         except (ConfigError, ScheduleError) as exc:
             abort(str(exc).splitlines()[0] if isinstance(exc, ConfigError) else str(exc))
+        except (PipelineFailure, NonFiniteError) as exc:
+            abort(str(exc), status=1)
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})

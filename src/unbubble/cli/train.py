@@ -65,24 +65,31 @@ class ProgressListener:
     def on_eval(self, version: int, val_loss: float) -> None:
         self.writer.on_eval(version, val_loss)
 
+    def on_event(self, event: dict) -> None:
+        self.writer.on_event(event)
+
     def close(self) -> None:
         if self.progress is not None:
             self.progress.stop()
 
 
-def _effective_config(kwargs: dict) -> TrainConfig:
-    """The configuration from ``--config`` (if given) with the flags given explicitly on top."""
+def _given(kwargs: dict) -> dict:
+    """The options given explicitly on the command line (not defaults)."""
     from click.core import ParameterSource
 
+    ctx = click.get_current_context()
+    return {k: v for k, v in kwargs.items()
+            if ctx.get_parameter_source(k) not in (ParameterSource.DEFAULT, ParameterSource.DEFAULT_MAP)}
+
+
+def _effective_config(kwargs: dict) -> TrainConfig:
+    """The configuration from ``--config`` (if given) with the flags given explicitly on top."""
     from unbubble.config import load_config
 
     path = kwargs.pop("config")
     if path is None:
         return TrainConfig(**kwargs)
-    ctx = click.get_current_context()
-    given = {k: v for k, v in kwargs.items()
-             if ctx.get_parameter_source(k) not in (ParameterSource.DEFAULT, ParameterSource.DEFAULT_MAP)}
-    return load_config(path, overrides=given)
+    return load_config(path, overrides=_given(kwargs))
 
 
 @click.command(context_settings={"show_default": True})
@@ -90,8 +97,11 @@ def _effective_config(kwargs: dict) -> TrainConfig:
               help="YAML file of options (a run folder's config.yaml, or --print-config output); flags given "
                    "on the command line win over it.")
 @click.option("--print-config", is_flag=True, help="Print the effective configuration as YAML and exit.")
+@click.option("--resume", "resume", default=None, type=click.Path(file_okay=False),
+              help="Continue the run in this folder from its newest complete checkpoint, with its own "
+                   "config.yaml (only --engine, --threads-per-stage and --timeout-s may be given too).")
 @_options
-def train(print_config: bool, **kwargs) -> None:
+def train(print_config: bool, resume: str | None, **kwargs) -> None:
     """Train a GPT-2-style model on real text across a pipeline of stages.
 
     Defaults: PACI with a=4 on 4 stage processes, the tiny preset, byte-level tokens of the
@@ -101,10 +111,20 @@ def train(print_config: bool, **kwargs) -> None:
 
     Options can come from a YAML file: `unbubble train --config run.yaml --steps 100` (flags
     given explicitly win over the file); `--print-config > run.yaml` writes a starting point.
-    """
-    from unbubble.train import train as run_training
 
-    cfg = _effective_config(kwargs)
+    Checkpoints go to RUN/checkpoints every --checkpoint-every steps; Ctrl-C (SIGINT) or SIGTERM
+    stops at the next step boundary after a checkpoint (exit code 130), and
+    `unbubble train --resume RUN` continues. A second signal stops at once.
+    """
+    from unbubble.train import resume_config, train as run_training
+
+    if resume is not None:
+        given = _given(kwargs)
+        if given.pop("config", None) is not None:
+            raise click.UsageError("--config and --resume exclude each other: --resume uses the run's config.yaml")
+        cfg = resume_config(resume, given)
+    else:
+        cfg = _effective_config(kwargs)
     if print_config:
         from unbubble.config import config_to_yaml
 
@@ -118,7 +138,10 @@ def train(print_config: bool, **kwargs) -> None:
         return listeners[0]
 
     try:
-        result, run_dir = run_training(cfg, listener_factory=factory)
+        if resume is not None:
+            result, run_dir = run_training(listener_factory=factory, resume=resume, resume_overrides=_given(kwargs))
+        else:
+            result, run_dir = run_training(cfg, listener_factory=factory)
     finally:
         for lst in listeners:
             lst.close()
@@ -132,3 +155,11 @@ def train(print_config: bool, **kwargs) -> None:
     kind = "simulated utilization" if result.sim_trace is not None else "utilization"
     click.echo(f"tokens/s {result.tokens_per_s:,.0f} | max Δ per stage {result.max_drift()} | "
                f"{kind} {' '.join(f'{u:.2f}' for u in util)}")
+    if result.events:
+        click.echo(f"non-finite guard ({cfg.nan_policy}): dropped {len(result.events)} micro-batch(es); see "
+                   f"{run_dir}/metrics.jsonl")
+    if result.stopped_at is not None:
+        where = f"; checkpoint {run_dir}/checkpoints/step-{result.stopped_at:08d}" if cfg.checkpoints else ""
+        click.echo(f"stopped at step {result.stopped_at} of {cfg.steps}{where}; continue with: "
+                   f"unbubble train --resume {run_dir}")
+        sys.exit(130)

@@ -17,10 +17,6 @@ from unbubble.schedules.actions import Action, ActionKind
 
 log = logging.getLogger(__name__)
 
-#: What a stage does with a micro-batch whose loss or gradient is not finite
-#: ([Note: non-finite guard]).
-NAN_POLICIES = ("skip", "lower-lr", "abort", "off")
-
 BatchFn = Callable[[int], tuple[torch.Tensor, torch.Tensor]]
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -59,7 +55,8 @@ class StageExecutor:
             over the replicas, ``data_parallel.GradientAverager``); ``None`` for one replica.
         device: where the module lives; micro-batches from ``batch_fn`` are moved there.
             ``None`` leaves them where ``batch_fn`` puts them.
-        nan_policy: the non-finite guard, one of :data:`NAN_POLICIES` ([Note: non-finite guard]).
+        nan_policy: the non-finite guard, one of ``unbubble.config.NAN_POLICIES``
+            ([Note: non-finite guard]).
         nan_lr_factor: with ``"lower-lr"``, the stage's learning rate is multiplied by this
             after each dropped micro-batch.
 

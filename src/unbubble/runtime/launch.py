@@ -6,11 +6,14 @@ is NCCL with one CUDA device per process when CUDA has enough devices, else gloo
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import queue
+import signal
 import socket
 import sys
+import threading
 import time
 import traceback
 from datetime import timedelta
@@ -19,17 +22,15 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from unbubble.errors import PipelineFailure
 from unbubble.runtime.job import PipelineJob
 from unbubble.runtime.telemetry import Listener, RunResult, Telemetry
 from unbubble.runtime.worker import from_bytes, run_stage
+from unbubble.schedules.policy import Cuts
 from unbubble.schedules.actions import Action
 from unbubble.sim.engine import ActionRecord
 
 log = logging.getLogger(__name__)
-
-
-class PipelineFailure(RuntimeError):
-    """A stage process failed; the message names the stage and its error."""
 
 
 def _free_port() -> int:
@@ -77,13 +78,61 @@ def _rank_name(job: PipelineJob, rank: int) -> int | str:
     return f"{r} (replica {d})"
 
 
+#: Seconds without a heartbeat after which the launcher declares a stage process hung.
+HANG_S = 20.0
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def _die_with_parent() -> None:
+    """Linux: this process gets SIGKILL when its parent dies, so no stage outlives a killed
+    launcher (``prctl(PR_SET_PDEATHSIG)``); elsewhere a no-op."""
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
+        except OSError:
+            pass
+
+
+def install_stop_handlers(cuts: Cuts) -> None:
+    """SIGINT/SIGTERM ask the run to stop at its next cut (checkpoint, then exit); a second
+    signal stops at once (the previous complete checkpoint stays)."""
+    def handler(signum, frame):
+        if cuts.stop_requested:
+            raise KeyboardInterrupt(f"second {signal.Signals(signum).name}: stopping without a checkpoint")
+        cuts.stop_requested = True
+        log.warning("%s: stopping at the next step boundary (send it again to stop at once)",
+                    signal.Signals(signum).name)
+
+    for sig in _STOP_SIGNALS:
+        signal.signal(sig, handler)
+
+
 def _stage_entry(rank: int, job: PipelineJob, replay, q, port: int, threads: int, timeout_s: float,
-                 backend: str = "gloo") -> None:
+                 backend: str = "gloo", beats=None, last_actions=None) -> None:
+    _die_with_parent()
+    os.setpgrp()  # a terminal's Ctrl-C reaches the launcher only, which forwards it once
     torch.set_num_threads(threads)
+    cuts = job.cuts()
+    install_stop_handlers(cuts)
+    slot = last_actions[rank] if last_actions is not None else None
+
+    def on_action(action) -> None:
+        slot.value = str(action).encode()[:31]
+
+    if beats is not None:  # liveness from a thread, so a long action is not a hang
+        def beat() -> None:
+            while True:
+                beats[rank] = time.time()
+                time.sleep(1.0)
+
+        threading.Thread(target=beat, name="heartbeat", daemon=True).start()
     try:
         device, control = _init(backend, rank, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=job.dp * job.schedule.n_ranks, timeout=timedelta(seconds=timeout_s))
-        run_stage(job, rank, q.put, replay, recv_timeout_s=timeout_s, device=device, control_group=control)
+        stopped = run_stage(job, rank, q.put, replay, recv_timeout_s=timeout_s, device=device,
+                            control_group=control, cuts=cuts, on_action=on_action if slot is not None else None)
+        if stopped is not None:
+            q.put(("stopped", _rank_name(job, rank), stopped))
         dist.destroy_process_group()
     except BaseException as exc:  # noqa: BLE001 - reported to the coordinator, then exit 1
         q.put(("error", _rank_name(job, rank), f"{type(exc).__name__}: {exc}"))
@@ -99,9 +148,10 @@ class _Collector:
 
     def __init__(self, job: PipelineJob, listener: Listener | None):
         self.job = job
-        self.telemetry = Telemetry(job, listener)
+        self.telemetry = Telemetry(job, listener, start_step=job.start_step)
         self.finals: dict[int, tuple[dict, float, dict]] = {}
         self.done_walls: list[float] = []  # from replicas d > 0
+        self.stopped_at: int | None = None
 
     @property
     def complete(self) -> bool:
@@ -124,6 +174,10 @@ class _Collector:
             self.finals[stage] = (from_bytes(data), wall, opt_bytes)
         elif kind == "done":
             self.done_walls.append(payload)
+        elif kind == "event":
+            self.telemetry.add_event(payload)
+        elif kind == "stopped":
+            self.stopped_at = payload
         elif kind == "error":
             raise PipelineFailure(f"stage {stage} failed: {payload}")
 
@@ -131,7 +185,7 @@ class _Collector:
         n = self.job.schedule.n_stages
         wall = max([f[1] for f in self.finals.values()] + self.done_walls)
         return self.telemetry.result([self.finals[s][0] for s in range(n)], wall,
-                                     optimizer_bytes=[self.finals[s][2] for s in range(n)])
+                                     optimizer_bytes=[self.finals[s][2] for s in range(n)], stopped_at=self.stopped_at)
 
 
 _SECONDARY = ("PeerFailure", "Connection closed by peer", "Connection reset by peer", "Broken pipe")
@@ -153,9 +207,17 @@ def _root_cause(first: tuple, q, wait_s: float = 2.0) -> tuple:
 
 
 def run_processes(job: PipelineJob, replay: list[list[Action]] | None = None, listener: Listener | None = None,
-                  threads_per_stage: int = 1, timeout_s: float = 300.0, backend: str | None = None) -> RunResult:
+                  threads_per_stage: int = 1, timeout_s: float = 60.0, backend: str | None = None,
+                  hang_s: float = HANG_S) -> RunResult:
     """Trains ``job`` with ``job.dp × R`` spawned processes (one per pipeline rank and replica)
     over ``torch.distributed``.
+
+    Failures ([Note: failure handling]): a stage that raises, dies or stops sending its
+    heartbeat for ``hang_s`` seconds ends the run: every process is terminated (SIGTERM,
+    then SIGKILL), and the error names the stage and its last action. Stage processes run in
+    their own process group and die with this process (``PR_SET_PDEATHSIG``), so none is left
+    behind. SIGINT/SIGTERM to this process are forwarded once: the run stops at the next step
+    boundary after a checkpoint (``job.checkpoint``); a second signal terminates at once.
 
     Args:
         job: what to train; must be picklable.
@@ -163,16 +225,19 @@ def run_processes(job: PipelineJob, replay: list[list[Action]] | None = None, li
             the run is then bit-identical to that run (every replica follows them).
         listener: receives per-step losses and evaluations (in this, the coordinating process).
         threads_per_stage: ``torch.set_num_threads`` in each stage process.
-        timeout_s: a stage waiting longer than this for a neighbour fails the run.
+        timeout_s: a stage waiting longer than this for a neighbour's message fails the run
+            (seconds; also the process-group set-up timeout).
         backend: ``"gloo"`` or ``"nccl"``; default :func:`choose_backend` (NCCL when CUDA has
             a device per process).
+        hang_s: seconds without a heartbeat after which a stage counts as hung.
 
     Returns:
         A :class:`RunResult`; ``trace`` holds wall-clock times (seconds since the shared
-        start) and ``wall_s`` the slowest stage's training time (start-up excluded).
+        start) and ``wall_s`` the slowest stage's training time (start-up excluded);
+        ``stopped_at`` is set when a signal stopped the run.
 
     Raises:
-        PipelineFailure: a stage process raised or died; every other stage is terminated.
+        PipelineFailure: a stage process raised, died or hung; every other stage is terminated.
     """
     n = job.schedule.n_ranks
     world = job.dp * n
@@ -180,36 +245,70 @@ def run_processes(job: PipelineJob, replay: list[list[Action]] | None = None, li
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = _free_port()
+    beats = ctx.Array("d", world, lock=False)
+    last_actions = [ctx.Array("c", 32, lock=False) for _ in range(world)]
     procs = [
         ctx.Process(target=_stage_entry, name=f"unbubble-rank-{g}",
                     args=(g, job, None if replay is None else replay[g % n], q, port, threads_per_stage, timeout_s,
-                          backend))
+                          backend, beats, last_actions))
         for g in range(world)
     ]
-    for p in procs:
-        p.start()
+    signals = []
+
+    def forward_signal(signum, frame):
+        signals.append(signum)
+        if len(signals) > 1:
+            raise KeyboardInterrupt(f"second {signal.Signals(signum).name}: stopping without a checkpoint")
+        log.warning("%s: the run stops at the next step boundary, after a checkpoint (send it again to stop at "
+                    "once)", signal.Signals(signum).name)
+        for p in procs:
+            if p.pid is not None and p.is_alive():
+                os.kill(p.pid, signum)
+
+    on_main = threading.current_thread() is threading.main_thread()
+    previous = {sig: signal.signal(sig, forward_signal) for sig in _STOP_SIGNALS} if on_main else {}
+
+    def last(g: int) -> str:
+        return last_actions[g].value.decode() or "none (still starting)"
+
     collector = _Collector(job, listener)
     try:
+        for p in procs:
+            p.start()
         while not collector.complete:
             try:
                 msg = q.get(timeout=0.5)
             except queue.Empty:
-                dead = [(s, p.exitcode) for s, p in enumerate(procs) if p.exitcode not in (None, 0)]
+                dead = [(g, p.exitcode) for g, p in enumerate(procs) if p.exitcode not in (None, 0)]
                 if dead:
-                    s, code = dead[0]
+                    g, code = dead[0]
                     try:  # its error report may still be in the queue
                         msg = q.get(timeout=1.0)
-                        collector.handle(_root_cause(msg, q) if msg[0] == "error" else msg)
+                        if msg[0] == "error":
+                            _raise_stage_error(_root_cause(msg, q), job, last)
+                        collector.handle(msg)
                     except queue.Empty:
                         pass
-                    raise PipelineFailure(f"stage {_rank_name(job, s)} exited with code {code} without a report")
+                    how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+                    raise PipelineFailure(f"stage {_rank_name(job, g)} {how} without a report; its last action "
+                                          f"was {last(g)}")
+                now = time.time()
+                hung = [g for g in range(world) if beats[g] > 0 and now - beats[g] > hang_s]
+                if hung:
+                    g = hung[0]
+                    raise PipelineFailure(f"stage {_rank_name(job, g)} stopped responding (no heartbeat for "
+                                          f"{now - beats[g]:.0f} s); its last action was {last(g)}")
                 continue
             if msg[0] == "error":
-                msg = _root_cause(msg, q)
+                _raise_stage_error(_root_cause(msg, q), job, last)
             collector.handle(msg)
         for p in procs:
             p.join(timeout=60)
+    except KeyboardInterrupt as exc:
+        raise PipelineFailure(f"{exc}; the last complete checkpoint is kept") from None
     finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
         for p in procs:
             if p.is_alive():
                 p.terminate()
@@ -217,7 +316,26 @@ def run_processes(job: PipelineJob, replay: list[list[Action]] | None = None, li
             p.join(timeout=10)
             if p.is_alive():
                 p.kill()
+                p.join(timeout=10)
     return collector.result()
+
+
+def _raise_stage_error(msg: tuple, job: PipelineJob, last) -> None:
+    _, name, text = msg
+    rank = _rank_index(job, name)
+    where = f"; its last action was {last(rank)}" if rank is not None else ""
+    raise PipelineFailure(f"stage {name} failed: {text}{where}")
+
+
+def _rank_index(job: PipelineJob, name) -> int | None:
+    """The global rank of a stage named by :func:`_rank_name`."""
+    if isinstance(name, int):
+        return name
+    try:
+        r, d = name.replace(")", "").split(" (replica ")
+        return int(d) * job.schedule.n_ranks + int(r)
+    except ValueError:
+        return None
 
 
 def under_torchrun() -> bool:
@@ -226,7 +344,7 @@ def under_torchrun() -> bool:
 
 
 def run_torchrun(job: PipelineJob, replay: list[list[Action]] | None = None, listener: Listener | None = None,
-                 timeout_s: float = 300.0, backend: str | None = None) -> RunResult | None:
+                 timeout_s: float = 60.0, backend: str | None = None) -> RunResult | None:
     """Runs this process's pipeline rank when launched by ``torchrun``: WORLD_SIZE = D·R,
     global rank ``d·R + r`` ([Note: 2-D rank layout]; ``--nnodes D --nproc-per-node R`` puts
     one replica on each machine). NCCL on ``cuda:LOCAL_RANK`` when CUDA has a device per
@@ -251,8 +369,12 @@ def run_torchrun(job: PipelineJob, replay: list[list[Action]] | None = None, lis
     device, control = _init(backend, local_rank, timeout=timedelta(seconds=timeout_s))
     rank = dist.get_rank()
     messages: list[tuple] = []
-    run_stage(job, rank, messages.append, None if replay is None else replay[rank % n], recv_timeout_s=timeout_s,
-              device=device, control_group=control)
+    cuts = job.cuts()
+    install_stop_handlers(cuts)  # torchrun forwards SIGINT/SIGTERM to every worker
+    stopped = run_stage(job, rank, messages.append, None if replay is None else replay[rank % n],
+                        recv_timeout_s=timeout_s, device=device, control_group=control, cuts=cuts)
+    if stopped is not None:
+        messages.append(("stopped", rank, stopped))
     gathered = [None] * world if rank == 0 else None
     dist.gather_object(messages, gathered, dst=0, group=control)
     dist.destroy_process_group()

@@ -49,6 +49,10 @@ from unbubble.schedules.actions import ActionKind
 
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32]
 _K_BITS = 40  # header = destination stage << 40 | k (k < 2**40 micro-batches)
+_END_BASE = 1 << (_K_BITS - 1)  # k ≥ this: an end-of-stream frame for stop step k − _END_BASE
+#: ``kind`` of the message :meth:`P2PTransport.poll` returns for an end-of-stream frame (its
+#: ``k`` is the stop step T).
+END = "end"
 _HEAD = 8  # header bytes, at the end of a frame (the payload starts at offset 0: aligned)
 
 
@@ -234,18 +238,24 @@ class P2PTransport:
             False: max([self.in_meta[s].nbytes for s in self.stages if s > 0], default=0),
         }
 
-    def start(self) -> None:
-        """Starts one receiver thread per incoming (neighbour, direction) channel."""
+    def start(self, start_mb: int = 0) -> None:
+        """Starts one receiver thread per incoming (neighbour, direction) channel.
+
+        Args:
+            start_mb: micro-batches already done (a resumed run): each channel then carries
+                ``total_mb − start_mb`` messages per stage.
+        """
+        remaining = self.total_mb - start_mb
         if self.n_ranks == 1:
             return  # every neighbour is on this rank: sends loop back into the inbox
         act_in = [s for s in self.stages if s > 0]
         grad_in = [s for s in self.stages if s < self.n_stages - 1]
         if act_in:
             self._spawn(ActionKind.F, self.rank_of(act_in[0] - 1), self._recv_group[True],
-                        len(act_in) * self.total_mb, self.in_meta)
+                        len(act_in) * remaining, self.in_meta)
         if grad_in:
             self._spawn(ActionKind.B, self.rank_of(grad_in[0] + 1), self._recv_group[False],
-                        len(grad_in) * self.total_mb, self.out_meta)
+                        len(grad_in) * remaining, self.out_meta)
 
     def _spawn(self, kind: ActionKind, src_rank: int, group, count: int, metas: dict[int, TensorMeta]) -> None:
         src, device = self.base + src_rank, self.device
@@ -262,6 +272,9 @@ class P2PTransport:
                         frame = torch.empty(size, dtype=torch.uint8, device=device)
                         dist.recv(frame, src, group=group)
                         stage, k = frame_header(frame)  # CUDA: waits on this thread's stream only
+                        if k >= _END_BASE:  # nothing follows on this channel
+                            self.inbox.put((END, stage, k - _END_BASE, None, None))
+                            return
                         payload = frame_payload(frame, metas[stage])
                         event = None
                         if stream is not None:
@@ -293,6 +306,19 @@ class P2PTransport:
         while pending and (len(pending) > MAX_PENDING_SENDS or (self.cuda and pending[0][0].is_completed())):
             pending.popleft()[0].wait()
 
+    def send_end(self, forward: bool, step: int) -> None:
+        """Sends the end-of-stream frame of a stop at ``step`` to the next rank (``forward``, after
+        the last activation) or the previous one (after the last gradient); its receiver
+        thread delivers ``(END, stage, step, None)`` and ends."""
+        dst_stage = min(s for s in self.stages if s < self.n_stages - 1) + 1 if forward \
+            else max(s for s in self.stages if s > 0) - 1
+        dst = self.rank_of(dst_stage)
+        if dst == self.rank or self.n_ranks == 1:
+            return  # no receiver thread on a loop-back channel
+        size = frame_bytes(self._frame_bytes[forward])
+        frame = pack_frame(torch.zeros(0, device=self.device), dst_stage, _END_BASE + step, size)
+        self._pending_sends.append((dist.isend(frame, self.base + dst, group=self._send_group[forward]), frame))
+
     def _reap(self) -> None:
         while self._pending_sends:
             self._pending_sends.popleft()[0].wait()
@@ -316,6 +342,9 @@ class P2PTransport:
         msgs = []
         stream = torch.cuda.current_stream(self.device) if self.cuda else None
         for kind, stage, k, payload, event in out:
+            if kind is END:
+                msgs.append((kind, stage, k, None))
+                continue
             if kind is None:
                 raise PeerFailure(f"receiving from rank {stage} failed: {payload}") from payload
             if event is not None:  # [Note: CUDA without host synchronisation]

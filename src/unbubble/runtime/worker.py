@@ -13,9 +13,10 @@ import torch.distributed as dist
 from unbubble.optim import optimizer_state_bytes
 from unbubble.runtime.job import PipelineJob
 from unbubble.runtime.data_parallel import GradientAverager, Layout
-from unbubble.runtime.transport import P2PTransport, PeerFailure, TensorMeta, channel_groups
+from unbubble.runtime.transport import END, P2PTransport, PeerFailure, TensorMeta, channel_groups
 from unbubble.schedules.actions import Action, ActionKind
-from unbubble.schedules.policy import ListPolicy, RankView, StageState
+from unbubble.schedules.policy import CutPolicy, Cuts, ListPolicy, RankView, StageState, resume_position, \
+    resume_state
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +49,8 @@ def _probe(executor, meta: TensorMeta | None) -> TensorMeta:
 
 
 def run_stage(job: PipelineJob, rank: int, sink: Sink, replay: list[Action] | None = None,
-              recv_timeout_s: float = 300.0, device: torch.device | None = None, control_group=None) -> None:
+              recv_timeout_s: float = 300.0, device: torch.device | None = None, control_group=None,
+              cuts: Cuts | None = None, on_action: Callable[[Action], None] | None = None) -> int | None:
     """Runs the stages of one rank until its policy is done; ``torch.distributed`` must be
     initialised with ``job.dp × R`` ranks. Global rank ``rank = d·R + r`` runs pipeline rank
     r of replica d ([Note: 2-D rank layout] in ``data_parallel.py``): stage r, or the v stages
@@ -60,7 +62,17 @@ def run_stage(job: PipelineJob, rank: int, sink: Sink, replay: list[Action] | No
     the replicas' mean), ``("snapshot", stage, (version, bytes))`` for evaluation, and
     ``("final", stage, (state_bytes, wall_s, optimizer_bytes))`` at the end; other replicas,
     whose weights equal replica 0's, report only ``("done", stage, wall_s)``. Times are seconds
-    since a start shared by all ranks.
+    since a start shared by all ranks. ``("event", stage, event)`` reports a micro-batch the
+    non-finite guard dropped (every replica reports its own).
+
+    Checkpoints ([Note: the checkpoint cut]): with ``job.checkpoint`` set, replica 0 writes each
+    hosted stage's file at every cut; with ``resume_step`` set, every rank starts from the files
+    of that step. A stop (``cuts.stop_requested``, set by a signal handler) is placed by stage 0
+    at its next step boundary T (with D > 1 the replicas of stage 0 agree on T with an
+    all-reduce after each update) and travels down the pipeline as an end-of-stream frame
+    behind the last activation before T; each stage finishes the micro-batches before T,
+    saves at update T and sends an end frame upstream on its gradient channel, so every
+    receiver thread ends without a timeout.
 
     Args:
         job: the job (every rank holds the same one).
@@ -71,9 +83,15 @@ def run_stage(job: PipelineJob, rank: int, sink: Sink, replay: list[Action] | No
         device: the CUDA device of this rank under NCCL; ``None`` on CPU (gloo).
         control_group: a gloo group of all ranks for host-side control messages (the shared
             start time) when the default group is NCCL; ``None`` uses the default group.
+        cuts: this process's cut points and stop flag (default ``job.cuts()``).
+        on_action: called after each action (the launcher's heartbeat and last-action record).
+
+    Returns:
+        The step T the run stopped at, or ``None`` if it ran to the end.
 
     Raises:
         PeerFailure: a neighbour stopped sending within ``recv_timeout_s``.
+        ConfigError: a checkpoint to resume is missing, damaged or from another configuration.
     """
     sched = job.schedule
     n = sched.n_stages
@@ -86,16 +104,49 @@ def run_stage(job: PipelineJob, rank: int, sink: Sink, replay: list[Action] | No
         if job.dp > 1 else None
     averager = GradientAverager(dp_groups[prank], job.dp, device) if dp_groups else None
     execs = {s: job.build_executor(s, replica=replica, grad_sync=averager, device=device) for s in stages}
-    if primary and job.wants_snapshot(0):
+    cuts = cuts or job.cuts()
+    start = job.start_step
+    m = sched.mb_per_step
+    if start:
+        for ex in execs.values():
+            job.load_checkpoint(ex)
+    if primary and job.wants_snapshot(0) and not start:
         for s, ex in execs.items():
             sink(("snapshot", s, (0, to_bytes(ex.module.state_dict()))))
     transport = P2PTransport(prank, sched.n_ranks, n, sched.total_mb, replica=replica, dp=job.dp, device=device)
     transport.exchange_meta(lambda s, meta: _probe(execs[s], meta))
-    transport.start()
-    policy = ListPolicy(replay) if replay is not None else sched.policy(prank)
+    transport.start(start * m)
+    inner = ListPolicy(replay) if replay is not None else sched.policy(prank)
     states = {s: StageState(s, n, sched.total_mb) for s in stages}
     view = states[prank] if len(stages) == 1 else RankView(list(states.values()))
+    if start:
+        for st in states.values():
+            resume_state(st, start, m)
+        if isinstance(inner, ListPolicy):
+            view.n_actions = resume_position(inner.actions, stages, start)
+    policy = CutPolicy(inner, cuts)
     inputs: dict[tuple[ActionKind, int, int], torch.Tensor] = {}
+    saved: set[tuple[int, int]] = set()
+    end_sent = {True: not any(s < n - 1 for s in stages), False: not any(s > 0 for s in stages)}
+    stage0_group = dp_groups[0] if dp_groups and prank == 0 else None
+
+    def checkpoint(ex) -> None:
+        if job.checkpoint is not None and primary and (ex.stage, ex.version) not in saved:
+            saved.add((ex.stage, ex.version))
+            job.save_checkpoint(ex, cuts.stop_step)
+
+    def at_stop() -> None:
+        """After a stop is placed: save stages at T, send end frames once their part is done."""
+        t = cuts.stop_step
+        for ex in execs.values():
+            if ex.version == t and ex.idle:
+                checkpoint(ex)
+        if not end_sent[True] and all(states[s].n_fwd >= t * m for s in stages if s < n - 1):
+            transport.send_end(True, t)
+            end_sent[True] = True
+        if not end_sent[False] and all(ex.version >= t for ex in execs.values()):
+            transport.send_end(False, t)
+            end_sent[False] = True
 
     # a start time shared by every rank (host tensors), taken once all have finished setting up:
     # the shape exchange is a chain through the stages, so rank 0 is ready first
@@ -108,13 +159,23 @@ def run_stage(job: PipelineJob, rank: int, sink: Sink, replay: list[Action] | No
 
     def take(messages) -> None:
         for kind, s, k, payload in messages:
+            if kind is END:  # k: the stop step placed upstream
+                if cuts.stop_step is None:
+                    cuts.stop_step = k
+                continue
             inputs[(kind, s, k)] = payload
             (states[s].fwd_ready if kind is ActionKind.F else states[s].bwd_ready).add(k)
 
     while not policy.done(view):
         take(transport.poll())
+        if cuts.stop_step is not None:
+            at_stop()
         action = policy.next_action(view)
         if action is None:
+            if cuts.stop_step is not None:
+                at_stop()
+                if policy.done(view):
+                    break
             try:
                 take(transport.poll(block_s=recv_timeout_s))
             except PeerFailure as exc:
@@ -128,15 +189,27 @@ def run_stage(job: PipelineJob, rank: int, sink: Sink, replay: list[Action] | No
         elif action.kind in (ActionKind.B, ActionKind.I) and s < n - 1:
             payload = inputs.pop((ActionKind.B, s, action.mb))
         version, weights = ex.version, ex.weights_version(action)
-        start = time.time() - t0
+        t_start = time.time() - t0
         out = ex.run(action, payload)
         end = time.time() - t0
         if out is not None:  # first, so the neighbour's wait is not lengthened by bookkeeping
             transport.send(action.kind, s, action.mb, out)
-        records.append((str(action), start, end, version, weights))
+        records.append((str(action), t_start, end, version, weights))
         view.apply(action)
         last = action
+        if on_action is not None:
+            on_action(action)
+        for event in ex.events:
+            sink(("event", s, event))
+        ex.events.clear()
         if action.kind is ActionKind.U:
+            if stage0_group is not None and s == 0:  # replicas of stage 0 agree on the stop
+                flag = torch.tensor([float(cuts.stop_requested), float(-(-states[0].n_fwd // m))], device=device)
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=stage0_group)
+                if flag[0] > 0 and cuts.stop_step is None:
+                    cuts.stop_step = int(flag[1])
+            if cuts.is_cut(ex.version) or ex.version == sched.steps:
+                checkpoint(ex)
             if not primary:
                 records = []
                 continue
@@ -146,13 +219,16 @@ def run_stage(job: PipelineJob, rank: int, sink: Sink, replay: list[Action] | No
                 sink(("step_loss", s, ex.last_step_loss))
             if job.wants_snapshot(ex.version):
                 sink(("snapshot", s, (ex.version, to_bytes(ex.module.state_dict()))))
+    if cuts.stop_step is not None:
+        at_stop()
     transport.close()
     wall = time.time() - t0
     if not primary:
         for s in execs:
             sink(("done", s, wall))
-        return
+        return cuts.stop_step
     if records:
         sink(("records", prank, records))
     for s, ex in execs.items():
         sink(("final", s, (to_bytes(ex.module.state_dict()), wall, optimizer_state_bytes(ex.optimizer))))
+    return cuts.stop_step
