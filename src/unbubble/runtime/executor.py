@@ -202,7 +202,7 @@ class StageExecutor:
     # and the stage sends a NaN-filled gradient upstream, which every earlier stage recognises
     # and drops in turn. Stages downstream of the one that found it have already applied their
     # (finite) part. The update still happens, with the other micro-batches' gradients and
-    # the usual 1/a (1/m) scale. "lower-lr" also multiplies the stage's learning rate by
+    # the usual 1/a (1/m) scale: the dropped micro-batch counts as a zero gradient. "lower-lr" also multiplies the stage's learning rate by
     # ``nan_lr_factor``; "abort" raises ``NonFiniteError``. Each drop is logged with stage,
     # micro-batch and weight version (``events``). On CUDA each check is one host
     # synchronisation per backward; ``nan_policy="off"`` removes them.
@@ -246,6 +246,9 @@ class StageExecutor:
         if held is not None:
             for p, g in zip(self.params, held):
                 p.grad = g
+        for p in self.params:  # a zero contribution: the update still comes (momentum moves on)
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
         for t in self._grad_targets(k):
             if t is not None and self.backward_weights == "stashed":
                 t.grad = None
