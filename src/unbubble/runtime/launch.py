@@ -2,6 +2,18 @@
 
 A run has ``job.dp × R`` processes ([Note: 2-D rank layout] in ``data_parallel.py``). The backend
 is NCCL with one CUDA device per process when CUDA has enough devices, else gloo on the CPU.
+
+[Note: failure handling]
+Every blocking receive has a timeout (``timeout_s``, 60 s by default): a stage whose neighbour
+stops sending fails with ``PeerFailure`` naming its last action. The local launcher also
+watches each stage process: a process that exits non-zero or is killed, or whose heartbeat
+thread (one beat a second) falls silent for ``hang_s`` (20 s), ends the run at once. The
+error names the culprit, not its neighbours (their closed connections and timeouts are
+consequences), with the last action it ran from a shared slot the stage writes after each
+action. All processes are then terminated (SIGTERM, SIGKILL after 10 s); they run in their own
+process group and get SIGKILL if the launcher dies (``PR_SET_PDEATHSIG``), so none is orphaned.
+Under torchrun, its agent restarts or stops the group when a worker dies; a hung worker is
+caught by its neighbours' receive timeouts.
 """
 
 from __future__ import annotations
@@ -271,6 +283,21 @@ def run_processes(job: PipelineJob, replay: list[list[Action]] | None = None, li
     def last(g: int) -> str:
         return last_actions[g].value.decode() or "none (still starting)"
 
+    def culprit() -> str | None:
+        """[Note: failure handling]: a stage killed by a signal, or hung (stale heartbeat), is the
+        cause; its neighbours' errors (closed connections, receive timeouts) are consequences."""
+        for g, p in enumerate(procs):
+            if p.exitcode is not None and p.exitcode < 0:
+                return (f"stage {_rank_name(job, g)} was killed by {signal.Signals(-p.exitcode).name} without a "
+                        f"report; its last action was {last(g)}")
+        now = time.time()
+        for g in range(world):
+            if beats[g] > 0 and now - beats[g] > hang_s and procs[g].exitcode is None:
+                procs[g].kill()  # a stopped process ignores SIGTERM
+                return (f"stage {_rank_name(job, g)} stopped responding (no heartbeat for {now - beats[g]:.0f} s); "
+                        f"its last action was {last(g)}")
+        return None
+
     collector = _Collector(job, listener)
     try:
         for p in procs:
@@ -281,26 +308,22 @@ def run_processes(job: PipelineJob, replay: list[list[Action]] | None = None, li
             except queue.Empty:
                 dead = [(g, p.exitcode) for g, p in enumerate(procs) if p.exitcode not in (None, 0)]
                 if dead:
-                    g, code = dead[0]
                     try:  # its error report may still be in the queue
                         msg = q.get(timeout=1.0)
                         if msg[0] == "error":
-                            _raise_stage_error(_root_cause(msg, q), job, last)
+                            _raise_stage_error(_root_cause(msg, q), job, last, culprit)
                         collector.handle(msg)
                     except queue.Empty:
                         pass
-                    how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
-                    raise PipelineFailure(f"stage {_rank_name(job, g)} {how} without a report; its last action "
-                                          f"was {last(g)}")
-                now = time.time()
-                hung = [g for g in range(world) if beats[g] > 0 and now - beats[g] > hang_s]
-                if hung:
-                    g = hung[0]
-                    raise PipelineFailure(f"stage {_rank_name(job, g)} stopped responding (no heartbeat for "
-                                          f"{now - beats[g]:.0f} s); its last action was {last(g)}")
+                    g, code = dead[0]
+                    raise PipelineFailure(culprit() or f"stage {_rank_name(job, g)} exited with code {code} without "
+                                          f"a report; its last action was {last(g)}")
+                found = culprit()
+                if found:
+                    raise PipelineFailure(found)
                 continue
             if msg[0] == "error":
-                _raise_stage_error(_root_cause(msg, q), job, last)
+                _raise_stage_error(_root_cause(msg, q), job, last, culprit)
             collector.handle(msg)
         for p in procs:
             p.join(timeout=60)
@@ -320,10 +343,14 @@ def run_processes(job: PipelineJob, replay: list[list[Action]] | None = None, li
     return collector.result()
 
 
-def _raise_stage_error(msg: tuple, job: PipelineJob, last) -> None:
+def _raise_stage_error(msg: tuple, job: PipelineJob, last, culprit) -> None:
     _, name, text = msg
+    if any(mark in text for mark in _SECONDARY):  # a neighbour's reaction: look for the cause
+        found = culprit()
+        if found:
+            raise PipelineFailure(found)
     rank = _rank_index(job, name)
-    where = f"; its last action was {last(rank)}" if rank is not None else ""
+    where = f"; its last action was {last(rank)}" if rank is not None and "last action" not in text else ""
     raise PipelineFailure(f"stage {name} failed: {text}{where}")
 
 
