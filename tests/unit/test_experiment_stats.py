@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from unbubble.experiments.stats import mean_std, rms_std, slowdown, smooth, time_to_target
+from unbubble.experiments.stats import loss_at_fraction, mean_std, rms_std, slowdown, smooth, time_to_target
 
 
 def test_mean_std():
@@ -38,3 +38,15 @@ def test_time_to_target_interpolates_the_crossing():
 def test_slowdown_and_smooth():
     assert slowdown({1: 100.0, 8: 150.0, 32: None}) == {1: 1.0, 8: 1.5, 32: None}
     assert smooth([1, 2, 3, 4], 2) == [1.0, 1.5, 2.5, 3.5]
+
+
+def test_loss_at_fraction_is_the_smoothed_loss_at_that_step():
+    # a plateau at 3.0 for 4 steps, then 2.0: half of 10 steps is step 5, whose 2-point mean is (3 + 2) / 2
+    losses = [3.0] * 4 + [2.0] * 6
+    assert loss_at_fraction(losses, 0.5, 2) == 2.5
+    assert loss_at_fraction(losses, 0.6, 2) == 2.0
+    assert loss_at_fraction(losses, 0.4, 2) == 3.0
+    assert loss_at_fraction(losses, 0.45, 1) == 2.0  # ⌈4.5⌉ = step 5
+    assert loss_at_fraction(losses, 1.0, 10) == pytest.approx(2.4)
+    with pytest.raises(ValueError):
+        loss_at_fraction(losses, 0.0, 2)

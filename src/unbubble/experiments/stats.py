@@ -64,6 +64,18 @@ def smooth(values: Sequence[float], window: int) -> list[float]:
     return out
 
 
+def loss_at_fraction(losses: Sequence[float], fraction: float, window: int) -> float:
+    """The trailing ``window``-point moving average of a per-step loss curve at step
+    ⌈fraction · len⌉ (1-based): e.g. the target loss "what the reference run has at half its run".
+
+    Raises:
+        ValueError: no losses, or ``fraction`` outside (0, 1].
+    """
+    if not losses or not 0 < fraction <= 1:
+        raise ValueError(f"loss_at_fraction needs losses and 0 < fraction ≤ 1 (got {len(losses)} losses, {fraction})")
+    return smooth(losses, window)[max(math.ceil(fraction * len(losses)), 1) - 1]
+
+
 def slowdown(steps_to_target: dict[int, float | None], base: int = 1) -> dict[int, float | None]:
     """Steps to target at each pipeline depth P divided by the steps at P = ``base``
     (Basis Rotation's slowdown; ``None`` where the target was not reached)."""
