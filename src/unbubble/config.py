@@ -47,7 +47,7 @@ class TrainConfig:
     stage_aware: bool = field(default=False, metadata={"help": "Shorthand for --br-allocation stage-aware."})
     clip_grad_norm: float | None = field(default=None, metadata={"help": 'Per-stage gradient-norm clipping; off by default (global clipping needs cross-stage sync).'})
     model: str = field(default="tiny", metadata={"help": 'Model preset (tiny, small-cpu, gpt2, gpt2-medium, gpt2-large, gpt2-xl).'})
-    corpus: str = field(default="kjv", metadata={"help": 'kjv, shakespeare, a text file, or a folder of .txt files.'})
+    corpus: str = field(default="kjv", metadata={"help": 'kjv, shakespeare, a text file, a folder of .txt files, or a folder with train.bin and val.bin (pre-tokenised uint16 ids of --tokenizer, nanoGPT format).'})
     tokenizer: Literal["byte", "gpt2"] = field(default="byte", metadata={"help": 'byte (vocabulary 257, fast on CPU) or gpt2 (offline GPT-2 BPE, vocabulary 50257).'})
     engine: Literal["emulator", "processes"] = field(default="processes", metadata={"help": 'processes: one torch.distributed process per stage; emulator: all stages in this process.'})
     seed: int = field(default=0, metadata={"help": "Seed of the initial weights and of the data order."})

@@ -103,6 +103,10 @@ def build_job(cfg: TrainConfig, tokens: TokenData) -> tuple[PipelineJob, GPTConf
     data = _Data(str(tokens.meta["dir"]) + "/train.bin", str(tokens.meta["dir"]) + "/val.bin",
                  cfg.micro_batch_size, cfg.seq_len, cfg.seed, cfg.eval_batches)
     MicroBatchSampler(tokens.train, cfg.micro_batch_size, cfg.seq_len, cfg.seed)  # validates sizes
+    if cfg.micro_batch_size * cfg.seq_len > tokens.train.size:
+        raise ConfigError(f"micro_batch_size={cfg.micro_batch_size} × seq_len={cfg.seq_len} = "
+                          f"{cfg.micro_batch_size * cfg.seq_len:,} tokens per micro-batch exceeds the corpus's "
+                          f"{tokens.train.size:,} training tokens (lower --micro-batch-size or --seq-len)")
     val_batches(tokens.val, cfg.micro_batch_size, cfg.seq_len, 1)
     warmup = round(cfg.warmup_frac * cfg.steps)
     job = PipelineJob(
@@ -129,7 +133,7 @@ def build_job(cfg: TrainConfig, tokens: TokenData) -> tuple[PipelineJob, GPTConf
 
 
 #: Options ``--resume`` lets change: how the run executes, not what it computes.
-RESUME_OVERRIDES = ("engine", "threads_per_stage", "timeout_s")
+RESUME_OVERRIDES = ("engine", "threads_per_stage", "timeout_s", "cache_dir")
 
 
 def resume_config(run_dir: str | Path, overrides: dict | None = None) -> TrainConfig:

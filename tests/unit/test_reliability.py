@@ -219,3 +219,12 @@ def test_nan_guard_state_survives_a_checkpoint(tmp_path):
     resumed = run_emulator(dataclasses.replace(job, checkpoint=dataclasses.replace(job.checkpoint, resume_step=4)))
     assert load_stage(tmp_path, 4, 0)["executor"]["lr_factor"] == 0.5
     assert _equal_states(resumed.final_states, full.final_states)
+
+
+def test_world_size_mismatch_under_torchrun_is_refused(monkeypatch):
+    from unbubble.runtime.launch import run_torchrun
+
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    job = tiny_gpt_job(get_schedule("paci", 4, 2, a=1))
+    with pytest.raises(ConfigError, match=r"WORLD_SIZE=3 does not match dp × pipeline ranks = 1 × 4 = 4"):
+        run_torchrun(job)

@@ -47,9 +47,34 @@ def test_cli_train_runs_and_reports(tmp_path, cache_dir):
 
 @pytest.fixture
 def bad_files(tmp_path):
+    import numpy as np
+    import torch
+
+    from unbubble.config import config_to_yaml
+    from unbubble.runtime.checkpoint import save_stage
+
     (tmp_path / "empty.txt").write_text("")
     (tmp_path / "binary.txt").write_bytes(b"\xff\xfe\x00\x81 not utf-8 \xc3\x28")
     (tmp_path / "emptydir").mkdir()
+    good = np.arange(4000, dtype="<u2") % 257
+    bad = good.copy()
+    bad[1234] = 300
+    for name, train, val in (("bin-empty", b"", good.tobytes()), ("bin-odd", good.tobytes() + b"\x01", good.tobytes()),
+                             ("bin-vocab", bad.tobytes(), good.tobytes()),
+                             ("bin-noval", good.tobytes(), None)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "train.bin").write_bytes(train)
+        if val is not None:
+            (tmp_path / name / "val.bin").write_bytes(val)
+    # run folders to resume: no checkpoint; one written by a 2-stage run; a damaged file
+    for name in ("run-nockpt", "run-2stages", "run-damaged"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.yaml").write_text(config_to_yaml(TrainConfig(engine="emulator", steps=20)))
+    for s in range(4):
+        save_stage(tmp_path / "run-2stages" / "checkpoints", 10, s,
+                   {"fingerprint": {"schedule": "paci", "n_stages": 2}, "extra_cuts": []})
+        save_stage(tmp_path / "run-damaged" / "checkpoints", 10, s, {"extra_cuts": [], "x": torch.zeros(1)})
+    (tmp_path / "run-damaged" / "checkpoints" / "step-00000010" / "stage-000.pt").write_bytes(b"\x00truncated")
     return tmp_path
 
 
@@ -75,6 +100,27 @@ BAD = [
     (["--schedule", "interleaved-1f1b", "--m", "6"], "m=6 is invalid for interleaved-1f1b"),
     (["--schedule", "pipedream-2bw", "--m", "2"], "m=2 is invalid for pipedream-2bw with stages=4"),
     (["--stage-aware", "--br-allocation", "inverse"], "stage_aware=True contradicts br_allocation='inverse'"),
+    (["--dp", "2"], "dp=2 is invalid with engine='emulator'"),
+    (["--run-dir", "{tmp}/existing-run"], "already exists and is not empty"),
+    (["--nan-policy", "ignore"], "nan_policy='ignore' is invalid: must be one of skip, lower-lr, abort, off"),
+    (["--nan-lr-factor", "0"], "nan_lr_factor=0.0 is invalid: must be in (0, 1]"),
+    (["--nan-lr-factor", "1.5"], "nan_lr_factor=1.5 is invalid"),
+    (["--timeout-s", "0"], "timeout_s=0.0 is invalid: must be a number of seconds > 0"),
+    (["--checkpoint-every", "-1"], "checkpoint_every=-1 is invalid: must be an integer ≥ 0"),
+    (["--micro-batch-size", "100000"], "micro_batch_size=100000"),
+    # pre-tokenised data files
+    (["--corpus", "{tmp}/bin-empty"], "bin-empty/train.bin' is empty"),
+    (["--corpus", "{tmp}/bin-odd"], "has odd size 8001 bytes, not a whole number of uint16 ids"),
+    (["--corpus", "{tmp}/bin-vocab"], "holds token id 300 (first bad id at position 1234) >= vocab_size=257"),
+    (["--corpus", "{tmp}/bin-noval"], "bin-noval/val.bin' does not exist"),
+    # resuming
+    (["--resume", "{tmp}/nowhere"], "resume='{tmp}/nowhere' is not a run folder"),
+    (["--resume", "{tmp}/emptydir"], "is not a run folder"),
+    (["--resume", "{tmp}/run-nockpt"], "has no complete checkpoint"),
+    (["--resume", "{tmp}/run-nockpt", "--steps", "40"], "steps cannot change on --resume"),
+    (["--resume", "{tmp}/run-nockpt", "--config", "{tmp}/run-nockpt/config.yaml"], "--config and --resume exclude"),
+    (["--resume", "{tmp}/run-2stages"], "was written with stages=2 but this run has stages=4"),
+    (["--resume", "{tmp}/run-damaged"], "stage-000.pt' cannot be read"),
 ]
 
 
@@ -123,8 +169,43 @@ def test_emulator_runs_on_threads_per_stage_and_restores_threads(monkeypatch):
     import unbubble.train as train_mod
 
     seen = []
-    monkeypatch.setattr(train_mod, "run_emulator", lambda job, listener=None: seen.append(torch.get_num_threads()))
+    from unbubble.schedules import get_schedule
+    from unbubble.testing import tiny_gpt_job
+
+    monkeypatch.setattr(train_mod, "run_emulator",
+                        lambda job, listener=None, cuts=None: seen.append(torch.get_num_threads()))
     before = torch.get_num_threads()
-    train_mod.run_job(None, "emulator", threads_per_stage=1)
+    train_mod.run_job(tiny_gpt_job(get_schedule("paci", 2, 1, a=1)), "emulator", threads_per_stage=1)
     assert seen == [1]  # not the process default: oversubscribed threads made small kernels 20x slower
     assert torch.get_num_threads() == before
+
+
+def test_resume_continues_the_run_folder_bit_identically(tmp_path, cache_dir):
+    """A run cut off after its step-10 checkpoint and resumed equals the uninterrupted run: the
+    step-20 checkpoints hold the same weights, metrics.jsonl lists each step once."""
+    import shutil
+
+    import torch
+
+    from unbubble.runtime.checkpoint import complete_steps, load_stage
+
+    run = tmp_path / "run"
+    res = CliRunner().invoke(cli, ["-q", "train", "--engine", "emulator", "--steps", "20", "--checkpoint-every", "10",
+                                   "--seq-len", "32", "--eval-interval", "10", "--eval-batches", "1",
+                                   "--run-dir", str(run), "--cache-dir", cache_dir, "--no-tensorboard"])
+    assert res.exit_code == 0, res.output
+    cut = tmp_path / "cut"
+    shutil.copytree(run, cut)
+    shutil.rmtree(cut / "checkpoints" / "step-00000020")  # as if the machine died after step 10's checkpoint
+    res = CliRunner().invoke(cli, ["-q", "train", "--resume", str(cut), "--cache-dir", cache_dir])
+    assert res.exit_code == 0, res.output
+    assert complete_steps(cut / "checkpoints", 4) == [10, 20]
+    for s in range(4):
+        a = load_stage(run / "checkpoints", 20, s)["executor"]["model"]
+        b = load_stage(cut / "checkpoints", 20, s)["executor"]["model"]
+        assert all(torch.equal(a[k], b[k]) for k in a)
+    lines = [json.loads(x) for x in (cut / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines if "loss" in r] == list(range(1, 21))
+    assert [r["step"] for r in lines if "val_loss" in r] == [0, 10, 20]
+    summary = json.loads((cut / "summary.json").read_text())
+    assert summary["resumed_from_step"] == 10 and summary["stopped_at_step"] is None

@@ -13,6 +13,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from unbubble.cli import err_console
 from unbubble.config import TrainConfig
+from unbubble.errors import ConfigError
 
 log = logging.getLogger("unbubble.train")
 
@@ -99,7 +100,7 @@ def _effective_config(kwargs: dict) -> TrainConfig:
 @click.option("--print-config", is_flag=True, help="Print the effective configuration as YAML and exit.")
 @click.option("--resume", "resume", default=None, type=click.Path(file_okay=False),
               help="Continue the run in this folder from its newest complete checkpoint, with its own "
-                   "config.yaml (only --engine, --threads-per-stage and --timeout-s may be given too).")
+                   "config.yaml (only --engine, --threads-per-stage, --timeout-s and --cache-dir may be given too).")
 @_options
 def train(print_config: bool, resume: str | None, **kwargs) -> None:
     """Train a GPT-2-style model on real text across a pipeline of stages.
@@ -121,7 +122,8 @@ def train(print_config: bool, resume: str | None, **kwargs) -> None:
     if resume is not None:
         given = _given(kwargs)
         if given.pop("config", None) is not None:
-            raise click.UsageError("--config and --resume exclude each other: --resume uses the run's config.yaml")
+            raise ConfigError("--config and --resume exclude each other: --resume continues with the run's own "
+                              "config.yaml")
         cfg = resume_config(resume, given)
     else:
         cfg = _effective_config(kwargs)

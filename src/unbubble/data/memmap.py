@@ -195,6 +195,9 @@ def prepare_tokens(
         raise ConfigError(f"val_fraction={val_fraction!r} is invalid: must be in (0, 1) (set --val-fraction)")
     tok = get_tokenizer(tokenizer)
     _check_uint16_vocab(tok.vocab_size, f"tokenizer={tokenizer!r}")
+    folder = Path(corpus).expanduser()
+    if folder.is_dir() and ((folder / "train.bin").exists() or (folder / "val.bin").exists()):
+        return load_token_folder(folder, tokenizer)
     fingerprint = corpus_fingerprint(corpus)
     key = _cache_key(fingerprint, tok.name, val_fraction)
     out = Path(cache_dir).expanduser() / key
@@ -257,6 +260,23 @@ def prepare_tokens(
         raise ConfigError(f"cache_dir='{cache_dir}': {out} changed while being written: retry (set --cache-dir)")
     return TokenData(data.train, data.val, data.vocab_size, data.eos_id, data.tokenizer,
                      {**data.meta, "from_cache": False})
+
+
+def load_token_folder(folder: str | Path, tokenizer: str) -> TokenData:
+    """A pre-tokenised corpus: ``folder/train.bin`` and ``folder/val.bin`` (nanoGPT format), ids
+    of ``tokenizer``'s vocabulary; used as is (no cache).
+
+    Raises:
+        ConfigError: a file is missing, empty, of odd size or holds an id ≥ the vocabulary.
+    """
+    tok = get_tokenizer(tokenizer)
+    folder = Path(folder).expanduser()
+    train = load_bin(folder / "train.bin", tok.vocab_size)
+    val = load_bin(folder / "val.bin", tok.vocab_size)
+    meta = {"format": FORMAT_VERSION, "tokenizer": tok.name, "vocab_size": tok.vocab_size,
+            "train_tokens": int(train.size), "val_tokens": int(val.size), "dir": str(folder), "from_cache": True,
+            "pretokenized": True}
+    return TokenData(train, val, tok.vocab_size, tok.eos_id, tok.name, meta)
 
 
 def load_bin(path: str | Path, vocab_size: int) -> np.memmap:

@@ -133,6 +133,8 @@ def fingerprint(job, stage: int, module: torch.nn.Module) -> dict[str, Any]:
 def check_fingerprint(saved: dict[str, Any], expected: dict[str, Any], where: str) -> None:
     """Raises:
         ConfigError: naming the first field that differs and both values."""
+    if not isinstance(saved, dict):
+        raise ConfigError(f"checkpoint {where} has no run fingerprint: it was not written by unbubble train")
     labels = {"schedule": "schedule", "n_stages": "stages", "mb_per_step": "micro-batches per step",
               "steps": "steps", "dp": "dp", "stage": "stage"}
     for key, label in labels.items():

@@ -139,7 +139,7 @@ class PipelineJob:
         """
         ck = self.checkpoint
         data = load_stage(ck.directory, ck.resume_step, ex.stage)
-        check_fingerprint(data["fingerprint"], fingerprint(self, ex.stage, ex.module),
+        check_fingerprint(data.get("fingerprint"), fingerprint(self, ex.stage, ex.module),
                           f"{ck.directory}/step-{ck.resume_step:08d}")
         ex.load_state_dict(data["executor"])
         if restore_rng:
