@@ -10,7 +10,7 @@ watches each stage process: a process that exits non-zero or is killed, or whose
 thread (one beat a second) falls silent for ``hang_s`` (20 s), ends the run at once. The
 error names the culprit, not its neighbours (their closed connections and timeouts are
 consequences), with the last action it ran from a shared slot the stage writes after each
-action. All processes are then terminated (SIGTERM, SIGKILL after 10 s); they run in their own
+action. All processes are then killed (SIGTERM would ask them for a checkpoint); they run in their own
 process group and get SIGKILL if the launcher dies (``PR_SET_PDEATHSIG``), so none is orphaned.
 Under torchrun, its agent restarts or stops the group when a worker dies; a hung worker is
 caught by its neighbours' receive timeouts.
@@ -147,8 +147,10 @@ def _stage_entry(rank: int, job: PipelineJob, replay, q, port: int, threads: int
             q.put(("stopped", _rank_name(job, rank), stopped))
         dist.destroy_process_group()
     except BaseException as exc:  # noqa: BLE001 - reported to the coordinator, then exit 1
-        q.put(("error", _rank_name(job, rank), f"{type(exc).__name__}: {exc}"))
-        traceback.print_exc()
+        text = f"{type(exc).__name__}: {exc}"
+        q.put(("error", _rank_name(job, rank), text))
+        if not any(mark in text for mark in _SECONDARY):  # a neighbour's failure: the launcher names it
+            traceback.print_exc()
         sys.stderr.flush()
         q.close()
         q.join_thread()  # flush the report before the hard exit
@@ -225,8 +227,8 @@ def run_processes(job: PipelineJob, replay: list[list[Action]] | None = None, li
     over ``torch.distributed``.
 
     Failures ([Note: failure handling]): a stage that raises, dies or stops sending its
-    heartbeat for ``hang_s`` seconds ends the run: every process is terminated (SIGTERM,
-    then SIGKILL), and the error names the stage and its last action. Stage processes run in
+    heartbeat for ``hang_s`` seconds ends the run: every process is killed, and the error names
+    the stage and its last action. Stage processes run in
     their own process group and die with this process (``PR_SET_PDEATHSIG``), so none is left
     behind. SIGINT/SIGTERM to this process are forwarded once: the run stops at the next step
     boundary after a checkpoint (``job.checkpoint``); a second signal terminates at once.
@@ -332,14 +334,11 @@ def run_processes(job: PipelineJob, replay: list[list[Action]] | None = None, li
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-        for p in procs:
-            if p.is_alive():
-                p.terminate()
-        for p in procs:
-            p.join(timeout=10)
+        for p in procs:  # after a failure: SIGTERM would only ask them to stop at a checkpoint
             if p.is_alive():
                 p.kill()
-                p.join(timeout=10)
+        for p in procs:
+            p.join(timeout=10)
     return collector.result()
 
 
