@@ -228,3 +228,13 @@ def test_world_size_mismatch_under_torchrun_is_refused(monkeypatch):
     job = tiny_gpt_job(get_schedule("paci", 4, 2, a=1))
     with pytest.raises(ConfigError, match=r"WORLD_SIZE=3 does not match dp × pipeline ranks = 1 × 4 = 4"):
         run_torchrun(job)
+
+
+def test_guard_gives_up_when_every_micro_batch_is_non_finite():
+    from unbubble.runtime.executor import MAX_DROPPED_UPDATES
+
+    sched = get_schedule("paci", 3, 30, a=2)
+    everything = set(range(sched.total_mb))
+    with pytest.raises(NonFiniteError, match=rf"stage 2: every micro-batch of the last {MAX_DROPPED_UPDATES} "
+                                             rf"updates had a non-finite loss or gradient \(weight version 9\)"):
+        run_emulator(_mlp_job(sched, functools.partial(_batch, everything)))

@@ -152,7 +152,7 @@ def train(print_config: bool, resume: str | None, **kwargs) -> None:
     val = result.val_losses
     click.echo(f"run folder: {run_dir}")
     if val:
-        click.echo(f"validation loss {val[0][1]:.4f} -> {val[-1][1]:.4f} (ppl {math.exp(val[-1][1]):.2f})")
+        click.echo(f"validation loss {val[0][1]:.4f} -> {val[-1][1]:.4f} (ppl {math.exp(min(val[-1][1], 50.0)):.4g})")
     util = (result.sim_trace or result.trace).utilization()
     kind = "simulated utilization" if result.sim_trace is not None else "utilization"
     click.echo(f"tokens/s {result.tokens_per_s:,.0f} | max Δ per stage {result.max_drift()} | "

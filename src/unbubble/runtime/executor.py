@@ -17,6 +17,10 @@ from unbubble.schedules.actions import Action, ActionKind
 
 log = logging.getLogger(__name__)
 
+#: The non-finite guard gives up after this many consecutive updates whose every micro-batch it
+#: dropped (the weights themselves have diverged).
+MAX_DROPPED_UPDATES = 10
+
 BatchFn = Callable[[int], tuple[torch.Tensor, torch.Tensor]]
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -91,6 +95,7 @@ class StageExecutor:
         self.lr_factor = 1.0  # product of the guard's learning-rate cuts
         self.events: list[dict[str, Any]] = []  # non-finite micro-batches this stage dropped
         self._dropped: set[int] = set()  # split backward (I then W): dropped at I
+        self._dropped_since_update = self._kept_since_update = self._all_dropped_updates = 0
 
     @property
     def is_first(self) -> bool:
@@ -265,9 +270,23 @@ class StageExecutor:
             self._scale_lr(self.nan_lr_factor)
             event["lr_factor"] = self.lr_factor
         self.events.append(event)
+        self._dropped_since_update += 1
         log.warning("stage %d dropped micro-batch %d at weight version %d: non-finite %s", self.stage, k,
                     self.version, what)
         return None if inp is None else torch.full_like(inp, math.nan)
+
+    def _check_divergence(self) -> None:
+        """Raises once every micro-batch of :data:`MAX_DROPPED_UPDATES` consecutive updates was
+        dropped: the weights have diverged and skipping more data cannot help."""
+        dropped, self._dropped_since_update = self._dropped_since_update, 0
+        kept = self._kept_since_update
+        self._kept_since_update = 0
+        self._all_dropped_updates = self._all_dropped_updates + 1 if dropped and not kept else 0
+        if self._all_dropped_updates >= MAX_DROPPED_UPDATES:
+            raise NonFiniteError(
+                f"stage {self.stage}: every micro-batch of the last {MAX_DROPPED_UPDATES} updates had a non-finite "
+                f"loss or gradient (weight version {self.version}): training diverged; lower --lr, or use "
+                "--nan-policy lower-lr, and resume from an earlier checkpoint")
 
     def _scale_lr(self, factor: float) -> None:
         self.lr_factor *= factor
@@ -326,6 +345,7 @@ class StageExecutor:
 
     def _finish(self, k: int) -> None:
         """After the backward of ``k``: move stashed-version gradients to the live parameters."""
+        self._kept_since_update += 1
         version = self.fwd_version.pop(k)
         if self.is_last:
             self._step_losses.append(self.losses.pop(k))
@@ -399,6 +419,7 @@ class StageExecutor:
         With ``grad_sync`` (data parallelism) the gradients are first averaged over the
         replicas; the last stage's step loss becomes the replicas' mean.
         """
+        self._check_divergence()
         step_loss = None
         if self._step_losses:  # one host synchronisation per update, on the last stage only
             values = torch.stack(self._step_losses).tolist()
