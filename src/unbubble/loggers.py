@@ -56,7 +56,8 @@ def open_loggers(run_dir: Path, cfg: TrainConfig) -> list["Logger"]:
     return loggers
 
 
-def _ppl(loss: float) -> float:
+def perplexity(loss: float) -> float:
+    """exp(loss), capped at e^50 so a diverged run (loss in the thousands, or inf) still reports."""
     return math.exp(min(loss, 50.0))
 
 
@@ -100,7 +101,7 @@ class TensorBoardLogger(Logger):
     def step(self, step: int, loss: float, info: dict[str, Any]) -> None:
         w = self.writer
         w.add_scalar("train/loss", loss, step)
-        w.add_scalar("train/perplexity", _ppl(loss), step)
+        w.add_scalar("train/perplexity", perplexity(loss), step)
         if "tok_per_s" in info:
             w.add_scalar("train/tokens_per_s", info["tok_per_s"], step)
         if "max_drift" in info:
@@ -108,7 +109,7 @@ class TensorBoardLogger(Logger):
 
     def eval(self, version: int, val_loss: float) -> None:
         self.writer.add_scalar("val/loss", val_loss, version)
-        self.writer.add_scalar("val/perplexity", _ppl(val_loss), version)
+        self.writer.add_scalar("val/perplexity", perplexity(val_loss), version)
 
     def finish(self, result, summary: dict[str, Any]) -> None:
         w = self.writer
@@ -143,7 +144,7 @@ class WandbLogger(Logger):
         self.run.define_metric("val/*", step_metric="val/version")
 
     def step(self, step: int, loss: float, info: dict[str, Any]) -> None:
-        rec = {"train/step": step, "train/loss": loss, "train/perplexity": _ppl(loss)}
+        rec = {"train/step": step, "train/loss": loss, "train/perplexity": perplexity(loss)}
         if "tok_per_s" in info:
             rec["train/tokens_per_s"] = info["tok_per_s"]
         if "max_drift" in info:
@@ -151,7 +152,7 @@ class WandbLogger(Logger):
         self.run.log(rec)
 
     def eval(self, version: int, val_loss: float) -> None:
-        self.run.log({"val/version": version, "val/loss": val_loss, "val/perplexity": _ppl(val_loss)})
+        self.run.log({"val/version": version, "val/loss": val_loss, "val/perplexity": perplexity(val_loss)})
 
     def finish(self, result, summary: dict[str, Any]) -> None:
         rec: dict[str, Any] = {}

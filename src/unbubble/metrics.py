@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import time
 from pathlib import Path
@@ -12,7 +11,7 @@ from typing import Any
 
 from unbubble.config import TrainConfig, config_to_yaml
 from unbubble.errors import ConfigError
-from unbubble.loggers import open_loggers
+from unbubble.loggers import open_loggers, perplexity
 from unbubble.runtime.job import PipelineJob
 from unbubble.runtime.telemetry import RunResult
 
@@ -98,7 +97,7 @@ class RunWriter:
         self._metrics.flush()
 
     def on_eval(self, version: int, val_loss: float) -> None:
-        rec = {"step": version, "val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50.0))}
+        rec = {"step": version, "val_loss": val_loss, "val_ppl": perplexity(val_loss)}
         self._metrics.write(json.dumps(rec) + "\n")
         self._metrics.flush()
         for lg in self.loggers:
@@ -140,7 +139,7 @@ class RunWriter:
             "nonfinite_dropped": [{k: e[k] for k in ("stage", "mb", "version", "what")} for e in result.events],
         }
         if summary["final_val_loss"] is not None:
-            summary["final_val_ppl"] = math.exp(min(summary["final_val_loss"], 50.0))
+            summary["final_val_ppl"] = perplexity(summary["final_val_loss"])
         (self.dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         self._plot(result)
         for lg in self.loggers:

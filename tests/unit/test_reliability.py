@@ -238,3 +238,10 @@ def test_guard_gives_up_when_every_micro_batch_is_non_finite():
     with pytest.raises(NonFiniteError, match=rf"stage 2: every micro-batch of the last {MAX_DROPPED_UPDATES} "
                                              rf"updates had a non-finite loss or gradient \(weight version 9\)"):
         run_emulator(_mlp_job(sched, functools.partial(_batch, everything)))
+
+
+def test_perplexity_of_a_diverged_run_is_reported_not_an_overflow():
+    from unbubble.loggers import perplexity
+
+    assert perplexity(math.log(20.0)) == pytest.approx(20.0)
+    assert perplexity(1000.0) == perplexity(math.inf) == math.exp(50.0)  # was OverflowError in the CLI summary

@@ -1,6 +1,5 @@
 """Executor and emulator against independent references (DESIGN §6, layers 2 and 3)."""
 
-import functools
 
 import pytest
 import torch

@@ -59,11 +59,11 @@ def bad_files(tmp_path):
     good = np.arange(4000, dtype="<u2") % 257
     bad = good.copy()
     bad[1234] = 300
-    for name, train, val in (("bin-empty", b"", good.tobytes()), ("bin-odd", good.tobytes() + b"\x01", good.tobytes()),
+    for name, train_bin, val in (("bin-empty", b"", good.tobytes()), ("bin-odd", good.tobytes() + b"\x01", good.tobytes()),
                              ("bin-vocab", bad.tobytes(), good.tobytes()),
                              ("bin-noval", good.tobytes(), None)):
         (tmp_path / name).mkdir()
-        (tmp_path / name / "train.bin").write_bytes(train)
+        (tmp_path / name / "train.bin").write_bytes(train_bin)
         if val is not None:
             (tmp_path / name / "val.bin").write_bytes(val)
     # run folders to resume: no checkpoint; one written by a 2-stage run; a damaged file

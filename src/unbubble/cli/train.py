@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import sys
 import typing
 
@@ -117,6 +116,7 @@ def train(print_config: bool, resume: str | None, **kwargs) -> None:
     stops at the next step boundary after a checkpoint (exit code 130), and
     `unbubble train --resume RUN` continues. A second signal stops at once.
     """
+    from unbubble.loggers import perplexity
     from unbubble.train import resume_config, train as run_training
 
     if resume is not None:
@@ -152,7 +152,7 @@ def train(print_config: bool, resume: str | None, **kwargs) -> None:
     val = result.val_losses
     click.echo(f"run folder: {run_dir}")
     if val:
-        click.echo(f"validation loss {val[0][1]:.4f} -> {val[-1][1]:.4f} (ppl {math.exp(min(val[-1][1], 50.0)):.4g})")
+        click.echo(f"validation loss {val[0][1]:.4f} -> {val[-1][1]:.4f} (ppl {perplexity(val[-1][1]):.4g})")
     util = (result.sim_trace or result.trace).utilization()
     kind = "simulated utilization" if result.sim_trace is not None else "utilization"
     click.echo(f"tokens/s {result.tokens_per_s:,.0f} | max Δ per stage {result.max_drift()} | "
