@@ -105,15 +105,16 @@ def _die_with_parent() -> None:
             pass
 
 
-def install_stop_handlers(cuts: Cuts) -> None:
+def install_stop_handlers(cuts: Cuts, announce: bool = True) -> None:
     """SIGINT/SIGTERM ask the run to stop at its next cut (checkpoint, then exit); a second
-    signal stops at once (the previous complete checkpoint stays)."""
+    signal stops at once (the previous complete checkpoint stays). ``announce`` logs the first."""
     def handler(signum, frame):
         if cuts.stop_requested:
             raise KeyboardInterrupt(f"second {signal.Signals(signum).name}: stopping without a checkpoint")
         cuts.stop_requested = True
-        log.warning("%s: stopping at the next step boundary (send it again to stop at once)",
-                    signal.Signals(signum).name)
+        if announce:
+            log.warning("%s: stopping at the next step boundary (send it again to stop at once)",
+                        signal.Signals(signum).name)
 
     for sig in _STOP_SIGNALS:
         signal.signal(sig, handler)
@@ -125,7 +126,7 @@ def _stage_entry(rank: int, job: PipelineJob, replay, q, port: int, threads: int
     os.setpgrp()  # a terminal's Ctrl-C reaches the launcher only, which forwards it once
     torch.set_num_threads(threads)
     cuts = job.cuts()
-    install_stop_handlers(cuts)
+    install_stop_handlers(cuts, announce=False)  # the launcher announces it
     slot = last_actions[rank] if last_actions is not None else None
 
     def on_action(action) -> None:
