@@ -74,31 +74,19 @@ def test_sigint_stops_at_a_checkpoint_and_the_run_resumes(tmp_path):
     assert all(torch.isfinite(v).all() for st in resumed.final_states for v in st.values())
 
 
-def test_a_killed_stage_stops_every_rank_naming_its_last_action():
+@pytest.mark.parametrize("sig,stage,message", [
+    (signal.SIGKILL, 2, r"stage 2 was killed by SIGKILL without a report; its last action was 2[FBU]\d*"),
+    (signal.SIGSTOP, 1, r"stage 1 stopped responding \(no heartbeat for \d+ s\); its last action was 1[FBU]\d*"),
+], ids=["killed", "hung"])
+def test_a_dead_or_hung_stage_stops_every_rank_naming_its_last_action(sig, stage, message):
     job = tiny_gpt_job(get_schedule("paci", 4, 5000, a=2))
 
-    def kill_stage_2():
-        victim = next(p for p in _stage_processes() if p.name == "unbubble-rank-2")
-        os.kill(victim.pid, signal.SIGKILL)
+    def strike():
+        victim = next(p for p in _stage_processes() if p.name == f"unbubble-rank-{stage}")
+        os.kill(victim.pid, sig)
 
     t0 = time.monotonic()
-    with pytest.raises(PipelineFailure, match=r"stage 2 was killed by SIGKILL without a report; its last action "
-                                              r"was 2[FBU]\d*"):
-        run_processes(job, listener=_OnFirstStep(kill_stage_2))
-    assert time.monotonic() - t0 < 60
-    assert not _stage_processes()
-
-
-def test_a_hung_stage_is_detected_by_its_heartbeat():
-    job = tiny_gpt_job(get_schedule("paci", 4, 5000, a=2))
-
-    def freeze_stage_1():
-        victim = next(p for p in _stage_processes() if p.name == "unbubble-rank-1")
-        os.kill(victim.pid, signal.SIGSTOP)
-
-    t0 = time.monotonic()
-    with pytest.raises(PipelineFailure, match=r"stage 1 stopped responding \(no heartbeat for \d+ s\); its last "
-                                              r"action was 1[FBU]\d*"):
-        run_processes(job, listener=_OnFirstStep(freeze_stage_1), hang_s=4.0)
+    with pytest.raises(PipelineFailure, match=message):
+        run_processes(job, listener=_OnFirstStep(strike), hang_s=4.0)
     assert time.monotonic() - t0 < 60
     assert not _stage_processes()
