@@ -32,7 +32,11 @@ class RunWriter:
     """
 
     def __init__(self, run_dir: Path, cfg: TrainConfig, job: PipelineJob, resume_step: int | None = None):
-        run_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            run_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError(f"run_dir={str(run_dir)!r} cannot be created ({exc.strerror}): give a writable folder "
+                              "(set --run-dir)") from None
         self.dir, self.cfg, self.job = run_dir, cfg, job
         self.info: dict[str, Any] = {}
         self.resume_step = resume_step
@@ -42,7 +46,8 @@ class RunWriter:
         else:  # continuing: keep the config and the metrics up to the checkpoint, drop later ones
             path = run_dir / "metrics.jsonl"
             lines = path.read_text().splitlines(keepends=True) if path.exists() else []
-            path.write_text("".join(ln for ln in lines if _step_of(ln) <= resume_step))
+            # from step 0 nothing is kept: the run evaluates version 0 again
+            path.write_text("".join(ln for ln in lines if resume_step and _step_of(ln) <= resume_step))
         self.loggers = open_loggers(run_dir, cfg)
         self._metrics = open(run_dir / "metrics.jsonl", "w" if resume_step is None else "a")
         self.last: dict[str, Any] = {}
@@ -64,6 +69,12 @@ class RunWriter:
         if path.exists() and (not path.is_dir() or any(path.iterdir())):
             raise ConfigError(f"run_dir={str(path)!r} already exists and is not empty: choose a new folder "
                               "(set --run-dir); nothing was overwritten")
+        parent = path.absolute().parent
+        while not parent.exists():
+            parent = parent.parent
+        if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+            raise ConfigError(f"run_dir={str(path)!r} cannot be created: {str(parent)!r} is not a writable folder "
+                              "(set --run-dir)")
         return path
 
     def describe(self, **info: Any) -> None:
@@ -118,6 +129,7 @@ class RunWriter:
                     rec.update(v_F=vf, v_B=vb, drift=vb - vf)
                 f.write(json.dumps(rec) + "\n")
         sched = self.job.schedule
+        train, val = self.history()
         summary = {
             "schedule": sched.name, "stages": sched.n_stages, "mb_per_step": sched.mb_per_step,
             "steps": sched.steps, "engine": self.cfg.engine, **self.info,
@@ -130,10 +142,11 @@ class RunWriter:
             "optimizer": self.cfg.optimizer,
             "optimizer_extra_bytes": [b.get("extra_bytes") for b in result.optimizer_bytes],
             "optimizer_extra_per_rotated_param": [b.get("extra_per_rotated_param") for b in result.optimizer_bytes],
-            "final_train_loss": result.step_losses[-1] if result.step_losses else None,
-            "val_losses": result.val_losses,
-            "initial_val_loss": result.val_losses[0][1] if result.val_losses else None,
-            "final_val_loss": result.val_losses[-1][1] if result.val_losses else None,
+            "final_train_loss": train[-1][1] if train else None,
+            "val_losses": val,  # the whole run's, across resumes (from metrics.jsonl)
+            "initial_val_loss": val[0][1] if val else None,
+            "final_val_loss": val[-1][1] if val else None,
+            "steps_done": train[-1][0] if train else 0,
             "resumed_from_step": self.resume_step,
             "stopped_at_step": result.stopped_at,
             "nonfinite_dropped": [{k: e[k] for k in ("stage", "mb", "version", "what")} for e in result.events],
@@ -141,20 +154,32 @@ class RunWriter:
         if summary["final_val_loss"] is not None:
             summary["final_val_ppl"] = perplexity(summary["final_val_loss"])
         (self.dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-        self._plot(result)
+        self._plot(train, val)
         for lg in self.loggers:
             lg.finish(result, summary)
         return summary
 
-    def _plot(self, result: RunResult) -> None:
+    def history(self) -> tuple[list[tuple[int, float]], list[tuple[int, float]]]:
+        """``(train, validation)`` losses as ``(step, loss)`` pairs of the whole run, across resumes,
+        read back from metrics.jsonl."""
+        train, val = [], []
+        path = self.dir / "metrics.jsonl"
+        for line in path.read_text().splitlines() if path.exists() else []:
+            rec = json.loads(line)
+            if "val_loss" in rec:
+                val.append((rec["step"], rec["val_loss"]))
+            elif "loss" in rec and "event" not in rec:
+                train.append((rec["step"], rec["loss"]))
+        return train, val
+
+    def _plot(self, train: list[tuple[int, float]], val: list[tuple[int, float]]) -> None:
         os.environ.setdefault("MPLBACKEND", "Agg")
         import matplotlib.pyplot as plt
 
         fig, ax = plt.subplots(figsize=(7, 4))
-        steps = range(1, len(result.step_losses) + 1)
-        ax.plot(list(steps), result.step_losses, lw=1, label="train (last stage, mean over the step)")
-        if result.val_losses:
-            ax.plot([v for v, _ in result.val_losses], [l for _, l in result.val_losses], "o-", label="validation")
+        ax.plot([s for s, _ in train], [v for _, v in train], lw=1, label="train (last stage, mean over the step)")
+        if val:
+            ax.plot([s for s, _ in val], [v for _, v in val], "o-", label="validation")
         ax.set_xlabel("optimizer step (weight version)")
         ax.set_ylabel("loss (nats/token)")
         sched = self.job.schedule

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import logging
 import signal
 import time
@@ -21,7 +22,7 @@ import torch
 from unbubble.config import TrainConfig
 from unbubble.data import MicroBatchSampler, prepare_tokens, val_batches
 from unbubble.data.memmap import TokenData
-from unbubble.errors import ConfigError
+from unbubble.errors import ConfigError, PipelineFailure
 from unbubble.lr import warmup_cosine
 from unbubble.loggers import check_loggers
 from unbubble.metrics import RunWriter
@@ -128,6 +129,7 @@ def build_job(cfg: TrainConfig, tokens: TokenData) -> tuple[PipelineJob, GPTConf
         dp=cfg.dp,
         nan_policy=cfg.nan_policy,
         nan_lr_factor=cfg.nan_lr_factor,
+        seed=cfg.seed,
     )
     return job, model
 
@@ -154,7 +156,18 @@ def resume_config(run_dir: str | Path, overrides: dict | None = None) -> TrainCo
         raise ConfigError(f"{bad[0]} cannot change on --resume: the run continues with {str(path / 'config.yaml')!r}; "
                           f"only {', '.join('--' + o.replace('_', '-') for o in RESUME_OVERRIDES)} may be given "
                           "(to change more, start a new run with --config)")
-    return load_config(path / "config.yaml", overrides=overrides or {})
+    cfg = load_config(path / "config.yaml", overrides=overrides or {})
+    written = path / "config.json"  # written beside config.yaml when the run started
+    if written.is_file():
+        before = json.loads(written.read_text())
+        now = cfg.to_dict()
+        changed = [k for k in now if k not in RESUME_OVERRIDES and k in before and before[k] != now[k]]
+        if changed:
+            k = changed[0]
+            raise ConfigError(f"{k} was edited in {str(path / 'config.yaml')!r} ({before[k]!r} → {now[k]!r}): a run "
+                              "resumes with the configuration its checkpoints were written with (start a new run "
+                              "with --config to change it)")
+    return cfg
 
 
 def attach_checkpoints(job: PipelineJob, cfg: TrainConfig, run_dir: Path, resume: bool) -> PipelineJob:
@@ -173,16 +186,18 @@ def attach_checkpoints(job: PipelineJob, cfg: TrainConfig, run_dir: Path, resume
     n = job.schedule.n_stages
     step, extra = None, ()
     if resume:
+        for leftover in directory.glob("step-*/.stage-*.tmp-*"):  # a write cut short by a second signal
+            leftover.unlink(missing_ok=True)
         steps = complete_steps(directory, n)
-        if not steps:
-            raise ConfigError(f"run {str(run_dir)!r} has no complete checkpoint in {str(directory)!r} "
-                              f"(one needs a file for each of the {n} stages)")
+        if not steps:  # stopped or crashed before its first checkpoint: start again from step 0
+            log.warning("run %s has no complete checkpoint in %s: it restarts from step 0", run_dir, directory)
+            steps = [0]
         step = steps[-1]
         if step >= job.schedule.steps:
             raise ConfigError(f"run {str(run_dir)!r} already finished: its checkpoint is at the last step {step}")
-        extra = tuple(load_stage(directory, step, 0)["extra_cuts"])
+        extra = tuple(load_stage(directory, step, 0)["extra_cuts"]) if step else ()
     job = dataclasses.replace(job, checkpoint=Checkpointing(str(directory), cfg.checkpoint_every, 2, step, extra))
-    if resume:  # every file is read and checked here, so a bad one fails before any process starts
+    if resume and step:  # every file is read and checked here, so a bad one fails before any process starts
         for s in range(n):
             job.load_checkpoint(job.build_executor(s), restore_rng=False)
     return job
@@ -206,6 +221,9 @@ def run_job(job: PipelineJob, engine: str, listener: Listener | None = None, thr
         install_stop_handlers(cuts)
         try:
             return run_emulator(job, listener=listener, cuts=cuts)
+        except KeyboardInterrupt as exc:  # a second signal
+            raise PipelineFailure(f"{exc or 'interrupted'}; the newest complete checkpoint, if any, is "
+                                  "unchanged") from None
         finally:
             torch.set_num_threads(previous)
             for sig, handler in handlers.items():

@@ -245,3 +245,47 @@ def test_perplexity_of_a_diverged_run_is_reported_not_an_overflow():
 
     assert perplexity(math.log(20.0)) == pytest.approx(20.0)
     assert perplexity(1000.0) == perplexity(math.inf) == math.exp(50.0)  # was OverflowError in the CLI summary
+
+
+def _dropout_stage(stage):
+    torch.manual_seed(100 + stage)  # like many users' stage_fn: seeds the global RNG
+    return nn.Sequential(nn.Linear(D, D), nn.Dropout(0.2), nn.Tanh())
+
+
+def _val_batches():
+    return [_batch((), k) for k in (10_000, 10_001)]
+
+
+def test_resume_keeps_the_rng_stream_even_with_evaluations(tmp_path):
+    """With dropout a resumed run is bit-identical: building the evaluation modules (whose
+    stage_fn seeds the global RNG) does not touch the training RNG stream (regression)."""
+    job = PipelineJob(stage_fn=_dropout_stage, loss_fn=functools.partial(_weighted_mse, False),
+                      batch_fn=functools.partial(_batch, ()), optimizer_fn=_adam,
+                      schedule=get_schedule("paci", 3, 12, a=2), val_fn=_val_batches, eval_interval=8,
+                      checkpoint=Checkpointing(str(tmp_path), every=4, keep=5))
+    full = run_emulator(job)
+    resumed = run_emulator(dataclasses.replace(job, checkpoint=dataclasses.replace(job.checkpoint, resume_step=4)))
+    assert _equal_states(resumed.final_states, full.final_states)
+    assert resumed.val_losses == [v for v in full.val_losses if v[0] > 4]
+
+
+def test_the_training_rng_is_seeded_by_the_job(tmp_path):
+    """Dropout masks depend on the job's seed only, not on what the process did before."""
+    job = PipelineJob(stage_fn=_dropout_stage, loss_fn=functools.partial(_weighted_mse, False),
+                      batch_fn=functools.partial(_batch, ()), optimizer_fn=_adam,
+                      schedule=get_schedule("paci", 3, 6, a=2), seed=3)
+    a = run_emulator(job)
+    torch.rand(100)  # unrelated use of the global RNG in between
+    b = run_emulator(job)
+    c = run_emulator(dataclasses.replace(job, seed=4))
+    assert _equal_states(a.final_states, b.final_states) and not _equal_states(a.final_states, c.final_states)
+
+
+def test_a_stage_file_from_another_step_is_refused(tmp_path):
+    import shutil
+
+    job = _job("paci", 4, dict(a=2), tmp_path, every=4, keep=5)
+    run_emulator(job)
+    shutil.copy(stage_path(tmp_path, 4, 1), stage_path(tmp_path, 8, 1))
+    with pytest.raises(ConfigError, match="stage-001.pt holds weight version 4, not 8: it belongs to another step"):
+        run_emulator(dataclasses.replace(job, checkpoint=dataclasses.replace(job.checkpoint, resume_step=8)))

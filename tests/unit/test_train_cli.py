@@ -67,9 +67,11 @@ def bad_files(tmp_path):
         if val is not None:
             (tmp_path / name / "val.bin").write_bytes(val)
     # run folders to resume: no checkpoint; one written by a 2-stage run; a damaged file
-    for name in ("run-nockpt", "run-2stages", "run-damaged"):
+    for name in ("run-nockpt", "run-2stages", "run-damaged", "run-edited"):
         (tmp_path / name).mkdir()
         (tmp_path / name / "config.yaml").write_text(config_to_yaml(TrainConfig(engine="emulator", steps=20)))
+    (tmp_path / "run-edited" / "config.json").write_text(json.dumps(TrainConfig(engine="emulator", steps=20,
+                                                                               lr=0.5).to_dict()))
     for s in range(4):
         save_stage(tmp_path / "run-2stages" / "checkpoints", 10, s,
                    {"fingerprint": {"schedule": "paci", "n_stages": 2}, "extra_cuts": []})
@@ -116,7 +118,8 @@ BAD = [
     # resuming
     (["--resume", "{tmp}/nowhere"], "resume='{tmp}/nowhere' is not a run folder"),
     (["--resume", "{tmp}/emptydir"], "is not a run folder"),
-    (["--resume", "{tmp}/run-nockpt"], "has no complete checkpoint"),
+    (["--resume", "{tmp}/run-edited"], "lr was edited in"),
+    (["--run-dir", "{tmp}/empty.txt/run"], "cannot be created"),
     (["--resume", "{tmp}/run-nockpt", "--steps", "40"], "steps cannot change on --resume"),
     (["--resume", "{tmp}/run-nockpt", "--config", "{tmp}/run-nockpt/config.yaml"], "--config and --resume exclude"),
     (["--resume", "{tmp}/run-2stages"], "was written with stages=2 but this run has stages=4"),
@@ -209,3 +212,21 @@ def test_resume_continues_the_run_folder_bit_identically(tmp_path, cache_dir):
     assert [r["step"] for r in lines if "val_loss" in r] == [0, 10, 20]
     summary = json.loads((cut / "summary.json").read_text())
     assert summary["resumed_from_step"] == 10 and summary["stopped_at_step"] is None
+    # the summary covers the whole run, not only the part after the resume
+    assert summary == {**json.loads((run / "summary.json").read_text()), **{
+        k: summary[k] for k in ("resumed_from_step", "tokens", "train_wall_s", "total_wall_s", "tokens_per_s",
+                                "utilization", "simulated_utilization")}}
+    assert summary["tokens"] == 10 * 4 * 8 * 32 and summary["steps_done"] == 20
+
+    # a run cut off before its first checkpoint restarts from step 0 in the same folder
+    fresh = tmp_path / "fresh"
+    shutil.copytree(run, fresh)
+    shutil.rmtree(fresh / "checkpoints")
+    res = CliRunner().invoke(cli, ["-q", "train", "--resume", str(fresh), "--cache-dir", cache_dir])
+    assert res.exit_code == 0, res.output
+    lines = [json.loads(x) for x in (fresh / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines if "val_loss" in r] == [0, 10, 20]
+    for s in range(4):
+        a = load_stage(run / "checkpoints", 20, s)["executor"]["model"]
+        b = load_stage(fresh / "checkpoints", 20, s)["executor"]["model"]
+        assert all(torch.equal(a[k], b[k]) for k in a)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import sys
 import typing
@@ -149,10 +150,11 @@ def train(print_config: bool, resume: str | None, **kwargs) -> None:
             lst.close()
     if result is None:
         return
-    val = result.val_losses
+    summary = json.loads((run_dir / "summary.json").read_text())  # the whole run, across resumes
     click.echo(f"run folder: {run_dir}")
-    if val:
-        click.echo(f"validation loss {val[0][1]:.4f} -> {val[-1][1]:.4f} (ppl {perplexity(val[-1][1]):.4g})")
+    if summary["val_losses"]:
+        click.echo(f"validation loss {summary['initial_val_loss']:.4f} -> {summary['final_val_loss']:.4f} "
+                   f"(ppl {perplexity(summary['final_val_loss']):.4g})")
     util = (result.sim_trace or result.trace).utilization()
     kind = "simulated utilization" if result.sim_trace is not None else "utilization"
     click.echo(f"tokens/s {result.tokens_per_s:,.0f} | max Δ per stage {result.max_drift()} | "
@@ -161,7 +163,10 @@ def train(print_config: bool, resume: str | None, **kwargs) -> None:
         click.echo(f"non-finite guard ({cfg.nan_policy}): dropped {len(result.events)} micro-batch(es); see "
                    f"{run_dir}/metrics.jsonl")
     if result.stopped_at is not None:
-        where = f"; checkpoint {run_dir}/checkpoints/step-{result.stopped_at:08d}" if cfg.checkpoints else ""
-        click.echo(f"stopped at step {result.stopped_at} of {cfg.steps}{where}; continue with: "
-                   f"unbubble train --resume {run_dir}")
+        if cfg.checkpoints:
+            click.echo(f"stopped at step {result.stopped_at} of {cfg.steps}; checkpoint "
+                       f"{run_dir}/checkpoints/step-{result.stopped_at:08d}; continue with: "
+                       f"unbubble train --resume {run_dir}")
+        else:
+            click.echo(f"stopped at step {result.stopped_at} of {cfg.steps}; no checkpoint (--no-checkpoints)")
         sys.exit(130)

@@ -58,7 +58,8 @@ def paci_stability(out: Path, size: str = "default", seeds: list[int] | None = N
 @experiment("time-to-accuracy", "wall-clock time to target validation losses, PACI vs flush")
 def time_to_accuracy(out: Path, size: str = "default", seeds: list[int] | None = None) -> ExperimentOutput:
     """Real processes at N=2 (measured clock) and the emulator at N=8 (simulated clock calibrated
-    from the measured per-action durations); speed-up vs the fastest flush and vs flush at m = a."""
+    from the per-action durations measured on its first run, the same costs for every schedule);
+    speed-up vs the fastest flush and vs flush at m = a."""
     from unbubble.schedules import get_schedule
     from unbubble.sim.engine import run_policies
     from unbubble.sim.measured import measured_costs
@@ -67,7 +68,7 @@ def time_to_accuracy(out: Path, size: str = "default", seeds: list[int] | None =
     seeds = seeds or [0]
     steps = 240 if size == "default" else 4
     targets = [3.0, 2.8, 2.6] if size == "default" else [5.0]
-    rows, curves = [], {}
+    rows, curves, costs = [], {}, None
     for n, engine, model in ((2, "processes", "tiny"), (8, "emulator", "deep-cpu")):
         times: dict[str, list[float | None]] = {}
         for name, x in [("1f1b-flush", 2), ("1f1b-flush", 4), ("1f1b-flush", 8), ("paci", 4)]:
@@ -75,8 +76,9 @@ def time_to_accuracy(out: Path, size: str = "default", seeds: list[int] | None =
                               steps=steps * 4 // x, model=model, seq_len=64, micro_batch_size=8, seed=seeds[0],
                               engine=engine, eval_interval=max(steps * 4 // x // 12, 1), lr=1e-2)
             r = run(cfg)
-            if engine == "emulator":  # simulated clock from the measured per-action durations
-                clock = run_policies(get_schedule(name, n, cfg.steps, a=x, m=x), measured_costs(r.trace))
+            if engine == "emulator":  # simulated clock from per-action durations measured once, on the first run:
+                costs = costs or measured_costs(r.trace)  # every schedule is timed with the same costs (load-proof)
+                clock = run_policies(get_schedule(name, n, cfg.steps, a=x, m=x), costs)
                 ends = [rec.end for rec in clock.records if rec.action.kind.value == "U" and rec.action.stage == n - 1]
             else:
                 ends = update_times(r)

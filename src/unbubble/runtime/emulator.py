@@ -54,6 +54,7 @@ def run_emulator(job: PipelineJob, costs: CostModel | None = None, replay: list[
     execs = [job.build_executor(s, None if modules is None else modules[s]) for s in range(n)]
     cuts = cuts or job.cuts()
     start = job.start_step
+    torch.manual_seed(job.seed)  # the training RNG (dropout) depends on the job only
     if start:
         for ex in execs:  # one process: one RNG stream, equal in every stage's file
             job.load_checkpoint(ex, restore_rng=ex.stage == 0)

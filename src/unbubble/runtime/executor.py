@@ -20,6 +20,7 @@ log = logging.getLogger(__name__)
 #: The non-finite guard gives up after this many consecutive updates whose every micro-batch it
 #: dropped (the weights themselves have diverged).
 MAX_DROPPED_UPDATES = 10
+_LOGGED_DROPS = 3
 
 BatchFn = Callable[[int], tuple[torch.Tensor, torch.Tensor]]
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -96,6 +97,7 @@ class StageExecutor:
         self.events: list[dict[str, Any]] = []  # non-finite micro-batches this stage dropped
         self._dropped: set[int] = set()  # split backward (I then W): dropped at I
         self._dropped_since_update = self._kept_since_update = self._all_dropped_updates = 0
+        self.n_dropped = 0  # micro-batches dropped by the guard so far
 
     @property
     def is_first(self) -> bool:
@@ -271,8 +273,11 @@ class StageExecutor:
             event["lr_factor"] = self.lr_factor
         self.events.append(event)
         self._dropped_since_update += 1
-        log.warning("stage %d dropped micro-batch %d at weight version %d: non-finite %s", self.stage, k,
-                    self.version, what)
+        self.n_dropped += 1
+        if self.n_dropped <= _LOGGED_DROPS:  # every drop is in metrics.jsonl; the log shows the first few
+            log.warning("stage %d dropped micro-batch %d at weight version %d: non-finite %s%s", self.stage, k,
+                        self.version, what, " (further drops of this stage: metrics.jsonl only)"
+                        if self.n_dropped == _LOGGED_DROPS else "")
         return None if inp is None else torch.full_like(inp, math.nan)
 
     def _check_divergence(self) -> None:
@@ -285,8 +290,8 @@ class StageExecutor:
         if self._all_dropped_updates >= MAX_DROPPED_UPDATES:
             raise NonFiniteError(
                 f"stage {self.stage}: every micro-batch of the last {MAX_DROPPED_UPDATES} updates had a non-finite "
-                f"loss or gradient (weight version {self.version}): training diverged; lower --lr, or use "
-                "--nan-policy lower-lr, and resume from an earlier checkpoint")
+                f"loss or gradient (weight version {self.version}): training diverged; start again with a lower "
+                "--lr" + ("" if self.nan_policy == "lower-lr" else " or --nan-policy lower-lr"))
 
     def _scale_lr(self, factor: float) -> None:
         self.lr_factor *= factor

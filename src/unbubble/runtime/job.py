@@ -9,6 +9,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from unbubble.errors import ConfigError
 from unbubble.runtime.checkpoint import Checkpointing, check_fingerprint, fingerprint, load_stage, rng_state, \
     save_stage, set_rng_state
 from unbubble.runtime.data_parallel import replica_batch
@@ -59,6 +60,9 @@ class PipelineJob:
         nan_policy: the non-finite guard (skip, lower-lr, abort, off; [Note: non-finite guard]
             in ``executor.py``).
         nan_lr_factor: learning-rate factor per dropped micro-batch with ``"lower-lr"``.
+        seed: seeds the training RNG (dropout) at the start of a run: the emulator's one stream
+            with ``seed``, stage process g's with ``seed + 1_000_003·(g + 1)``; a resumed run
+            restores the saved streams instead.
     """
 
     stage_fn: StageFn
@@ -77,6 +81,7 @@ class PipelineJob:
     checkpoint: Checkpointing | None = None
     nan_policy: str = "skip"
     nan_lr_factor: float = 0.5
+    seed: int = 0
 
     def build_executor(self, stage: int, module: nn.Module | None = None, replica: int = 0,
                        grad_sync=None, device: torch.device | None = None) -> StageExecutor:
@@ -141,6 +146,11 @@ class PipelineJob:
         data = load_stage(ck.directory, ck.resume_step, ex.stage)
         check_fingerprint(data.get("fingerprint"), fingerprint(self, ex.stage, ex.module),
                           f"{ck.directory}/step-{ck.resume_step:08d}")
+        version = data["executor"]["version"]
+        if version != ck.resume_step:
+            raise ConfigError(f"checkpoint file {ck.directory}/step-{ck.resume_step:08d}/stage-{ex.stage:03d}.pt holds "
+                              f"weight version {version}, not {ck.resume_step}: it belongs to another step's folder "
+                              "(delete that step's folder to resume from the previous checkpoint)")
         ex.load_state_dict(data["executor"])
         if restore_rng:
             set_rng_state(data["rng"], ex.device)

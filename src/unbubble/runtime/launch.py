@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from unbubble.errors import PipelineFailure
+from unbubble.errors import NonFiniteError, PipelineFailure
 from unbubble.runtime.job import PipelineJob
 from unbubble.runtime.telemetry import Listener, RunResult, Telemetry
 from unbubble.runtime.worker import from_bytes, run_stage
@@ -110,7 +110,7 @@ def install_stop_handlers(cuts: Cuts, announce: bool = True) -> None:
     signal stops at once (the previous complete checkpoint stays). ``announce`` logs the first."""
     def handler(signum, frame):
         if cuts.stop_requested:
-            raise KeyboardInterrupt(f"second {signal.Signals(signum).name}: stopping without a checkpoint")
+            raise KeyboardInterrupt(f"second {signal.Signals(signum).name}: stopped at once, without a checkpoint")
         cuts.stop_requested = True
         if announce:
             log.warning("%s: stopping at the next step boundary (send it again to stop at once)",
@@ -121,8 +121,10 @@ def install_stop_handlers(cuts: Cuts, announce: bool = True) -> None:
 
 
 def _stage_entry(rank: int, job: PipelineJob, replay, q, port: int, threads: int, timeout_s: float,
-                 backend: str = "gloo", beats=None, last_actions=None) -> None:
+                 backend: str = "gloo", beats=None, last_actions=None, parent: int | None = None) -> None:
     _die_with_parent()
+    if parent is not None and os.getppid() != parent:  # the launcher died before PDEATHSIG was set
+        os._exit(1)
     os.setpgrp()  # a terminal's Ctrl-C reaches the launcher only, which forwards it once
     torch.set_num_threads(threads)
     cuts = job.cuts()
@@ -150,7 +152,8 @@ def _stage_entry(rank: int, job: PipelineJob, replay, q, port: int, threads: int
     except BaseException as exc:  # noqa: BLE001 - reported to the coordinator, then exit 1
         text = f"{type(exc).__name__}: {exc}"
         q.put(("error", _rank_name(job, rank), text))
-        if not any(mark in text for mark in _SECONDARY):  # a neighbour's failure: the launcher names it
+        # a neighbour's failure (the launcher names the culprit) or a known condition: no traceback
+        if not any(mark in text for mark in _SECONDARY) and not isinstance(exc, NonFiniteError):
             traceback.print_exc()
         sys.stderr.flush()
         q.close()
@@ -265,23 +268,30 @@ def run_processes(job: PipelineJob, replay: list[list[Action]] | None = None, li
     procs = [
         ctx.Process(target=_stage_entry, name=f"unbubble-rank-{g}",
                     args=(g, job, None if replay is None else replay[g % n], q, port, threads_per_stage, timeout_s,
-                          backend, beats, last_actions))
+                          backend, beats, last_actions, os.getpid()))
         for g in range(world)
     ]
-    signals = []
+    signals: list[int] = []
+    forwarded: set[int] = set()
 
-    def forward_signal(signum, frame):
+    def forward_stop() -> None:
+        """Passes a stop on to each stage once it has installed its handlers (its heartbeat runs):
+        a stage still starting ignores SIGINT/SIGTERM (inherited SIG_IGN), so it is told later."""
+        for g, p in enumerate(procs):
+            if signals and g not in forwarded and beats[g] > 0 and p.is_alive():
+                os.kill(p.pid, signals[0])
+                forwarded.add(g)
+
+    def on_signal(signum, frame):
         signals.append(signum)
         if len(signals) > 1:
-            raise KeyboardInterrupt(f"second {signal.Signals(signum).name}: stopping without a checkpoint")
+            raise KeyboardInterrupt(f"second {signal.Signals(signum).name}: stopped at once, without a checkpoint")
         log.warning("%s: the run stops at the next step boundary, after a checkpoint (send it again to stop at "
                     "once)", signal.Signals(signum).name)
-        for p in procs:
-            if p.pid is not None and p.is_alive():
-                os.kill(p.pid, signum)
+        forward_stop()
 
     on_main = threading.current_thread() is threading.main_thread()
-    previous = {sig: signal.signal(sig, forward_signal) for sig in _STOP_SIGNALS} if on_main else {}
+    previous = {sig: signal.getsignal(sig) for sig in _STOP_SIGNALS} if on_main else {}
 
     def last(g: int) -> str:
         return last_actions[g].value.decode() or "none (still starting)"
@@ -303,9 +313,16 @@ def run_processes(job: PipelineJob, replay: list[list[Action]] | None = None, li
 
     collector = _Collector(job, listener)
     try:
+        if on_main:  # children start with SIGINT/SIGTERM ignored (a terminal's Ctrl-C reaches them too)
+            for sig in _STOP_SIGNALS:
+                signal.signal(sig, signal.SIG_IGN)
         for p in procs:
             p.start()
+        if on_main:
+            for sig in _STOP_SIGNALS:
+                signal.signal(sig, on_signal)
         while not collector.complete:
+            forward_stop()
             try:
                 msg = q.get(timeout=0.5)
             except queue.Empty:
@@ -331,7 +348,7 @@ def run_processes(job: PipelineJob, replay: list[list[Action]] | None = None, li
         for p in procs:
             p.join(timeout=60)
     except KeyboardInterrupt as exc:
-        raise PipelineFailure(f"{exc}; the last complete checkpoint is kept") from None
+        raise PipelineFailure(f"{exc}; the newest complete checkpoint, if any, is unchanged") from None
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

@@ -121,8 +121,9 @@ class Telemetry:
         got[stage] = state
         if len(got) == self.job.schedule.n_stages:
             del self._snapshots[version]
-            if self._eval_modules is None:
-                self._eval_modules = [self.job.stage_fn(s) for s in range(self.job.schedule.n_stages)]
+            if self._eval_modules is None:  # stage_fn seeds its initialisation: keep the training RNG stream
+                with torch.random.fork_rng(devices=[]):
+                    self._eval_modules = [self.job.stage_fn(s) for s in range(self.job.schedule.n_stages)]
             for s, m in enumerate(self._eval_modules):
                 m.load_state_dict(got[s])
                 m.eval()
