@@ -125,6 +125,7 @@ def _stage_entry(rank: int, job: PipelineJob, replay, q, port: int, threads: int
     _die_with_parent()
     if parent is not None and os.getppid() != parent:  # the launcher died before PDEATHSIG was set
         os._exit(1)
+    logging.basicConfig(level=logging.WARNING, format=f"%(levelname)-8s [rank {rank}] %(message)s")
     os.setpgrp()  # a terminal's Ctrl-C reaches the launcher only, which forwards it once
     torch.set_num_threads(threads)
     cuts = job.cuts()
