@@ -65,8 +65,17 @@ def test_cuts_drain_and_keep_the_drift_bound():
         last_before = max(r.end for r in trace.records if r.action.mb is not None and r.action.mb < k)
         assert first_after >= last_before
     assert trace.max_drift() == [sched.drift_bound(s) for s in range(4)] == plain.max_drift()
-    # steady PACI: F+B = 3 units per micro-batch; each of the 2 drains adds the fill/drain ramp
-    assert trace.makespan - plain.makespan == pytest.approx(2 * 3 * 3, abs=3)
+
+
+@pytest.mark.parametrize("n,a", [(2, 1), (4, 2), (8, 4)])
+def test_each_drain_costs_one_pipeline_fill(n, a):
+    """Each cut costs (N−1)(F+B): the last stage waits for the refill (F=1, B=2 units)."""
+    from unbubble.sim.result import simulate
+
+    sched = get_schedule("paci", n, 12, a=a)
+    plain = simulate(sched, UniformCosts()).trace.makespan
+    drained = simulate(sched, UniformCosts(), checkpoint_every=4).trace.makespan  # cuts after updates 4 and 8
+    assert drained - plain == 2 * (n - 1) * (1 + 2)
 
 
 def test_resume_position_after_the_last_update_of_the_rank():

@@ -151,6 +151,8 @@ class CostSource:
 @click.option("--straggler", multiple=True, help="STAGE:SLOWDOWN[:START_S[:END_S]] (repeatable).")
 @click.option("--out", default=None, type=click.Path(), help="Folder for the PNG timelines, Chrome traces and tables "
                                                              "[default: runs/<time>-simulate-<schedule>-N<stages>].")
+@click.option("--checkpoint-every", default=0, type=int, help="Drain the pipeline after every K-th update, as a "
+              "run that checkpoints every K steps does (0: never), to see what checkpoints cost.")
 @click.option("--timeline-steps", default=2, type=int, help="Steps of each schedule drawn in its timeline.")
 @click.option("--format", "fmt", default="table", type=click.Choice(FORMATS), help="How tables are printed.")
 def simulate(**o) -> None:
@@ -173,6 +175,9 @@ def simulate(**o) -> None:
                               "(set --schedule / --compare)")
     if o["uniform"] and o["costs_from"]:
         raise ConfigError("--uniform and --costs-from are exclusive: pick one cost model")
+    if o["checkpoint_every"] < 0:
+        raise ConfigError(f"checkpoint_every={o['checkpoint_every']} is invalid: must be an integer ≥ 0 "
+                          "(set --checkpoint-every)")
     if o["timeline_steps"] < 1:
         raise ConfigError(f"timeline_steps={o['timeline_steps']} is invalid: must be ≥ 1 (set --timeline-steps)")
     source = CostSource(o)
@@ -193,7 +198,8 @@ def simulate(**o) -> None:
         sched = _schedule(name, o["stages"], mb, o["a"], o["m"], o["v"])
         costs, memory = source.for_schedule(sched)
         t0 = time.perf_counter()
-        res = run_sim(sched, costs, memory, samples_per_mb=source.samples_per_mb, tokens_per_mb=source.tokens_per_mb)
+        res = run_sim(sched, costs, memory, samples_per_mb=source.samples_per_mb, tokens_per_mb=source.tokens_per_mb,
+                      checkpoint_every=o["checkpoint_every"])
         log.debug("%s: %d actions simulated in %.2f s", name, len(res.trace), time.perf_counter() - t0)
         slug = res.label.replace(" ", "").replace("(", "-").replace(")", "").replace("=", "")
         timeline_png(res.trace, out / f"timeline-{slug}.png", title=f"{res.label}, N={o['stages']}",

@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from unbubble.schedules.policy import ListPolicy
+from unbubble.schedules.policy import CutPolicy, Cuts, ListPolicy
 from unbubble.schedules.registry import Schedule
 from unbubble.sim.engine import CostModel, Trace, run_policies
 from unbubble.sim.memory import MemorySpec, RankMemory, peak_memory
@@ -146,7 +146,7 @@ def schedule_policies(schedule: Schedule) -> list:
 
 
 def simulate(schedule: Schedule, costs: CostModel, memory: MemorySpec | None = None, *, samples_per_mb: int = 1,
-             tokens_per_mb: int | None = None, label: str = "") -> SimResult:
+             tokens_per_mb: int | None = None, label: str = "", checkpoint_every: int = 0) -> SimResult:
     """Runs ``schedule`` on ``costs`` and, with a ``memory`` spec, counts the peak memory of every rank.
 
     Args:
@@ -155,12 +155,19 @@ def simulate(schedule: Schedule, costs: CostModel, memory: MemorySpec | None = N
         memory: per-stage sizes (bytes), e.g. ``AnalyticModel.memory``.
         samples_per_mb, tokens_per_mb: sizes of one micro-batch, for throughput.
         label: the row name in tables.
+        checkpoint_every: K > 0 drains the pipeline after every K-th update, as a training run
+            that checkpoints does ([Note: the checkpoint cut] in ``runtime/checkpoint.py``), so
+            the throughput includes the checkpoints' cost (writing the files is not modelled).
 
     Raises:
         ScheduleError: the schedule deadlocks.
         ConfigError: costs or memory sizes describe another number of stages.
     """
-    trace = run_policies(schedule, costs, policies=schedule_policies(schedule))
+    policies = schedule_policies(schedule)
+    if checkpoint_every:
+        cuts = Cuts(schedule.mb_per_step, every=checkpoint_every)
+        policies = [CutPolicy(p, cuts) for p in policies]
+    trace = run_policies(schedule, costs, policies=policies)
     mem = None
     if memory is not None:
         mem = peak_memory(trace, memory, stashed=getattr(schedule, "backward_weights", "current") == "stashed")
