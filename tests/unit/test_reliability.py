@@ -298,3 +298,46 @@ def test_a_stage_file_from_another_step_is_refused(tmp_path):
     shutil.copy(stage_path(tmp_path, 4, 1), stage_path(tmp_path, 8, 1))
     with pytest.raises(ConfigError, match="stage-001.pt holds weight version 4, not 8: it belongs to another step"):
         run_emulator(dataclasses.replace(job, checkpoint=dataclasses.replace(job.checkpoint, resume_step=8)))
+
+
+class _NanGradOnce(torch.autograd.Function):
+    """Identity whose backward returns NaN on its ``calls``-th call (counted per process)."""
+
+    calls, bad = 0, 5
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        _NanGradOnce.calls += 1
+        return g * math.nan if _NanGradOnce.calls == _NanGradOnce.bad else g
+
+
+class _NanGradLayer(nn.Module):
+    def forward(self, x):
+        return _NanGradOnce.apply(x)
+
+
+def _nan_grad_stage(bad_stage, stage):
+    torch.manual_seed(100 + stage)
+    layers = [nn.Linear(D, D), nn.Tanh()]
+    return nn.Sequential(*(layers + [_NanGradLayer()] if stage == bad_stage else layers))
+
+
+@pytest.mark.parametrize("bad_stage,events", [
+    (1, [(1, 4, "input gradient (this stage's update is dropped)"), (0, 4, "gradient from the next stage")]),
+    (0, [(0, None, "accumulated weight gradient (this stage's update is dropped)")]),
+])
+def test_a_gradient_gone_bad_inside_a_stage_drops_that_stage_update(bad_stage, events):
+    """A stage makes a NaN gradient for one micro-batch (its 5th backward): that stage's update
+    becomes a zero gradient, earlier stages drop the micro-batch, later ones keep it; every
+    weight stays finite. Stage 0 has no input gradient: its check is the update's."""
+    _NanGradOnce.calls = 0
+    job = PipelineJob(stage_fn=functools.partial(_nan_grad_stage, bad_stage),
+                      loss_fn=functools.partial(_weighted_mse, False), batch_fn=functools.partial(_batch, ()),
+                      optimizer_fn=_adam, schedule=get_schedule("paci", 3, 8, a=2))
+    result = run_emulator(job)
+    assert [(e["stage"], e["mb"], e["what"]) for e in result.events] == events
+    assert all(torch.isfinite(v).all() for st in result.final_states for v in st.values())

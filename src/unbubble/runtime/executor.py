@@ -98,6 +98,7 @@ class StageExecutor:
         self._dropped: set[int] = set()  # split backward (I then W): dropped at I
         self._dropped_since_update = self._kept_since_update = self._all_dropped_updates = 0
         self.n_dropped = 0  # micro-batches dropped by the guard so far
+        self._tainted = False  # a non-finite gradient of this stage is in the accumulated sum
 
     @property
     def is_first(self) -> bool:
@@ -156,14 +157,15 @@ class StageExecutor:
         inp, out = self.store.pop(k)
         if self._incoming_bad(k, grad):
             return self._drop(k, inp, self._incoming_reason(grad))
-        held = self._hold_grads()
         with self._backward_weights(k):
             out.backward(None if self.is_last else grad)
-        if held is not None and not self._new_grads_finite(k, inp):
-            return self._drop(k, inp, "gradient", held)
-        self._merge_grads(held)
         self._finish(k)
-        return None if inp is None else inp.grad
+        if inp is None:
+            return None
+        if self.nan_policy != "off" and not _finite([inp.grad]):  # its weight gradient is in the sum now
+            self._tainted = True
+            return self._poison(inp, k, "input gradient (this stage's update is dropped)")
+        return inp.grad
 
     def backward_input(self, k: int, grad: torch.Tensor | None = None) -> torch.Tensor | None:
         """``I``: the input gradient of micro-batch ``k`` only; its weight gradient waits for ``W``.
@@ -192,27 +194,23 @@ class StageExecutor:
             self._dropped.discard(k)
             self._release(k)
             return
-        held = self._hold_grads()
         with self._backward_weights(k):
             torch.autograd.backward(out, None if self.is_last else grad, inputs=self._grad_targets(k))
-        if held is not None and not self._new_grads_finite(k, None):
-            self._drop(k, None, "weight gradient", held)
-            return
-        self._merge_grads(held)
         self._finish(k)
 
     # -- [Note: non-finite guard] -------------------------------------------------------------
-    # A micro-batch whose loss (last stage), incoming gradient or own gradients are not finite
-    # contributes nothing: its gradients are computed apart from the accumulated ones (the
-    # ``.grad`` of earlier micro-batches is held aside and added back, the very addition
-    # autograd would do, so a clean run is bit-identical with the guard on or off) and dropped,
-    # and the stage sends a NaN-filled gradient upstream, which every earlier stage recognises
-    # and drops in turn. Stages downstream of the one that found it have already applied their
-    # (finite) part. The update still happens, with the other micro-batches' gradients and
-    # the usual 1/a (1/m) scale: the dropped micro-batch counts as a zero gradient. "lower-lr" also multiplies the stage's learning rate by
-    # ``nan_lr_factor``; "abort" raises ``NonFiniteError``. Each drop is logged with stage,
-    # micro-batch and weight version (``events``). On CUDA each check is one host
-    # synchronisation per backward; ``nan_policy="off"`` removes them.
+    # Checked per micro-batch: the loss (last stage) and the incoming gradient; a micro-batch that
+    # fails contributes a zero gradient here and the stage sends a NaN-filled gradient upstream,
+    # which every earlier stage recognises and drops in turn (stages downstream of the one that
+    # found it have applied their finite part). The update still comes, with the other
+    # micro-batches' gradients and the usual 1/a (1/m) scale. Checked per backward: the input
+    # gradient this stage sends, and per update: the accumulated weight gradients (one norm). A
+    # non-finite gradient made inside the stage is already in the sum, so that stage's whole
+    # update becomes a zero gradient, and the micro-batch is dropped upstream as above. "lower-lr"
+    # also multiplies the stage's learning rate by ``nan_lr_factor`` per event; "abort" raises
+    # ``NonFiniteError``. Each event is logged with stage, micro-batch and weight version
+    # (``events``). A clean run computes exactly what it computes with the guard off; on CUDA each
+    # check is one host synchronisation; ``nan_policy="off"`` removes them.
 
     def _incoming_bad(self, k: int, grad: torch.Tensor | None) -> bool:
         if self.nan_policy == "off":
@@ -226,48 +224,21 @@ class StageExecutor:
             return "loss"
         return "gradient from the next stage"
 
-    def _hold_grads(self) -> list | None:
-        """Sets the accumulated gradients aside so the next backward's land alone (guard on)."""
-        if self.nan_policy == "off":
-            return None
-        held = [p.grad for p in self.params]
-        for p in self.params:
-            p.grad = None
-        return held
-
-    def _new_grads_finite(self, k: int, inp: torch.Tensor | None) -> bool:
-        new = [t.grad for t in self._grad_targets(k) if t.grad is not None]
-        if inp is not None and inp.grad is not None:
-            new.append(inp.grad)
-        return _finite(new)
-
-    def _merge_grads(self, held: list | None) -> None:
-        if held is None:
-            return
-        for p, g in zip(self.params, held):
-            if g is not None:
-                p.grad = g if p.grad is None else g.add_(p.grad)
-
-    def _drop(self, k: int, inp, what: str, held: list | None = None) -> torch.Tensor | None:
-        """Discards micro-batch ``k``'s contribution and returns the poison for upstream."""
-        if held is not None:
-            for p, g in zip(self.params, held):
-                p.grad = g
+    def _drop(self, k: int, inp, what: str) -> torch.Tensor | None:
+        """Discards micro-batch ``k`` before its backward and returns the poison for upstream."""
         for p in self.params:  # a zero contribution: the update still comes (momentum moves on)
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        for t in self._grad_targets(k):
-            if t is not None and self.backward_weights == "stashed":
-                t.grad = None
         poison = self._poison(inp, k, what)
         self._release(k)
         return poison
 
-    def _poison(self, inp, k: int, what: str) -> torch.Tensor | None:
+    def _poison(self, inp, k: int | None, what: str) -> torch.Tensor | None:
         event = {"stage": self.stage, "mb": k, "version": self.version, "what": what, "policy": self.nan_policy}
         if self.nan_policy == "abort":
-            raise NonFiniteError(f"stage {self.stage}: non-finite {what} in micro-batch {k} at weight version "
-                                 f"{self.version} (nan_policy='abort'; 'skip' drops the micro-batch instead)")
+            where = "" if k is None else f" in micro-batch {k}"
+            raise NonFiniteError(f"stage {self.stage}: non-finite {what}{where} at weight version {self.version} "
+                                 "(nan_policy='abort'; 'skip' drops the micro-batch instead)")
         if self.nan_policy == "lower-lr":
             self._scale_lr(self.nan_lr_factor)
             event["lr_factor"] = self.lr_factor
@@ -275,8 +246,8 @@ class StageExecutor:
         self._dropped_since_update += 1
         self.n_dropped += 1
         if self.n_dropped <= _LOGGED_DROPS:  # every drop is in metrics.jsonl; the log shows the first few
-            log.warning("stage %d dropped micro-batch %d at weight version %d: non-finite %s%s", self.stage, k,
-                        self.version, what, " (further drops of this stage: metrics.jsonl only)"
+            log.warning("stage %d dropped %s at weight version %d: non-finite %s%s", self.stage,
+                        "its update" if k is None else f"micro-batch {k}", self.version, what, " (further drops of this stage: metrics.jsonl only)"
                         if self.n_dropped == _LOGGED_DROPS else "")
         return None if inp is None else torch.full_like(inp, math.nan)
 
@@ -424,6 +395,15 @@ class StageExecutor:
         With ``grad_sync`` (data parallelism) the gradients are first averaged over the
         replicas; the last stage's step loss becomes the replicas' mean.
         """
+        if self.nan_policy != "off":
+            grads = [p.grad for p in self.params if p.grad is not None]
+            if self._tainted or not _finite_norm(grads):
+                if not self._tainted:
+                    self._poison(None, None, "accumulated weight gradient (this stage's update is dropped)")
+                for g in grads:  # a zero-gradient update, as for a dropped micro-batch
+                    g.zero_()
+                self._tainted = False
+                self._kept_since_update = 0  # counts as an update without a usable micro-batch
         self._check_divergence()
         step_loss = None
         if self._step_losses:  # one host synchronisation per update, on the last stage only
@@ -475,3 +455,10 @@ def _finite(tensors: list[torch.Tensor | None]) -> bool:
     if not ts:
         return True
     return bool(torch.isfinite(torch.stack([t.detach().float().abs().amax() for t in ts])).all())
+
+
+def _finite_norm(tensors: list[torch.Tensor]) -> bool:
+    """True if every element of ``tensors`` is finite: one fused norm, one host synchronisation."""
+    if not tensors:
+        return True
+    return bool(torch.isfinite(torch.nn.utils.get_total_norm(tensors, norm_type=math.inf)))
