@@ -10,8 +10,9 @@ import click
 
 @click.command()
 @click.argument("name")
-@click.option("--size", type=click.Choice(["default", "tiny"]), default="default", show_default=True,
-              help="default: the documented size (≤ 30 min on 2 cores); tiny: a smoke-sized run (< 60 s).")
+@click.option("--size", type=click.Choice(["default", "tiny", "full"]), default="default", show_default=True,
+              help="default: the documented size (≤ 30 min on 2 cores); tiny: a smoke-sized run (< 60 s); full: "
+                   "delay-scaling's whole grid (P = 1…32, with Nesterov; ≈ 1.5 h), the default for the others.")
 @click.option("--seed", "seeds", type=int, multiple=True, help="Seeds (repeatable); default per experiment.")
 @click.option("--out", type=click.Path(path_type=Path), default=Path("experiments"), show_default=True,
               help="Folder for runs, CSV and PNG files.")

@@ -39,13 +39,16 @@ def _target_text(target: float, ref_losses: list[float], steps: int) -> str:
             "steps.")
 
 
-@experiment("delay-scaling", "steps to a target loss vs pipeline depth P, with and without stashing, 4 optimizers")
+@experiment("delay-scaling", "steps to a target loss vs pipeline depth P, with and without stashing, 3 optimizers "
+                             "(4 and 6 depths with --size full)")
 def delay_scaling(out: Path, size: str = "default", seeds: list[int] | None = None) -> ExperimentOutput:
     t0 = time.perf_counter()
     seeds = seeds or [0]
-    depths = [1, 4, 16, 32] if size == "default" else [1, 4]  # P=2 and 8 dropped to fit 800 steps in ≈30 min
-    steps = 800 if size == "default" else 12
-    optimizers = ["adamw", "pipedream-lr", "nesterov", "basis-rotation"] if size == "default" else ["adamw", "basis-rotation"]
+    # default fits ≈ 23 min: P=2 and 8 and Nesterov (PipeNAG, which stays on the plateau at lr 1e-2) only in "full"
+    depths = {"full": [1, 2, 4, 8, 16, 32], "default": [1, 4, 16, 32]}.get(size, [1, 4])
+    steps = 800 if size != "tiny" else 12
+    optimizers = {"full": ["adamw", "pipedream-lr", "nesterov", "basis-rotation"],
+                  "default": ["adamw", "pipedream-lr", "basis-rotation"]}.get(size, ["adamw", "basis-rotation"])
     target, ref = _target(out, steps, seeds[0])
     p1 = {"adamw": ref.step_losses}  # at P=1 there is no delay: one run per optimizer serves both schedules
     rows = []
@@ -89,9 +92,9 @@ def br_ablation(out: Path, size: str = "default", seeds: list[int] | None = None
     uniform vs stage-aware vs inverse refresh allocation at an equal budget."""
     t0 = time.perf_counter()
     seeds = seeds or [0]
-    p = 32 if size == "default" else 4
-    steps = 800 if size == "default" else 12
-    ks = [10, 100] if size == "default" else [10]
+    p = 32 if size != "tiny" else 4
+    steps = 800 if size != "tiny" else 12
+    ks = [10, 100] if size != "tiny" else [10]
     target, ref = _target(out, steps, seeds[0])
 
     def steps_for(tag: str, stages: int = p, **kw) -> float | None:

@@ -17,9 +17,9 @@ from unbubble.experiments.stats import mean_std, rms_std, time_to_target
 def paci_stability(out: Path, size: str = "default", seeds: list[int] | None = None) -> ExperimentOutput:
     """Loss curves, final validation loss ± std, run-to-run RMS std, measured Δ_max vs ⌈(N−1)/a⌉."""
     t0 = time.perf_counter()
-    seeds = seeds or ([0, 1, 2] if size == "default" else [0, 1])
+    seeds = seeds or ([0, 1, 2] if size != "tiny" else [0, 1])
     n, m = 8, 8
-    flush_steps = 150 if size == "default" else 2
+    flush_steps = 150 if size != "tiny" else 2
     configs = [("1f1b-flush", m)] + [("paci", a) for a in (1, 2, 4, 8)]
     rows, curves = [], {}
     for name, x in configs:
@@ -66,8 +66,8 @@ def time_to_accuracy(out: Path, size: str = "default", seeds: list[int] | None =
 
     t0 = time.perf_counter()
     seeds = seeds or [0]
-    steps = 240 if size == "default" else 4
-    targets = [3.0, 2.8, 2.6] if size == "default" else [5.0]
+    steps = 240 if size != "tiny" else 4
+    targets = [3.0, 2.8, 2.6] if size != "tiny" else [5.0]
     rows, curves, costs = [], {}, None
     for n, engine, model in ((2, "processes", "tiny"), (8, "emulator", "deep-cpu")):
         times: dict[str, list[float | None]] = {}
@@ -126,11 +126,11 @@ def throughput_memory(out: Path, size: str = "default", seeds: list[int] | None 
     t0 = time.perf_counter()
     seeds = seeds or [0]
     n = 2
-    ms = [1, 2, 4, 8, 16] if size == "default" else [2]
+    ms = [1, 2, 4, 8, 16] if size != "tiny" else [2]
     rows = []
     for name in ("1f1b-flush", "paci"):
         for x in ms:
-            steps = max(512 // x, 2) if size == "default" else 2  # 512 micro-batches: seconds of training, not start-up
+            steps = max(512 // x, 2) if size != "tiny" else 2  # 512 micro-batches: seconds of training, not start-up
             cfg = base_config(out, f"tm-{name}-{x}", schedule=name, stages=n, a=x, m=x, steps=steps, model="tiny",
                               seq_len=64, micro_batch_size=8, engine="processes", eval_batches=1, seed=seeds[0])
             r = run(cfg)
