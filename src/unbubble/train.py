@@ -197,9 +197,9 @@ def attach_checkpoints(job: PipelineJob, cfg: TrainConfig, run_dir: Path, resume
             raise ConfigError(f"run {str(run_dir)!r} already finished: its checkpoint is at the last step {step}")
         extra = tuple(load_stage(directory, step, 0)["extra_cuts"]) if step else ()
     job = dataclasses.replace(job, checkpoint=Checkpointing(str(directory), cfg.checkpoint_every, 2, step, extra))
-    if resume and step:  # every file is read and checked here, so a bad one fails before any process starts
+    if resume and step:  # every file is checked here, so a bad one fails before any process starts
         for s in range(n):
-            job.load_checkpoint(job.build_executor(s), restore_rng=False)
+            job.read_checkpoint(s, job.stage_fn(s))
     return job
 
 

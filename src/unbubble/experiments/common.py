@@ -108,10 +108,10 @@ def md_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def provenance(command: str, seeds: list[int], wall_s: float) -> str:
-    """The line under every results table: command, seeds, hardware, wall time."""
+def provenance(command: str, seeds: list[int], wall_s: float, engine: str = "emulator on 1 torch thread") -> str:
+    """The line under every results table: command, seeds, hardware, engine, wall time."""
     return (f"Command: `{command}` · seeds {seeds} · {platform.machine()} CPU, {os.cpu_count()} cores, "
-            f"emulator on 1 torch thread · wall time {wall_s / 60:.1f} min · {time.strftime('%Y-%m-%d')}")
+            f"{engine} · wall time {wall_s / 60:.1f} min · {time.strftime('%Y-%m-%d')}")
 
 
 def update_results(doc: Path, name: str, markdown: str) -> None:

@@ -111,8 +111,8 @@ def time_to_accuracy(out: Path, size: str = "default", seeds: list[int] | None =
           f"![time-to-accuracy]({(out / 'time_to_accuracy.png').name})\n\n"
           "Paper: 1.69× (batch 128) and 1.41× (batch 256) faster than the fastest flush; up to 2.04× vs matched m. "
           "The analytic bound at equal micro-batches is (m+N−1)/m.\n\n"
-          + provenance(f"unbubble experiment time-to-accuracy --size {size}", seeds, wall).replace(
-              "emulator on 1 torch thread", "N=2: 2 stage processes, N=8: emulator, 1 torch thread each"))
+          + provenance(f"unbubble experiment time-to-accuracy --size {size}", seeds, wall,
+                       engine="N=2: 2 stage processes, N=8: emulator, 1 torch thread each"))
     return ExperimentOutput("time-to-accuracy", md, files, wall)
 
 
@@ -160,6 +160,6 @@ def throughput_memory(out: Path, size: str = "default", seeds: list[int] | None 
           f"![throughput-memory]({(out / 'throughput_memory.png').name})\n\n"
           "Paper: PACI reaches the fully utilized throughput and 1F1B-flush's peak memory; flush throughput grows "
           "with m as m/(m+N−1).\n\n"
-          + provenance(f"unbubble experiment throughput-memory --size {size}", seeds, wall).replace(
-              "emulator on 1 torch thread", "2 stage processes of 1 torch thread"))
+          + provenance(f"unbubble experiment throughput-memory --size {size}", seeds, wall,
+                       engine="2 stage processes of 1 torch thread"))
     return ExperimentOutput("throughput-memory", md, files, wall)

@@ -62,6 +62,38 @@ class Checkpointing:
     extra_cuts: tuple[int, ...] = ()
 
 
+class CutWriter:
+    """Writes each stage's file once per cut, for either engine ([Note: the checkpoint cut]).
+
+    Args:
+        job: the ``PipelineJob`` (its ``checkpoint`` says where; ``None``: nothing is written).
+        cuts: the process's :class:`~unbubble.schedules.policy.Cuts`.
+        enabled: ``False`` on data-parallel replicas other than 0 (their state equals replica 0's).
+    """
+
+    def __init__(self, job, cuts, enabled: bool = True):
+        self.job, self.cuts = job, cuts
+        self.enabled = enabled and job.checkpoint is not None
+        self._saved: set[tuple[int, int]] = set()
+
+    def after_update(self, ex) -> None:
+        """Stage ``ex`` just applied an update: save if its version is a cut or the last step."""
+        if self.cuts.is_cut(ex.version) or ex.version == self.job.schedule.steps:
+            self._save(ex)
+
+    def at_stop(self, executors) -> None:
+        """Once a stop at T is placed: save each stage that is already idle at version T (the last
+        stage can be there before stage 0 places the stop)."""
+        for ex in executors:
+            if ex.version == self.cuts.stop_step and ex.idle:
+                self._save(ex)
+
+    def _save(self, ex) -> None:
+        if self.enabled and (ex.stage, ex.version) not in self._saved:
+            self._saved.add((ex.stage, ex.version))
+            self.job.save_checkpoint(ex, self.cuts.stop_step)
+
+
 def stage_path(directory: str | Path, step: int, stage: int) -> Path:
     return Path(directory) / f"step-{step:08d}" / f"stage-{stage:03d}.pt"
 
@@ -103,14 +135,15 @@ def save_stage(directory: str | Path, step: int, stage: int, payload: dict[str, 
 
 
 def load_stage(directory: str | Path, step: int, stage: int) -> dict[str, Any]:
-    """Reads one stage's file (tensors and plain containers only: ``weights_only=True``).
+    """Opens one stage's file (tensors and plain containers only: ``weights_only=True``; tensors
+    memory-mapped, so checking a fingerprint does not read the weights).
 
     Raises:
         ConfigError: the file is missing, unreadable or of another format.
     """
     path = stage_path(directory, step, stage)
     try:
-        data = torch.load(path, map_location="cpu", weights_only=True)
+        data = torch.load(path, map_location="cpu", weights_only=True, mmap=True)  # tensors read when used
     except FileNotFoundError:
         raise ConfigError(f"checkpoint file {str(path)!r} is missing: the checkpoint of step {step} is incomplete") \
             from None

@@ -8,6 +8,7 @@ import torch
 
 from unbubble.errors import ConfigError
 from unbubble.optim import optimizer_state_bytes
+from unbubble.runtime.checkpoint import CutWriter
 from unbubble.runtime.job import PipelineJob
 from unbubble.runtime.telemetry import Listener, RunResult, Telemetry, snapshot
 from unbubble.schedules.actions import Action, ActionKind
@@ -65,13 +66,8 @@ def run_emulator(job: PipelineJob, costs: CostModel | None = None, replay: list[
     mailbox: dict[tuple[int, ActionKind, int], torch.Tensor] = {}
     skip_mb = start * job.schedule.mb_per_step
     updates_seen = [0] * n  # U actions replayed per stage, to skip those before the cut
-    saved: set[tuple[int, int]] = set()
+    writer = CutWriter(job, cuts)
     t0 = time.perf_counter()
-
-    def checkpoint(ex) -> None:
-        if job.checkpoint is not None and (ex.stage, ex.version) not in saved:
-            saved.add((ex.stage, ex.version))
-            job.save_checkpoint(ex, cuts.stop_step)
 
     def execute(action: Action) -> None:
         ex = execs[action.stage]
@@ -101,12 +97,9 @@ def run_emulator(job: PipelineJob, costs: CostModel | None = None, replay: list[
                 telemetry.add_step_loss(ex.last_step_loss)
             if job.wants_snapshot(ex.version):
                 telemetry.add_snapshot(action.stage, ex.version, snapshot(ex.module))
-            if cuts.is_cut(ex.version) or ex.version == job.schedule.steps:
-                checkpoint(ex)
-        if cuts.stop_step is not None:  # stages already at the stop step save now
-            for other in execs:
-                if other.version == cuts.stop_step and other.idle:
-                    checkpoint(other)
+            writer.after_update(ex)
+        if cuts.stop_step is not None:
+            writer.at_stop(execs)
 
     policies = [ListPolicy(acts) for acts in replay] if replay is not None else \
         [job.schedule.policy(r) for r in range(job.schedule.n_ranks)]

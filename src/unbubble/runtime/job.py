@@ -136,21 +136,32 @@ class PipelineJob:
             "next_mb": ex.version * self.schedule.mb_per_step, "extra_cuts": list(extra),
             "fingerprint": fingerprint(self, ex.stage, ex.module)}, keep=ck.keep)
 
+    def read_checkpoint(self, stage: int, module: nn.Module) -> dict[str, Any]:
+        """Stage ``stage``'s file of the checkpoint of ``checkpoint.resume_step``, checked against
+        this job and ``module`` (tensors are memory-mapped, not read, until used).
+
+        Raises:
+            ConfigError: missing or unreadable file, one written by another configuration, or one
+                that belongs to another step's folder.
+        """
+        ck = self.checkpoint
+        data = load_stage(ck.directory, ck.resume_step, stage)
+        check_fingerprint(data.get("fingerprint"), fingerprint(self, stage, module),
+                          f"{ck.directory}/step-{ck.resume_step:08d}")
+        version = data["executor"]["version"]
+        if version != ck.resume_step:
+            raise ConfigError(f"checkpoint file {ck.directory}/step-{ck.resume_step:08d}/stage-{stage:03d}.pt holds "
+                              f"weight version {version}, not {ck.resume_step}: it belongs to another step's folder "
+                              "(delete that step's folder to resume from the previous checkpoint)")
+        return data
+
     def load_checkpoint(self, ex: StageExecutor, restore_rng: bool = True) -> None:
         """Restores stage ``ex`` from the checkpoint of ``checkpoint.resume_step``.
 
         Raises:
-            ConfigError: missing or unreadable file, or one written by another configuration.
+            ConfigError: as :meth:`read_checkpoint`.
         """
-        ck = self.checkpoint
-        data = load_stage(ck.directory, ck.resume_step, ex.stage)
-        check_fingerprint(data.get("fingerprint"), fingerprint(self, ex.stage, ex.module),
-                          f"{ck.directory}/step-{ck.resume_step:08d}")
-        version = data["executor"]["version"]
-        if version != ck.resume_step:
-            raise ConfigError(f"checkpoint file {ck.directory}/step-{ck.resume_step:08d}/stage-{ex.stage:03d}.pt holds "
-                              f"weight version {version}, not {ck.resume_step}: it belongs to another step's folder "
-                              "(delete that step's folder to resume from the previous checkpoint)")
+        data = self.read_checkpoint(ex.stage, ex.module)
         ex.load_state_dict(data["executor"])
         if restore_rng:
             set_rng_state(data["rng"], ex.device)

@@ -148,11 +148,11 @@ def _stage_entry(rank: int, job: PipelineJob, replay, q, port: int, threads: int
         stopped = run_stage(job, rank, q.put, replay, recv_timeout_s=timeout_s, device=device,
                             control_group=control, cuts=cuts, on_action=on_action if slot is not None else None)
         if stopped is not None:
-            q.put(("stopped", _rank_name(job, rank), stopped))
+            q.put(("stopped", rank, stopped))
         dist.destroy_process_group()
     except BaseException as exc:  # noqa: BLE001 - reported to the coordinator, then exit 1
         text = f"{type(exc).__name__}: {exc}"
-        q.put(("error", _rank_name(job, rank), text))
+        q.put(("error", rank, text))
         # a neighbour's failure (the launcher names the culprit) or a known condition: no traceback
         if not any(mark in text for mark in _SECONDARY) and not isinstance(exc, NonFiniteError):
             traceback.print_exc()
@@ -197,8 +197,6 @@ class _Collector:
             self.telemetry.add_event(payload)
         elif kind == "stopped":
             self.stopped_at = payload
-        elif kind == "error":
-            raise PipelineFailure(f"stage {stage} failed: {payload}")
 
     def result(self) -> RunResult:
         n = self.job.schedule.n_stages
@@ -362,25 +360,15 @@ def run_processes(job: PipelineJob, replay: list[list[Action]] | None = None, li
 
 
 def _raise_stage_error(msg: tuple, job: PipelineJob, last, culprit) -> None:
-    _, name, text = msg
-    if any(mark in text for mark in _SECONDARY):  # a neighbour's reaction: look for the cause
+    """Raises for a stage's ``("error", global rank, text)`` report, naming the culprit instead
+    when the report is a neighbour's reaction to it."""
+    _, rank, text = msg
+    if any(mark in text for mark in _SECONDARY):
         found = culprit()
         if found:
             raise PipelineFailure(found)
-    rank = _rank_index(job, name)
-    where = f"; its last action was {last(rank)}" if rank is not None and "last action" not in text else ""
-    raise PipelineFailure(f"stage {name} failed: {text}{where}")
-
-
-def _rank_index(job: PipelineJob, name) -> int | None:
-    """The global rank of a stage named by :func:`_rank_name`."""
-    if isinstance(name, int):
-        return name
-    try:
-        r, d = name.replace(")", "").split(" (replica ")
-        return int(d) * job.schedule.n_ranks + int(r)
-    except ValueError:
-        return None
+    where = "" if "last action" in text else f"; its last action was {last(rank)}"
+    raise PipelineFailure(f"stage {_rank_name(job, rank)} failed: {text}{where}")
 
 
 def under_torchrun() -> bool:

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from unbubble.optim import optimizer_state_bytes
+from unbubble.runtime.checkpoint import CutWriter
 from unbubble.runtime.job import PipelineJob
 from unbubble.runtime.data_parallel import GradientAverager, Layout
 from unbubble.runtime.transport import END, P2PTransport, PeerFailure, TensorMeta, channel_groups
@@ -127,21 +128,14 @@ def run_stage(job: PipelineJob, rank: int, sink: Sink, replay: list[Action] | No
             view.n_actions = resume_position(inner.actions, stages, start)
     policy = CutPolicy(inner, cuts)
     inputs: dict[tuple[ActionKind, int, int], torch.Tensor] = {}
-    saved: set[tuple[int, int]] = set()
+    writer = CutWriter(job, cuts, enabled=primary)
     end_sent = {True: not any(s < n - 1 for s in stages), False: not any(s > 0 for s in stages)}
     stage0_group = dp_groups[0] if dp_groups and prank == 0 else None
-
-    def checkpoint(ex) -> None:
-        if job.checkpoint is not None and primary and (ex.stage, ex.version) not in saved:
-            saved.add((ex.stage, ex.version))
-            job.save_checkpoint(ex, cuts.stop_step)
 
     def at_stop() -> None:
         """After a stop is placed: save stages at T, send end frames once their part is done."""
         t = cuts.stop_step
-        for ex in execs.values():
-            if ex.version == t and ex.idle:
-                checkpoint(ex)
+        writer.at_stop(execs.values())
         if not end_sent[True] and all(states[s].n_fwd >= t * m for s in stages if s < n - 1):
             transport.send_end(True, t)
             end_sent[True] = True
@@ -209,8 +203,7 @@ def run_stage(job: PipelineJob, rank: int, sink: Sink, replay: list[Action] | No
                 dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=stage0_group)
                 if flag[0] > 0 and cuts.stop_step is None:
                     cuts.stop_step = int(flag[1])
-            if cuts.is_cut(ex.version) or ex.version == sched.steps:
-                checkpoint(ex)
+            writer.after_update(ex)
             if not primary:
                 records = []
                 continue
