@@ -14,7 +14,7 @@ ENGINES = ("emulator", "processes")
 TOKENIZERS = ("byte", "gpt2")
 #: What a stage does with a non-finite micro-batch ([Note: non-finite guard] in runtime/executor.py).
 NAN_POLICIES = ("skip", "lower-lr", "abort", "off")
-OPTIMIZERS = ("adamw", "basis-rotation", "nesterov", "nadam", "pipedream-lr")
+OPTIMIZERS = ("adamw", "basis-rotation", "nesterov", "nadam", "pipedream-lr", "staleness-lr", "muon")
 
 
 @dataclass(kw_only=True)
@@ -32,21 +32,24 @@ class TrainConfig:
     steps: int = field(default=800, metadata={"help": 'Optimizer steps per stage.'})
     lr: float = field(default=1e-2, metadata={"help": 'Peak learning rate (the default suits the tiny CPU preset; the PACI paper used 3e-4 for GPT-2 Medium).'})
     min_lr_ratio: float = field(default=0.1, metadata={"help": 'Cosine decay ends at lr × min_lr_ratio (PACI paper: 10 %).'})
-    warmup_frac: float = field(default=0.01, metadata={"help": 'Linear warm-up over this fraction of the steps (PACI paper: 1 %).'})
+    warmup_frac: float = field(default=0.01, metadata={"help": 'Linear warm-up over this fraction of the steps (PACI paper: 1 %), but never fewer than --warmup-min updates: a short run at 1 % would warm up in 1–2 updates. At equal tokens a fraction of the steps is the same number of tokens for every schedule.'})
+    warmup_min: int = field(default=20, metadata={"help": 'Fewest warm-up updates (capped at a fifth of the steps); 0 lets --warmup-frac alone decide.'})
     beta1: float = field(default=0.9, metadata={"help": "AdamW β1 (PACI paper: 0.9)."})
     beta2: float = field(default=0.95, metadata={"help": "AdamW β2 (PACI paper: 0.95)."})
     weight_decay: float = field(default=0.1, metadata={"help": 'AdamW decoupled weight decay, applied to matrices only (β and wd as in the PACI paper).'})
-    optimizer: Literal["adamw", "basis-rotation", "nesterov", "nadam", "pipedream-lr"] = field(
+    optimizer: Literal["adamw", "basis-rotation", "nesterov", "nadam", "pipedream-lr", "staleness-lr", "muon"] = field(
         default="adamw", metadata={"help": "adamw; basis-rotation (Adam in a rotated eigenbasis, arXiv 2602.03515); "
                                            "nesterov (PipeNAG delay correction); nadam; pipedream-lr (AdamW with the "
-                                           "stage's lr ÷ τ_s^(1−min(t/K,1)))."})
+                                           "stage's lr ÷ τ_s^(1−min(t/K,1))); staleness-lr (AdamW with the stage's lr ÷ "
+                                           "(1 + τ_s), staleness-aware SGD, arXiv 1511.05950); muon (torch.optim.Muon on "
+                                           "hidden matrices, AdamW on embeddings, head, norms and biases, arXiv 2502.16982)."})
     br_source: Literal["2nd", "1st"] = field(default="2nd", metadata={"help": "Basis Rotation: eigenbasis from EMA(GGᵀ), EMA(GᵀG) (2nd) or from the momentum (1st)."})
     br_geometry: Literal["bilateral", "unilateral"] = field(default="bilateral", metadata={"help": "Basis Rotation: rotate both sides of each matrix, or only the smaller one."})
     br_freq: int = field(default=10, metadata={"help": "Basis Rotation: refresh the bases every k steps (one power-iteration step + QR)."})
     br_allocation: Literal["uniform", "stage-aware", "inverse"] = field(default="uniform", metadata={"help": "Basis Rotation: how a fixed refresh budget is split across stages (stage-aware: staler stages refresh more often)."})
     stage_aware: bool = field(default=False, metadata={"help": "Shorthand for --br-allocation stage-aware."})
     clip_grad_norm: float | None = field(default=None, metadata={"help": 'Per-stage gradient-norm clipping; off by default (global clipping needs cross-stage sync).'})
-    model: str = field(default="tiny", metadata={"help": 'Model preset (tiny, small-cpu, gpt2, gpt2-medium, gpt2-large, gpt2-xl).'})
+    model: str = field(default="tiny", metadata={"help": 'Model preset: GPT-2 (tiny, small-cpu, deep-cpu, deep32-cpu, gpt2, gpt2-medium, gpt2-large, gpt2-xl), Llama-style (llama-tiny, llama-deep-cpu, llama-1b, llama-8b) or mixture of experts (moe-tiny, moe-deep-cpu, mixtral-8x7b).'})
     corpus: str = field(default="kjv", metadata={"help": 'kjv, shakespeare, a text file, a folder of .txt files, or a folder with train.bin and val.bin (pre-tokenised uint16 ids of --tokenizer, nanoGPT format).'})
     tokenizer: Literal["byte", "gpt2"] = field(default="byte", metadata={"help": 'byte (vocabulary 257, fast on CPU) or gpt2 (offline GPT-2 BPE, vocabulary 50257).'})
     engine: Literal["emulator", "processes"] = field(default="processes", metadata={"help": 'processes: one torch.distributed process per stage; emulator: all stages in this process.'})
@@ -89,6 +92,7 @@ class TrainConfig:
         for name in ("stages", "dp", "a", "m", "v", "br_freq", "micro_batch_size", "seq_len", "steps", "eval_batches", "threads_per_stage"):
             pos_int(name)
         pos_int("eval_interval", 0)
+        pos_int("warmup_min", 0)
         pos_int("seed", 0)
         pos_int("checkpoint_every", 0)
         if self.nan_policy not in NAN_POLICIES:
@@ -128,9 +132,14 @@ class TrainConfig:
     def mb_per_step(self) -> int:
         """Micro-batches per optimizer step: a for paci, 1 for async-1f1b, pipedream and
         pipemare (an update after every backward), m otherwise."""
-        if self.schedule == "paci":
+        if self.schedule in ("paci", "paci-stashed"):
             return self.a
         return 1 if self.schedule in ("async-1f1b", "pipedream", "pipemare") else self.m
+
+    @property
+    def warmup_steps(self) -> int:
+        """Linear warm-up updates: max(round(warmup_frac · steps), min(warmup_min, steps // 5))."""
+        return max(round(self.warmup_frac * self.steps), min(self.warmup_min, self.steps // 5))
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

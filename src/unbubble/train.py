@@ -109,13 +109,13 @@ def build_job(cfg: TrainConfig, tokens: TokenData) -> tuple[PipelineJob, GPTConf
                           f"{cfg.micro_batch_size * cfg.seq_len:,} tokens per micro-batch exceeds the corpus's "
                           f"{tokens.train.size:,} training tokens (lower --micro-batch-size or --seq-len)")
     val_batches(tokens.val, cfg.micro_batch_size, cfg.seq_len, 1)
-    warmup = round(cfg.warmup_frac * cfg.steps)
+    warmup = cfg.warmup_steps
     job = PipelineJob(
         stage_fn=functools.partial(gpt_stage, model, schedule.n_stages, cfg.seed, cfg.seq_len),
         loss_fn=gpt_loss,
         batch_fn=functools.partial(gpt_batch, data),
         optimizer_fn=functools.partial(
-            stage_optimizer, "adamw" if cfg.optimizer == "pipedream-lr" else cfg.optimizer, cfg.lr,
+            stage_optimizer, "adamw" if cfg.optimizer in ("pipedream-lr", "staleness-lr") else cfg.optimizer, cfg.lr,
             (cfg.beta1, cfg.beta2), cfg.weight_decay, tuple(schedule.delay_bound(s) for s in range(schedule.n_stages)),
             (("br_source", cfg.br_source), ("br_geometry", cfg.br_geometry), ("br_freq", cfg.br_freq),
              ("br_allocation", cfg.br_allocation))),
@@ -125,7 +125,7 @@ def build_job(cfg: TrainConfig, tokens: TokenData) -> tuple[PipelineJob, GPTConf
         eval_interval=cfg.eval_interval,
         tokens_per_mb=cfg.micro_batch_size * cfg.seq_len,
         clip_grad_norm=cfg.clip_grad_norm,
-        delay_lr=cfg.optimizer == "pipedream-lr",
+        delay_lr={"pipedream-lr": "pipedream", "staleness-lr": "staleness"}.get(cfg.optimizer),
         dp=cfg.dp,
         nan_policy=cfg.nan_policy,
         nan_lr_factor=cfg.nan_lr_factor,

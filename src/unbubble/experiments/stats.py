@@ -81,3 +81,65 @@ def slowdown(steps_to_target: dict[int, float | None], base: int = 1) -> dict[in
     (Basis Rotation's slowdown; ``None`` where the target was not reached)."""
     ref = steps_to_target.get(base)
     return {p: (None if s is None or not ref else s / ref) for p, s in steps_to_target.items()}
+
+
+def iso_loss_overhead(curve: Curve, target: float, baseline_tokens: float) -> tuple[float, bool]:
+    """Iso-loss token overhead: tokens a method needs to reach ``target`` (the loss the
+    synchronous baseline reaches at the end of its run) ÷ the baseline's tokens.
+
+    Args:
+        curve: the method's ``(tokens, loss)`` points (validation loss, mean over seeds).
+        target: the baseline's final loss.
+        baseline_tokens: tokens the baseline trained on (> 0).
+
+    Returns:
+        ``(ratio, reached)``; when the method never reaches the target, the ratio is a lower
+        bound, its last tokens ÷ the baseline's (reported as "> ratio"). 1.0 means parity;
+        below 1, the method is ahead.
+
+    Raises:
+        ValueError: an empty curve or baseline_tokens ≤ 0.
+
+    Source: DESIGN §8 (iso-loss token overhead as used in delayed-gradient studies).
+    """
+    if not curve or baseline_tokens <= 0:
+        raise ValueError("iso_loss_overhead needs a non-empty curve and baseline_tokens > 0")
+    t = time_to_target(curve, target)
+    if t is None:
+        return curve[-1][0] / baseline_tokens, False
+    return t / baseline_tokens, True
+
+
+def mean_curve(curves: Sequence[Curve]) -> list[tuple[float, float]]:
+    """Pointwise mean of curves sampled at the same x (seeds of one configuration); points
+    where any curve has no finite value are dropped.
+
+    Raises:
+        ValueError: no curves, or curves sampled at different x.
+    """
+    if not curves:
+        raise ValueError("mean_curve of no curves")
+    xs = [x for x, _ in curves[0]]
+    if any([x for x, _ in c] != xs for c in curves):
+        raise ValueError("mean_curve needs curves sampled at the same x")
+    out = []
+    for i, x in enumerate(xs):
+        ys = [c[i][1] for c in curves]
+        if all(y is not None and math.isfinite(y) for y in ys):
+            out.append((x, sum(ys) / len(ys)))
+    return out
+
+
+def loss_at(curve: Curve, x: float) -> float | None:
+    """The curve's loss at ``x``, linearly interpolated (None outside its range)."""
+    prev = None
+    for cx, cy in curve:
+        if cx == x:
+            return cy
+        if cx > x:
+            if prev is None:
+                return None
+            (px, py) = prev
+            return py + (cy - py) * (x - px) / (cx - px)
+        prev = (cx, cy)
+    return None

@@ -13,11 +13,12 @@ from unbubble.optim._checks import (
     check_betas, check_choice, check_int, check_nonneg, check_unit,
 )
 from unbubble.optim.basis_rotation import ALLOCATIONS, GEOMETRIES, SOURCES, BasisRotation, stage_refresh_intervals
+from unbubble.optim.muon import MuonAdamW
 from unbubble.optim.pipenag import PipeNAG, nadam
 
 logger = logging.getLogger(__name__)
 
-OPTIMIZERS = ("adamw", "basis-rotation", "nesterov", "nadam")
+OPTIMIZERS = ("adamw", "basis-rotation", "nesterov", "nadam", "muon")
 DEFAULT_UNROTATED = ("wte", "wpe", "lm_head")  # GPT-2 embeddings and head (unbubble.models.gpt2 names)
 
 _DEFAULTS: dict[str, Any] = {
@@ -62,7 +63,9 @@ def build_optimizer(
 
     Args:
         name: "adamw" (``torch.optim.AdamW``), "basis-rotation" (``BasisRotation``), "nesterov"
-            (``PipeNAG``) or "nadam" (``torch.optim.NAdam``, momentum_decay 0.004, decoupled wd).
+            (``PipeNAG``), "nadam" (``torch.optim.NAdam``, momentum_decay 0.004, decoupled wd) or
+            "muon" (``MuonAdamW``: ``torch.optim.Muon`` on the matrices Basis Rotation would rotate,
+            AdamW on ``br_unrotated`` matrices, norms and biases).
         params: see above.
         stage: this stage's 0-based index s, in 0..n_stages-1.
         n_stages: pipeline depth N ≥ 1.
@@ -119,6 +122,10 @@ def build_optimizer(
         logger.debug("stage %d: basis-rotation (%s, %s), refresh every %d steps, delay %d",
                      stage, opts["br_source"], opts["br_geometry"], freq, delay)
         return optimizer
+    if name == "muon":  # the matrices Basis Rotation would rotate are the ones Muon orthogonalises
+        groups = _groups(params, weight_decay, tuple(opts["br_unrotated"]), mark_rotation=True)
+        groups = [{**{k: v for k, v in g.items() if k != "rotate"}, "muon": g.get("rotate", True)} for g in groups]
+        return MuonAdamW(groups, lr=lr, betas=betas, eps=opts["eps"], weight_decay=weight_decay)
     groups = _groups(params, weight_decay, (), mark_rotation=False)
     if name == "adamw":
         return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=opts["eps"], weight_decay=weight_decay)

@@ -1,4 +1,5 @@
-"""Delay-aware learning-rate rescheduling: PipeMare's T1, and PipeDream-LR built from it.
+"""Delay-aware learning-rate rescheduling: PipeMare's T1, PipeDream-LR built from it, and
+staleness-aware scaling.
 
 PipeMare's technique T1 divides stage i's step size by a power of its delay and anneals the power
 from 1 to 0 over K updates, so stale stages start with a step ~1/tau as large and reach the full
@@ -83,3 +84,25 @@ class PipeDreamLR:
         """The multiplier of the base learning rate for update ``step + 1``."""
         base = 1.0 if self.base is None else self.base(step)
         return base * pipemare_t1_factor(self.delay, step, self.anneal_steps)
+
+
+@dataclass(frozen=True)
+class StalenessLR:
+    """``LambdaLR`` multiplier ``base(step) / (1 + delay)``: a stage whose gradients are τ_s
+    updates stale takes steps 1/(1 + τ_s) as large for the whole run (no annealing, unlike
+    :class:`PipeDreamLR`); the last stage (τ = 0) keeps the full schedule.
+
+    Source: W. Zhang et al., "Staleness-aware Async-SGD for Distributed Deep Learning",
+    arXiv 1511.05950 (IJCAI 2016), §3 (lr divided by the gradient's staleness); here per pipeline
+    stage with τ_s = ⌈(N−1−s)/a⌉ under PACI.
+    """
+
+    delay: int
+    base: Callable[[int], float] | None = None
+
+    def __post_init__(self) -> None:
+        check_int("delay", self.delay, 0, "the stage's staleness tau_s, in updates")
+
+    def __call__(self, step: int) -> float:
+        """The multiplier of the base learning rate for update ``step + 1``."""
+        return (1.0 if self.base is None else self.base(step)) / (1 + self.delay)

@@ -14,7 +14,7 @@ from unbubble.runtime.checkpoint import Checkpointing, check_fingerprint, finger
     save_stage, set_rng_state
 from unbubble.runtime.data_parallel import replica_batch
 from unbubble.runtime.executor import BatchFn, LossFn, StageExecutor
-from unbubble.optim.lr_rescheduling import PipeDreamLR
+from unbubble.optim.lr_rescheduling import PipeDreamLR, StalenessLR
 from unbubble.schedules.policy import Cuts
 from unbubble.schedules.registry import Schedule
 
@@ -49,8 +49,10 @@ class PipelineJob:
             for every v that is a multiple of this; 0 evaluates only the final weights.
         tokens_per_mb: tokens in one micro-batch (for tokens/s); ``None`` reports samples.
         clip_grad_norm: per-stage gradient clipping (off if None).
-        delay_lr: scale each stage's learning rate by τ_s^−(1 − min(u/K, 1)) (PipeDream-LR;
-            always on for the pipemare schedule, where it is PipeMare's T1).
+        delay_lr: per-stage learning-rate scaling by the stage's staleness τ_s: ``"pipedream"``
+            (or True) multiplies it by τ_s^−(1 − min(u/K, 1)) (PipeDream-LR; always on for the
+            pipemare schedule, where it is PipeMare's T1); ``"staleness"`` by 1/(1 + τ_s) for the
+            whole run (staleness-aware SGD); None or False: off.
         delay_lr_anneal_steps: K of that rescaling (default: a tenth of the steps).
         dp: D, data-parallel pipeline replicas (process engine only): D·R processes, the
             replicas of a stage average their gradients right before each of its updates.
@@ -75,7 +77,7 @@ class PipelineJob:
     eval_interval: int = 0
     tokens_per_mb: int | None = None
     clip_grad_norm: float | None = None
-    delay_lr: bool = False
+    delay_lr: str | bool | None = None
     delay_lr_anneal_steps: int | None = None
     dp: int = 1
     checkpoint: Checkpointing | None = None
@@ -102,7 +104,9 @@ class PipelineJob:
         params = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
         optimizer = self.optimizer_fn(params, stage)
         lr_lambda = self.lr_lambda
-        if self.delay_lr or self.schedule.name == "pipemare":  # PipeMare T1 / PipeDream-LR, per stage
+        if self.delay_lr == "staleness":
+            lr_lambda = StalenessLR(self.schedule.delay_bound(stage), self.lr_lambda)
+        elif self.delay_lr or self.schedule.name == "pipemare":  # PipeMare T1 / PipeDream-LR, per stage
             anneal = self.delay_lr_anneal_steps or max(self.schedule.steps // 10, 1)
             lr_lambda = PipeDreamLR(self.schedule.delay_bound(stage), anneal, self.lr_lambda)
         sched = None if lr_lambda is None else torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda)

@@ -24,12 +24,13 @@ SCHEDULES: dict[str, str] = {
     "zb-h2": "as zb-h1 with 2N activations; bubble 1/6 of 1F1B (still flushed)  [arXiv 2401.10241]",
     "async-1f1b": "naive async 1F1B (= paci, a=1): U after every B on current weights; Δ_i ≤ N−i; no extra weights",
     "paci": "async 1F1B never flushed; U after every a-th local B; B on current weights; Δ_i ≤ ⌈(N−i)/a⌉; no weight copies  [arXiv 2606.07881]",
+    "paci-stashed": "PACI's schedule with weight stashing: U after every a-th B, B on its F's version; Δ=0, τ_i ≤ ⌈(N−i)/a⌉; ≤ ⌈(N−i)/a⌉+1 weight versions (the control that separates gradient delay from PACI's inconsistency)",
     "pipedream": "async 1F1B with weight stashing: B on its F's version; Δ=0, τ_i=N−i; ≤N+1−i weight versions  [arXiv 1806.03377]",
     "pipedream-2bw": "async 1F1B, U after m B, B on its F's version; Δ=0, τ=1; 2 weight versions (m ≥ N−1)  [arXiv 2006.09503]",
     "pipemare": "async 1F1B, U after every B with per-stage lr rescheduling (T1); B on current weights corrected by a velocity estimate (T2)  [arXiv 1910.05124]",
 }
 
-ASYNC = ("paci", "async-1f1b", "pipedream", "pipedream-2bw", "pipemare")
+ASYNC = ("paci", "paci-stashed", "async-1f1b", "pipedream", "pipedream-2bw", "pipemare")
 
 #: Which weights a backward uses: the current ones, the forward's stashed version, or the
 #: current ones corrected toward the forward's (PipeMare T2).
@@ -140,7 +141,7 @@ def get_schedule(name: str, n_stages: int, steps: int, a: int | None = None, m: 
         name: one of :data:`SCHEDULES`.
         n_stages: pipeline depth N ≥ 1 (ranks; interleaved 1F1B has N·v stages).
         steps: optimizer steps ≥ 1.
-        a: accumulation factor of paci (backward passes per local update), ≥ 1.
+        a: accumulation factor of paci and paci-stashed (backward passes per local update), ≥ 1.
         m: micro-batches per step of gpipe, 1f1b-flush, interleaved-1f1b, zb-h1, zb-h2 and
             pipedream-2bw, ≥ 1.
         v: virtual stages per rank of interleaved-1f1b, ≥ 1 (default 2).
@@ -156,9 +157,9 @@ def get_schedule(name: str, n_stages: int, steps: int, a: int | None = None, m: 
     if name in ("async-1f1b", "pipedream", "pipemare"):
         weights = {"async-1f1b": "current", "pipedream": "stashed", "pipemare": "corrected"}[name]
         return Schedule(name, n_stages, 1, steps, True, backward_weights=weights)
-    if name == "paci":
+    if name in ("paci", "paci-stashed"):
         _check_int("a", a)
-        return Schedule(name, n_stages, a, steps, True)
+        return Schedule(name, n_stages, a, steps, True, backward_weights="stashed" if name == "paci-stashed" else "current")
     _check_int("m", m)
     if name == "pipedream-2bw":
         if m < n_stages - 1:

@@ -1,0 +1,101 @@
+"""The sweeps behind ``paci-study`` and ``br-study`` (issue "settle the seeds' claims"), by size.
+
+Sizes: ``tiny`` (the test suite, < 30 s), ``default`` (the documented study, ≤ 75 min on 2 cores).
+Every method of a comparison trains on the same micro-batches (equal tokens) with the same
+warm-up fraction (= the same warm-up tokens) and cosine decay to 10 %.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+LRS = [3e-4, 1e-3, 3e-3]
+
+
+def paci_spec(size: str) -> dict[str, Any]:
+    """PACI's Q1/Q2: flush vs PACI at matched m = a, the stashed control, PipeDream, PipeMare,
+    and delay remedies on PACI a = 4, tuned per method at N = 8; a and N scans on one seed."""
+    if size == "tiny":
+        return {
+            "name": "paci-study", "micro_batches": 16, "stages": [2], "lrs": [1e-3, 3e-3], "seeds": [0, 1],
+            "evals": 2, "base": {"model": "tiny", "seq_len": 32, "micro_batch_size": 4, "warmup_frac": 0.1,
+                                 "warmup_min": 0, "eval_batches": 2},
+            "methods": [
+                {"label": "1f1b-flush m=2", "schedule": "1f1b-flush", "m": 2},
+                {"label": "paci a=2", "schedule": "paci", "a": 2},
+                {"label": "paci-stashed a=2", "schedule": "paci-stashed", "a": 2},
+                {"label": "paci a=2 + muon", "schedule": "paci", "a": 2, "optimizer": "muon", "lr_from": "paci a=2"},
+            ],
+        }
+    scan = {"lrs": LRS, "extra_seeds": False}
+    return {
+        "name": "paci-study", "micro_batches": 2400, "stages": [8], "lrs": LRS, "seeds": [0, 1, 2], "evals": 12,
+        "seed_stages": [8],
+        "base": {"model": "deep-cpu", "seq_len": 64, "micro_batch_size": 8, "warmup_frac": 0.1, "warmup_min": 0,
+                 "min_lr_ratio": 0.1, "eval_batches": 8},
+        "methods": [
+            {"label": "1f1b-flush m=4", "schedule": "1f1b-flush", "m": 4, "stages": [8, 4, 2]},
+            {"label": "paci a=4", "schedule": "paci", "a": 4, "stages": [8, 4, 2]},
+            {"label": "1f1b-flush m=8", "schedule": "1f1b-flush", "m": 8},
+            {"label": "paci a=8", "schedule": "paci", "a": 8},
+            {"label": "paci-stashed a=4", "schedule": "paci-stashed", "a": 4},
+            {"label": "paci a=4 + basis-rotation", "schedule": "paci", "a": 4, "optimizer": "basis-rotation"},
+            {"label": "paci a=4 + muon", "schedule": "paci", "a": 4, "optimizer": "muon"},
+            {"label": "paci a=4 + staleness-lr", "schedule": "paci", "a": 4, "optimizer": "staleness-lr"},
+            {"label": "pipemare", "schedule": "pipemare"},
+            {"label": "pipedream", "schedule": "pipedream"},
+            {"label": "1f1b-flush m=2", "schedule": "1f1b-flush", "m": 2, **scan},
+            {"label": "paci a=2", "schedule": "paci", "a": 2, **scan},
+            {"label": "1f1b-flush m=1", "schedule": "1f1b-flush", "m": 1, **scan},
+            {"label": "paci a=1", "schedule": "paci", "a": 1, **scan},
+        ],
+    }
+
+
+def br_spec(size: str) -> dict[str, Any]:
+    """Basis Rotation's delay scaling (P = 1 … 32, with and without stashing) and ablation:
+    each optimizer tuned at P = 1 and P = 32 (stashed), two seeds there; the other depths and
+    variants borrow the tuned lr of the nearest tuned depth (``lr_from``)."""
+    if size == "tiny":
+        return {
+            "name": "br-study", "micro_batches": 12, "stages": [1, 4], "lrs": [3e-3, 1e-2], "seeds": [0, 1],
+            "evals": 2, "keep_train_curve": True,
+            "base": {"model": "deep32-cpu", "seq_len": 16, "micro_batch_size": 4, "warmup_frac": 0.1,
+                     "warmup_min": 0, "eval_batches": 2},
+            "methods": [
+                {"label": "adamw", "schedule": "pipedream", "optimizer": "adamw"},
+                {"label": "basis-rotation (2nd, bilateral)", "schedule": "pipedream", "optimizer": "basis-rotation"},
+                {"label": "adamw, no stashing", "schedule": "async-1f1b", "optimizer": "adamw", "stages": [4],
+                 "lr_from": "adamw"},
+            ],
+        }
+    tuned = [1, 32]
+    mid = {"stages": [4, 8, 16], "extra_seeds": False}
+    br = {"schedule": "pipedream", "optimizer": "basis-rotation"}
+    methods: list[dict[str, Any]] = [
+        {"label": "adamw", "schedule": "pipedream", "optimizer": "adamw", "stages": tuned},
+        {"label": "pipedream-lr", "schedule": "pipedream", "optimizer": "pipedream-lr", "stages": [32]},
+        {"label": "nesterov", "schedule": "pipedream", "optimizer": "nesterov", "stages": tuned},
+        {"label": "basis-rotation (2nd, bilateral)", **br, "stages": tuned},
+        {"label": "muon", "schedule": "pipedream", "optimizer": "muon", "stages": tuned},
+    ]
+    for m in list(methods):
+        methods.append({**m, "label": f"{m['label']} @ P=4-16", **mid, "lr_from": m["label"]})
+    for opt, label in (("adamw", "adamw"), ("pipedream-lr", "pipedream-lr"),
+                       ("basis-rotation", "basis-rotation (2nd, bilateral)")):
+        methods.append({"label": f"{label}, no stashing", "schedule": "async-1f1b", "optimizer": opt,
+                        "stages": [4, 32], "extra_seeds": False, "lr_from": label})
+    for source, geometry in (("1st", "bilateral"), ("2nd", "unilateral"), ("1st", "unilateral")):
+        methods.append({"label": f"basis-rotation ({source}, {geometry})", **br, "br_source": source,
+                        "br_geometry": geometry, "stages": tuned, "extra_seeds": False,
+                        "lr_from": "basis-rotation (2nd, bilateral)"})
+    for alloc in ("stage-aware", "inverse"):
+        methods.append({"label": f"basis-rotation (2nd, bilateral), {alloc}", **br, "br_allocation": alloc,
+                        "stages": [32], "extra_seeds": False, "lr_from": "basis-rotation (2nd, bilateral)"})
+    return {
+        "name": "br-study", "micro_batches": 800, "stages": tuned, "lrs": [3e-3, 1e-2, 3e-2], "seeds": [0, 1],
+        "evals": 8, "seed_stages": tuned, "keep_train_curve": True,
+        "base": {"model": "deep32-cpu", "seq_len": 32, "micro_batch_size": 8, "warmup_frac": 0.1, "warmup_min": 0,
+                 "min_lr_ratio": 0.1, "eval_batches": 8},
+        "methods": methods,
+    }

@@ -1,0 +1,416 @@
+"""Convergence sweeps: a grid of (method, N, lr, seed) run in the emulator, resumable, with lr tuning.
+
+A :class:`SweepSpec` names the configuration shared by every run (``base``: TrainConfig fields),
+the methods (each a label and the TrainConfig fields that make it: schedule, a or m, optimizer…),
+pipeline depths, a learning-rate grid, seeds and the number of micro-batches every run trains on
+(equal tokens: ``steps = micro_batches // micro-batches per update``).
+
+Protocol (``tune=True``, the field's usual one): every (method, N) is trained at every lr of the
+grid with the first seed; the lr with the lowest final validation loss is that method's tuned lr;
+the other seeds then run at the tuned lr only (``seed_stages`` limits them to some depths). With
+``tune=False`` every lr runs with every seed.
+
+Each finished run leaves ``OUT/results/<run id>.json``; a second invocation skips those, so a
+stopped sweep continues where it stopped. ``OUT/runs.csv`` (one row per run) and
+``OUT/curves.csv`` (validation loss per evaluation, training loss per update where kept) are
+rewritten from them at the end: they are all an analysis needs.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import logging
+import math
+import multiprocessing
+import os
+import re
+import statistics
+import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from unbubble.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+#: Columns of runs.csv, in order.
+RUN_COLUMNS = ("run_id", "method", "stages", "lr", "seed", "phase", "schedule", "a", "m", "optimizer", "steps",
+               "micro_batches", "tokens", "final_val_loss", "min_val_loss", "final_train_loss", "max_drift",
+               "wall_s", "f_s", "b_s", "u_s")
+
+
+@dataclass(frozen=True)
+class Method:
+    """One line of a comparison.
+
+    Attributes:
+        label: what tables and plots call it ("paci a=4 + muon").
+        overrides: TrainConfig fields that make it (``schedule``, ``a``, ``m``, ``optimizer``…).
+        stages: depths to run it at (default: the spec's).
+        lrs: its learning-rate grid (default: the spec's).
+        lr_from: instead of tuning, take the tuned lr of the method with this label at the
+            tuned depth closest to N (on a log scale; ties to the deeper one) — for depths or
+            variants the budget cannot tune.
+        extra_seeds: run the spec's other seeds too (False: the first seed only, e.g. a scan).
+    """
+
+    label: str
+    overrides: dict[str, Any]
+    stages: tuple[int, ...] | None = None
+    lrs: tuple[float, ...] | None = None
+    lr_from: str | None = None
+    extra_seeds: bool = True
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One training run of a sweep."""
+
+    method: str
+    overrides: dict[str, Any]
+    stages: int
+    lr: float
+    seed: int
+    phase: str  # "tune" (the lr grid) or "seeds" (the tuned lr, other seeds)
+
+    @property
+    def run_id(self) -> str:
+        slug = re.sub(r"[^A-Za-z0-9]+", "-", self.method).strip("-").lower()
+        return f"{slug}-N{self.stages}-lr{self.lr:g}-s{self.seed}"
+
+
+@dataclass
+class SweepSpec:
+    """A sweep; see the module docstring.
+
+    Attributes:
+        name: the sweep's name (folder and titles).
+        base: TrainConfig fields shared by every run (model, seq_len, micro_batch_size, …).
+        methods: the compared methods.
+        stages: pipeline depths N.
+        lrs: peak learning-rate grid.
+        seeds: seeds; ``seeds[0]`` tunes the lr.
+        micro_batches: micro-batches per run (tokens = micro_batches × micro_batch_size × seq_len).
+        evals: validation points per run (evenly spaced in updates, plus the end).
+        tune: tune the lr on ``seeds[0]``, then run the other seeds at the tuned lr.
+        seed_stages: depths at which the other seeds run (None: every depth).
+        keep_train_curve: store the training loss of every update in curves.csv.
+    """
+
+    name: str
+    base: dict[str, Any]
+    methods: list[Method]
+    stages: list[int]
+    lrs: list[float]
+    seeds: list[int]
+    micro_batches: int
+    evals: int = 12
+    tune: bool = True
+    seed_stages: list[int] | None = None
+    keep_train_curve: bool = False
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "SweepSpec":
+        """A spec from a mapping (a YAML file's content).
+
+        Raises:
+            ConfigError: a missing or unknown key, an empty grid, or a method whose
+                configuration is invalid (checked here, before anything runs).
+        """
+        if not isinstance(d, dict):
+            raise ConfigError(f"a sweep spec must be a mapping, got {type(d).__name__}")
+        known = {f for f in cls.__dataclass_fields__}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ConfigError(f"sweep key {unknown[0]!r} is unknown: valid keys are {', '.join(sorted(known))}")
+        for key in ("name", "methods", "stages", "lrs", "seeds", "micro_batches"):
+            if key not in d:
+                raise ConfigError(f"sweep key {key!r} is missing")
+        methods = []
+        for i, m in enumerate(d["methods"]):
+            if not isinstance(m, dict) or "label" not in m:
+                raise ConfigError(f"methods[{i}]={m!r} is invalid: each method needs a label and TrainConfig fields")
+            m = dict(m)
+            label = m.pop("label")
+            st, lrs = m.pop("stages", None), m.pop("lrs", None)
+            methods.append(Method(label, m, tuple(st) if st else None, tuple(float(x) for x in lrs) if lrs else None,
+                                  m.pop("lr_from", None), bool(m.pop("extra_seeds", True))))
+        spec = cls(name=d["name"], base=dict(d.get("base", {})), methods=methods, stages=list(d["stages"]),
+                   lrs=[float(x) for x in d["lrs"]], seeds=[int(s) for s in d["seeds"]],
+                   micro_batches=int(d["micro_batches"]), evals=int(d.get("evals", 12)), tune=bool(d.get("tune", True)),
+                   seed_stages=d.get("seed_stages"), keep_train_curve=bool(d.get("keep_train_curve", False)))
+        spec.validate()
+        return spec
+
+    def validate(self) -> None:
+        """Builds every method's TrainConfig once so a typo fails before the first run.
+
+        Raises:
+            ConfigError: an empty grid, duplicate labels, or an invalid configuration (the
+                message names the method).
+        """
+        for key in ("methods", "stages", "lrs", "seeds"):
+            if not getattr(self, key):
+                raise ConfigError(f"sweep {key}=[] is invalid: give at least one")
+        labels = [m.label for m in self.methods]
+        if len(set(labels)) != len(labels):
+            raise ConfigError(f"method labels must be unique: {labels}")
+        for m in self.methods:
+            if m.lr_from is not None and (m.lr_from not in labels or self._method(m.lr_from).lr_from is not None):
+                raise ConfigError(f"method {m.label!r}: lr_from={m.lr_from!r} must name a tuned method of this sweep")
+        if self.micro_batches < 1 or self.evals < 1:
+            raise ConfigError(f"micro_batches={self.micro_batches} and evals={self.evals} must be ≥ 1")
+        for m in self.methods:
+            for n in m.stages or self.stages:
+                try:
+                    self.config(RunSpec(m.label, m.overrides, n, (m.lrs or self.lrs)[0], self.seeds[0], "tune"),
+                                Path("unused"))
+                except (ConfigError, TypeError) as exc:
+                    raise ConfigError(f"method {m.label!r} at N={n}: {exc}") from None
+
+    def config(self, run: RunSpec, out: Path):
+        """The TrainConfig of one run (equal micro-batches for every method)."""
+        from unbubble.config import TrainConfig
+
+        fields = {"engine": "emulator", "checkpoints": False, "tensorboard": False, "eval_batches": 8,
+                  **self.base, **run.overrides, "stages": run.stages, "lr": run.lr, "seed": run.seed}
+        probe = TrainConfig(**{**fields, "steps": 1, "run_dir": None})
+        steps = self.micro_batches // probe.mb_per_step
+        if steps < 1:
+            raise ConfigError(f"micro_batches={self.micro_batches} is fewer than one update of "
+                              f"{probe.mb_per_step} micro-batches")
+        return TrainConfig(**{**fields, "steps": steps, "eval_interval": max(steps // self.evals, 1),
+                              "run_dir": str(out / "runs" / run.run_id)})
+
+    def _method(self, label: str) -> Method:
+        return next(m for m in self.methods if m.label == label)
+
+    def tuning_runs(self) -> list[RunSpec]:
+        """Phase 1: every (method, N, lr) with the first seed (every seed when not tuning);
+        methods with ``lr_from`` wait for phase 2."""
+        seeds = self.seeds[:1] if self.tune else self.seeds
+        return [RunSpec(m.label, m.overrides, n, lr, s, "tune")
+                for m in self.methods if m.lr_from is None
+                for n in (m.stages or self.stages) for lr in (m.lrs or self.lrs) for s in seeds]
+
+    def lr_for(self, method: Method, n: int, best: dict[tuple[str, int], float]) -> float | None:
+        """The lr phase 2 uses for ``method`` at depth ``n`` (None: nothing tuned to take it from)."""
+        if method.lr_from is None:
+            return best.get((method.label, n))
+        tuned = [d for (label, d) in best if label == method.lr_from]
+        if not tuned:
+            return None
+        depth = min(tuned, key=lambda d: (abs(math.log(d) - math.log(n)), -d))
+        return best[(method.lr_from, depth)]
+
+    def seed_runs(self, best: dict[tuple[str, int], float]) -> list[RunSpec]:
+        """Phase 2: the other seeds at each (method, N)'s tuned lr ``best[(label, N)]``, and
+        every seed of the ``lr_from`` methods at the lr they borrow."""
+        if not self.tune:
+            return []
+        runs = []
+        for m in self.methods:
+            for n in m.stages or self.stages:
+                lr = self.lr_for(m, n, best)
+                if lr is None:
+                    continue
+                more = m.extra_seeds and (self.seed_stages is None or n in self.seed_stages)
+                seeds = (self.seeds if m.lr_from else self.seeds[1:]) if more else (self.seeds[:1] if m.lr_from else [])
+                runs += [RunSpec(m.label, m.overrides, n, lr, s, "seeds" if m.lr_from is None else "transfer")
+                         for s in seeds]
+        return runs
+
+
+def load_spec(path: str | Path) -> SweepSpec:
+    """Reads a YAML sweep spec.
+
+    Raises:
+        ConfigError: the file is missing, not YAML, or not a valid spec.
+    """
+    import yaml
+
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"spec={str(p)!r} is not a file: give a YAML sweep spec")
+    try:
+        data = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{p} is not valid YAML: {exc}") from None
+    return SweepSpec.from_dict(data)
+
+
+def _stage_costs(trace) -> tuple[list[float], list[float], list[float]]:
+    """Median F, B and U seconds of each stage in a measured trace (0 where none ran)."""
+    n = trace.n_stages
+    d: list[list[list[float]]] = [[[], [], []] for _ in range(n)]
+    col = {0: 0, 1: 1, 4: 2}  # KIND_INDEX: F, B, (I, W), U
+    for s, k, _, t0, t1, _, _ in trace.rows():
+        if k in col:
+            d[s][col[k]].append(t1 - t0)
+    med = [[statistics.median(x) if x else 0.0 for x in per] for per in d]
+    return [m[0] for m in med], [m[1] for m in med], [m[2] for m in med]
+
+
+def execute(run: RunSpec, spec: SweepSpec, out: Path) -> dict[str, Any]:
+    """Trains one run and writes ``out/results/<run id>.json`` (atomically). Returns its record."""
+    import shutil
+
+    from unbubble.train import train
+
+    cfg = spec.config(run, out)
+    if Path(cfg.run_dir).exists():  # a run cut short by a stop: start it again
+        shutil.rmtree(cfg.run_dir)
+    t0 = time.perf_counter()
+    result, _ = train(cfg)
+    wall = time.perf_counter() - t0
+    f_s, b_s, u_s = _stage_costs(result.trace)
+    vals = result.val_losses
+    mb_per_update = cfg.mb_per_step
+    tokens_per_update = mb_per_update * cfg.micro_batch_size * cfg.seq_len
+    record = {
+        "run_id": run.run_id, "method": run.method, "stages": run.stages, "lr": run.lr, "seed": run.seed,
+        "phase": run.phase, "schedule": cfg.schedule, "a": cfg.a, "m": cfg.m, "optimizer": cfg.optimizer,
+        "steps": cfg.steps, "micro_batches": cfg.steps * mb_per_update, "tokens": cfg.steps * tokens_per_update,
+        "final_val_loss": _finite(vals[-1][1]) if vals else None,
+        "min_val_loss": min((_finite(v) for _, v in vals if math.isfinite(v)), default=None),
+        "final_train_loss": _finite(result.step_losses[-1]) if result.step_losses else None,
+        "max_drift": max(result.max_drift()), "wall_s": wall,
+        "f_s": json.dumps(f_s), "b_s": json.dumps(b_s), "u_s": json.dumps(u_s),
+        "val_curve": [[v, v * tokens_per_update, _finite(loss)] for v, loss in vals],
+        "train_curve": [_finite(x) for x in result.step_losses] if spec.keep_train_curve else [],
+    }
+    path = out / "results" / f"{run.run_id}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(record))
+    os.replace(tmp, path)
+    return record
+
+
+def _finite(x: float) -> float | None:
+    return float(x) if x is not None and math.isfinite(x) else None
+
+
+def _load(out: Path, run: RunSpec) -> dict[str, Any] | None:
+    path = out / "results" / f"{run.run_id}.json"
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def tuned_lrs(records: list[dict[str, Any]]) -> dict[tuple[str, int], float]:
+    """The lr with the lowest final validation loss per (method, N), over the tuning runs
+    (a diverged run, loss None, loses; ties go to the smaller lr)."""
+    best: dict[tuple[str, int], tuple[float, float]] = {}
+    for r in records:
+        if r["phase"] != "tune":
+            continue
+        key = (r["method"], int(r["stages"]))
+        loss = r["final_val_loss"] if r["final_val_loss"] is not None else math.inf
+        if key not in best or (loss, r["lr"]) < best[key]:
+            best[key] = (loss, r["lr"])
+    return {k: v[1] for k, v in best.items()}
+
+
+def run_sweep(spec: SweepSpec, out: Path, workers: int = 2,
+              progress: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
+    """Runs the sweep (skipping finished runs), then writes runs.csv and curves.csv.
+
+    Args:
+        spec: the sweep.
+        out: its folder (results/, runs/, runs.csv, curves.csv).
+        workers: runs trained at once, each in its own process on one torch thread
+            (2 on a 2-core machine).
+        progress: called with one line per finished run.
+
+    Returns:
+        Every run's record, tuning runs first.
+    """
+    say = progress or log.info
+    out.mkdir(parents=True, exist_ok=True)
+    records = _run_all(spec.tuning_runs(), spec, out, workers, say)
+    records += _run_all(spec.seed_runs(tuned_lrs(records)), spec, out, workers, say)
+    write_tables(records, out)
+    return records
+
+
+def _run_all(runs: list[RunSpec], spec: SweepSpec, out: Path, workers: int,
+             say: Callable[[str], None]) -> list[dict[str, Any]]:
+    done = {r.run_id: rec for r in runs if (rec := _load(out, r)) is not None}
+    todo = [r for r in runs if r.run_id not in done]
+    if done:
+        say(f"{spec.name}: {len(done)} of {len(runs)} {runs[0].phase} runs already finished (skipped)")
+    if todo:
+        t0 = time.perf_counter()
+        ctx = multiprocessing.get_context("spawn")  # fresh interpreters: no forked torch thread pools
+        with ProcessPoolExecutor(max_workers=max(1, min(workers, len(todo))), mp_context=ctx) as pool:
+            futures = {pool.submit(execute, r, spec, out): r for r in todo}
+            for i, fut in enumerate(as_completed(futures), 1):
+                rec = fut.result()
+                done[rec["run_id"]] = rec
+                say(f"{spec.name}: {i}/{len(todo)} {rec['run_id']}: val loss {rec['final_val_loss']} "
+                    f"({rec['wall_s']:.0f} s, {(time.perf_counter() - t0) / 60:.1f} min so far)")
+    return [done[r.run_id] for r in runs]
+
+
+def write_tables(records: list[dict[str, Any]], out: Path) -> tuple[Path, Path]:
+    """``runs.csv`` (one row per run) and ``curves.csv`` (run_id, kind, update, tokens, loss)."""
+    runs_csv, curves_csv = out / "runs.csv", out / "curves.csv"
+    with open(runs_csv, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(RUN_COLUMNS))
+        w.writeheader()
+        for r in records:
+            w.writerow({k: r[k] for k in RUN_COLUMNS})
+    with open(curves_csv, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["run_id", "kind", "update", "tokens", "loss"])
+        for r in records:
+            for v, tok, loss in r["val_curve"]:
+                w.writerow([r["run_id"], "val", v, tok, "" if loss is None else f"{loss:.5f}"])
+            per_update = r["tokens"] // max(r["steps"], 1)
+            for i, loss in enumerate(r["train_curve"], 1):
+                w.writerow([r["run_id"], "train", i, i * per_update, "" if loss is None else f"{loss:.5f}"])
+    return runs_csv, curves_csv
+
+
+@dataclass
+class SweepData:
+    """runs.csv and curves.csv read back (what every analysis starts from)."""
+
+    runs: list[dict[str, Any]]
+    val: dict[str, list[tuple[int, int, float | None]]] = field(default_factory=dict)
+    train: dict[str, list[float | None]] = field(default_factory=dict)
+
+
+def read_tables(folder: str | Path) -> SweepData:
+    """Reads ``runs.csv`` and ``curves.csv`` of a sweep folder.
+
+    Raises:
+        ConfigError: either file is missing.
+    """
+    folder = Path(folder)
+    for name in ("runs.csv", "curves.csv"):
+        if not (folder / name).is_file():
+            raise ConfigError(f"{folder / name} is missing: run the sweep first (or give the folder that holds it)")
+    num = {"stages": int, "seed": int, "a": int, "m": int, "steps": int, "micro_batches": int, "tokens": int,
+           "max_drift": int, "lr": float, "wall_s": float}
+    runs = []
+    with open(folder / "runs.csv") as f:
+        for row in csv.DictReader(f):
+            for k, conv in num.items():
+                row[k] = conv(row[k])
+            for k in ("final_val_loss", "min_val_loss", "final_train_loss"):
+                row[k] = float(row[k]) if row[k] not in ("", "None") else None
+            for k in ("f_s", "b_s", "u_s"):
+                row[k] = json.loads(row[k])
+            runs.append(row)
+    data = SweepData(runs)
+    with open(folder / "curves.csv") as f:
+        for row in csv.DictReader(f):
+            loss = float(row["loss"]) if row["loss"] else None
+            if row["kind"] == "val":
+                data.val.setdefault(row["run_id"], []).append((int(row["update"]), int(row["tokens"]), loss))
+            else:
+                data.train.setdefault(row["run_id"], []).append(loss)
+    return data
