@@ -109,3 +109,25 @@ def test_two_replicas_of_two_stages_equal_one_replica_with_twice_the_batch():
     assert result.step_losses == pytest.approx(ref_losses, rel=1e-5)
     assert result.tokens == 2 * sched.total_mb  # samples of both replicas (tokens_per_mb unset)
     assert len(result.trace) == sum(len(acts) for acts in sched.static_order())  # replica 0's actions
+
+
+def _varying_tokens(vocab_size: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Micro-batch k with its own shape: sequence lengths 2, 3, … 16 (growing), then 15, 14, …
+    (shrinking), and batch size 2 or 3."""
+    seq_len = 2 + k if k < 15 else max(31 - k, 1)
+    g = torch.Generator().manual_seed(k)
+    t = torch.randint(0, vocab_size, (2 + k % 2, seq_len + 1), generator=g)
+    return t[:, :-1], t[:, 1:]
+
+
+def test_micro_batches_of_growing_and_shrinking_shapes_equal_the_emulator_bit_for_bit():
+    # [Note: shapes travel with each frame]: the channels' capacities grow (announced), then
+    # payloads shrink inside them
+    job = tiny_gpt_job(get_schedule("paci", 3, steps=12, a=2))
+    job.batch_fn = functools.partial(_varying_tokens, 64)
+    emu = run_emulator(job)
+    proc = run_processes(job, replay=emu.trace.order())
+    for s, (e, p) in enumerate(zip(emu.final_states, proc.final_states)):
+        for name in e:
+            assert torch.equal(e[name], p[name]), f"stage {s} {name} differs"
+    assert proc.step_losses == emu.step_losses and len(proc.step_losses) == 12

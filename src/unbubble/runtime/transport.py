@@ -5,15 +5,27 @@ previous stage, gradients from the next one). A thread blocks in ``dist.recv`` a
 hands ``(k, tensor)`` to the stage's inbox, so the stage's own thread never spins: it
 drains the inbox before each decision and blocks on it (with a timeout) only when its
 policy has nothing to run. Sends are non-blocking (``dist.isend``) and reaped without
-waiting, so communication overlaps compute in both directions. Shapes are agreed once at
-start-up; then each message is one byte buffer (a "frame"): the payload's bytes, padded to the
-largest payload of its channel (channels of interleaved ranks carry several stages) and to a
-multiple of 8, then an 8-byte int64 header carrying ``(destination stage, global micro-batch id
-k)``. The payload starts at offset 0, so the receiver's view of it is aligned like any tensor. One frame
-per message rather than a header and a payload halves the receives and the thread wake-ups on
-the path from one stage's send to its neighbour's next action (measured: the median hop latency
-is ~2 wake-ups' worth of scheduler latency on a loaded machine). The receiver's payload is a view
+waiting, so communication overlaps compute in both directions. Each message is one byte
+buffer (a "frame"): the payload's bytes at offset 0 (so the receiver's view of it is aligned
+like any tensor), padded to the channel's capacity, then a 64-byte trailer of eight int64
+words: the header ``(destination stage, global micro-batch id k)``, the payload's dtype and
+number of dimensions, and its shape ([Note: shapes travel with each frame]). One frame per
+message rather than a header and a payload halves the receives and the thread wake-ups on the
+path from one stage's send to its neighbour's next action (measured: the median hop latency is
+~2 wake-ups' worth of scheduler latency on a loaded machine). The receiver's payload is a view
 into the frame; the sender copies its tensor into a fresh frame (a memcpy, or a device copy).
+
+[Note: shapes travel with each frame]
+Micro-batches may differ in shape (sequence length, batch size, dtype): every frame names its
+payload's shape, so nothing is agreed at start-up and a change costs nothing while the payload
+fits the channel's capacity (frames are then padded to the capacity; capacities never shrink).
+A receive must post a buffer of the frame's exact size (gloo and NCCL both require it), so a
+payload larger than the capacity is preceded by one announcement frame of the old size whose
+trailer carries the new capacity (at least 1.25 × the old one, so a slowly growing shape
+announces O(log) times); the receiver posts its next receive with that size. Both ends start
+at capacity 0: a channel's first message is preceded by a 64-byte announcement. What cannot be
+described (more than 6 dimensions, a dtype outside ``DTYPES``) fails at the sender with an
+error naming the stage, the micro-batch and the shape.
 
 [Note: one process group per channel]
 Every (replica, source rank, destination rank, direction) channel has its own two-member
@@ -24,13 +36,16 @@ needs no tags. ``P2PTransport`` creates the groups collectively at start-up; eve
 every channel's group in the same order (``channel_groups``).
 
 [Note: CUDA without host synchronisation]
-With NCCL frames are device tensors; the header is written by a fill kernel (``fill_``), not
-copied from the host. The receiver thread receives on its own CUDA stream and reads the header there (``.item()`` waits for that receive only, never for the stage's
-compute), then records an event after the payload's receive; the stage thread makes its compute
-stream wait on that event and marks the payload as used by it (``record_stream``) — no host
-synchronisation on the compute thread, per message or otherwise. ``isend`` orders itself after
-the compute stream's work that produced the tensor (ProcessGroupNCCL does), and finished sends
-are reaped with ``Work.is_completed()``, which polls an event instead of waiting.
+With NCCL frames are device tensors; the trailer is written by kernels (a ``fill_`` for the
+header and a device-to-device copy of the shape words, cached per shape and uploaded from pinned
+memory without waiting), never copied from the host synchronously. The receiver thread receives
+on its own CUDA stream and reads the trailer there (``.cpu()`` waits for that receive only, never
+for the stage's compute), then records an event after the payload's receive; the stage thread
+makes its compute stream wait on that event and marks the payload as used by it
+(``record_stream``) — no host synchronisation on the compute thread, per message or otherwise.
+``isend`` orders itself after the compute stream's work that produced the tensor
+(ProcessGroupNCCL does), and finished sends are reaped with ``Work.is_completed()``, which polls
+an event instead of waiting.
 """
 
 from __future__ import annotations
@@ -47,42 +62,141 @@ import torch.distributed as dist
 
 from unbubble.schedules.actions import ActionKind
 
-_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32]
+#: The dtypes a frame can carry (their index is written into the trailer).
+DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.int16,
+          torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128)
+_MAX_DIMS = 6
 _K_BITS = 40  # header = destination stage << 40 | k (k < 2**40 micro-batches)
 _END_BASE = 1 << (_K_BITS - 1)  # k ≥ this: an end-of-stream frame for stop step k − _END_BASE
 #: ``kind`` of the message :meth:`P2PTransport.poll` returns for an end-of-stream frame (its
 #: ``k`` is the stop step T).
 END = "end"
-_HEAD = 8  # header bytes, at the end of a frame (the payload starts at offset 0: aligned)
+_WORDS = 8  # trailer: header, dtype/ndim code (or _ANNOUNCE), 6 dims (or the new capacity)
+_TRAIL = 8 * _WORDS  # trailer bytes, at the end of a frame (the payload starts at offset 0: aligned)
+_ANNOUNCE = -1  # code word of an announcement frame: the channel's next frames have capacity word 2
+_GROWTH = 1.25  # a capacity grows to at least this factor of the old one
 
 
 def _payload_bytes(nbytes: int) -> int:
-    """Payload room of a frame: ``nbytes`` rounded up to 8 so the int64 header after it is aligned."""
-    return -(-nbytes // _HEAD) * _HEAD
+    """Payload room of a frame: ``nbytes`` rounded up to 8 so the int64 trailer after it is aligned."""
+    return -(-nbytes // 8) * 8
 
 
 def frame_bytes(max_payload_bytes: int) -> int:
-    """Size of every frame on a channel whose largest payload has ``max_payload_bytes`` bytes."""
-    return _payload_bytes(max_payload_bytes) + _HEAD
+    """Size of every frame on a channel whose capacity is ``max_payload_bytes`` payload bytes."""
+    return _payload_bytes(max_payload_bytes) + _TRAIL
 
 
-def pack_frame(tensor: torch.Tensor, stage: int, k: int, size: int) -> torch.Tensor:
+def grown_capacity(old: int, nbytes: int) -> int:
+    """The capacity a channel of capacity ``old`` bytes announces for a payload of ``nbytes``
+    that does not fit: ``nbytes``, or ``1.25 × old`` if that is more (multiples of 8)."""
+    return max(_payload_bytes(nbytes), _payload_bytes(int(old * _GROWTH)))
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """Shape and dtype of one payload, as the trailer's words 1–7 carry them."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor, stage: int, k: int) -> "TensorMeta":
+        """The meta of ``tensor``, sent to ``stage`` for micro-batch ``k``.
+
+        Raises:
+            ValueError: more than 6 dimensions or a dtype outside :data:`DTYPES` (names the stage,
+                the micro-batch and the shape).
+        """
+        if tensor.dim() > _MAX_DIMS or tensor.dtype not in DTYPES:
+            raise ValueError(f"micro-batch {k}'s tensor for stage {stage} has shape {tuple(tensor.shape)} and dtype "
+                             f"{tensor.dtype}: the process engine sends at most {_MAX_DIMS} dimensions of dtypes "
+                             f"{', '.join(str(d).removeprefix('torch.') for d in DTYPES)} (reshape it in the stage)")
+        return cls(tuple(tensor.shape), tensor.dtype)
+
+    def words(self) -> tuple[int, ...]:
+        """Trailer words 1–7: ``ndim + 16 × dtype index``, then the dims padded with zeros."""
+        return (len(self.shape) + 16 * DTYPES.index(self.dtype), *self.shape, *[0] * (_MAX_DIMS - len(self.shape)))
+
+    @classmethod
+    def from_words(cls, words) -> "TensorMeta":
+        ndim, dt = words[0] % 16, words[0] // 16
+        return cls(tuple(int(x) for x in words[1:1 + ndim]), DTYPES[dt])
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of one tensor with this meta."""
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n * torch.empty((), dtype=self.dtype).element_size()
+
+
+_DEVICE_WORDS: collections.OrderedDict = collections.OrderedDict()  # (device, words) -> int64 tensor (CUDA)
+
+
+def _device_words(words: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """``words`` as an int64 tensor on ``device``, uploaded once per distinct shape from pinned
+    memory without waiting (an LRU of 64 entries)."""
+    key = (device, words)
+    t = _DEVICE_WORDS.get(key)
+    if t is None:
+        t = torch.tensor(words, dtype=torch.int64).pin_memory().to(device, non_blocking=True)
+        _DEVICE_WORDS[key] = t
+        if len(_DEVICE_WORDS) > 64:
+            _DEVICE_WORDS.popitem(last=False)
+    else:
+        _DEVICE_WORDS.move_to_end(key)
+    return t
+
+
+def _write_trailer(frame: torch.Tensor, header: int, words: tuple[int, ...]) -> None:
+    trailer = frame[frame.numel() - _TRAIL:].view(torch.int64)
+    if frame.device.type == "cpu":
+        trailer.numpy()[:] = (header, *words)
+    else:  # [Note: CUDA without host synchronisation]: kernels only
+        trailer[:1].fill_(header)
+        trailer[1:].copy_(_device_words(words, frame.device))
+
+
+def pack_frame(tensor: torch.Tensor, stage: int, k: int, size: int, meta: TensorMeta | None = None) -> torch.Tensor:
     """A frame of ``size`` bytes (:func:`frame_bytes`) on ``tensor``'s device: its bytes at offset 0,
-    then the header of ``(stage, k)`` in the last 8 bytes (written by a kernel, no host copy)."""
+    then the trailer: the header of ``(stage, k)`` and the tensor's shape and dtype (``meta``,
+    default :meth:`TensorMeta.of`).
+
+    Raises:
+        ValueError: the tensor cannot be described (:meth:`TensorMeta.of`).
+    """
+    meta = meta or TensorMeta.of(tensor, stage, k)
     nbytes = tensor.numel() * tensor.element_size()
     frame = torch.empty(size, dtype=torch.uint8, device=tensor.device)
-    frame[size - _HEAD:].view(torch.int64).fill_(encode_header(stage, k))
+    _write_trailer(frame, encode_header(stage, k), meta.words())
     frame[:nbytes].view(tensor.dtype).view(tensor.shape).copy_(tensor)
     return frame
 
 
+def announce_frame(size: int, capacity: int, device: torch.device) -> torch.Tensor:
+    """A frame of ``size`` bytes that tells the receiver the channel's next frames carry
+    ``capacity`` payload bytes ([Note: shapes travel with each frame])."""
+    frame = torch.empty(size, dtype=torch.uint8, device=device)
+    _write_trailer(frame, 0, (_ANNOUNCE, capacity) + (0,) * (_WORDS - 3))
+    return frame
+
+
+def read_trailer(frame: torch.Tensor) -> list[int]:
+    """The eight trailer words of a frame (on CUDA: waits for the current stream)."""
+    return frame[frame.numel() - _TRAIL:].view(torch.int64).tolist()
+
+
 def frame_header(frame: torch.Tensor) -> tuple[int, int]:
     """``(stage, k)`` of a frame (on CUDA: waits for the current stream)."""
-    return decode_header(int(frame[frame.numel() - _HEAD:].view(torch.int64).item()))
+    return decode_header(read_trailer(frame)[0])
 
 
-def frame_payload(frame: torch.Tensor, meta: TensorMeta) -> torch.Tensor:
-    """The payload of a frame as a tensor of ``meta`` (a view: no copy)."""
+def frame_payload(frame: torch.Tensor, meta: TensorMeta | None = None) -> torch.Tensor:
+    """The payload of a frame as a tensor of ``meta`` (default: the shape in its trailer); a
+    view, no copy."""
+    meta = meta or TensorMeta.from_words(read_trailer(frame)[1:])
     return frame[:meta.nbytes].view(meta.dtype).view(meta.shape)
 #: At most this many sends may be unfinished before the oldest is waited for.
 MAX_PENDING_SENDS = 256
@@ -130,33 +244,6 @@ def grad_channel(rank: int, n_ranks: int) -> tuple[int, int]:
     return rank, (rank - 1) % n_ranks
 
 
-@dataclass(frozen=True)
-class TensorMeta:
-    """Shape and dtype of the tensors on one channel."""
-
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-
-    def encode(self) -> torch.Tensor:
-        if len(self.shape) > 6:
-            raise ValueError(f"activations with {len(self.shape)} dims are not supported (at most 6)")
-        head = [len(self.shape), _DTYPES.index(self.dtype), *self.shape]
-        return torch.tensor(head + [0] * (8 - len(head)), dtype=torch.int64)
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of one tensor with this meta."""
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n * torch.empty((), dtype=self.dtype).element_size()
-
-    @classmethod
-    def decode(cls, t: torch.Tensor) -> "TensorMeta":
-        ndim, dt = int(t[0]), int(t[1])
-        return cls(tuple(int(x) for x in t[2:2 + ndim]), _DTYPES[dt])
-
-
 class PeerFailure(RuntimeError):
     """A neighbouring stage stopped sending (it died, hung or closed the connection)."""
 
@@ -166,7 +253,8 @@ class P2PTransport:
 
     Rank r hosts stages r, r + R, r + 2R, … (R ranks; one stage per rank unless
     interleaved). Activations flow from stage s to s + 1, gradients from s to s − 1; each
-    message is one frame: the payload, then its header ``(destination stage, k)``. With D replicas,
+    message is one frame: the payload, then its trailer ``(destination stage, k)``, shape and dtype
+    ([Note: shapes travel with each frame]). With D replicas,
     replica d's pipeline rank r is global rank ``d·R + r`` ([Note: 2-D rank layout] in
     ``data_parallel.py``) and talks only to its own replica's ranks.
 
@@ -190,8 +278,7 @@ class P2PTransport:
         self.inbox: queue.Queue = queue.Queue()
         self._pending_sends: collections.deque = collections.deque()
         self._threads: list[threading.Thread] = []
-        self.in_meta: dict[int, TensorMeta] = {}  # stage -> meta of the activation it receives
-        self.out_meta: dict[int, TensorMeta] = {}  # stage -> meta of its output (= gradient it receives)
+        self._capacity = {True: 0, False: 0}  # payload bytes of the frames this rank sends (forward?)
         # [Note: one process group per channel]: (direction, replica, source rank) -> group
         keys, names = [], []
         if n_ranks > 1:
@@ -211,33 +298,6 @@ class P2PTransport:
         return stage % self.n_ranks
 
     # -- start-up ---------------------------------------------------------------------------
-    def exchange_meta(self, probe_output) -> None:
-        """Agrees on activation shapes stage by stage, first to last.
-
-        Args:
-            probe_output: ``probe_output(stage, input_meta) -> TensorMeta`` of ``stage``'s output
-                given its incoming activation's meta (``None`` for stage 0).
-        """
-        for s in self.stages:
-            if s > 0:
-                src = self.rank_of(s - 1)
-                if src == self.rank:
-                    self.in_meta[s] = self.out_meta[s - 1]
-                else:
-                    buf = torch.zeros(8, dtype=torch.int64, device=self.device)
-                    dist.recv(buf, self.base + src, group=self._recv_group[True])
-                    self.in_meta[s] = TensorMeta.decode(buf.cpu())  # once per stage, at start-up
-            if s < self.n_stages - 1:
-                self.out_meta[s] = probe_output(s, self.in_meta.get(s))
-                dst = self.rank_of(s + 1)
-                if dst != self.rank:
-                    dist.send(self.out_meta[s].encode().to(self.device), self.base + dst, group=self._send_group[True])
-        # largest payload this rank sends per direction (= what the receiving rank computes)
-        self._frame_bytes = {
-            True: max([self.out_meta[s].nbytes for s in self.stages if s < self.n_stages - 1], default=0),
-            False: max([self.in_meta[s].nbytes for s in self.stages if s > 0], default=0),
-        }
-
     def start(self, start_mb: int = 0) -> None:
         """Starts one receiver thread per incoming (neighbour, direction) channel.
 
@@ -251,15 +311,12 @@ class P2PTransport:
         act_in = [s for s in self.stages if s > 0]
         grad_in = [s for s in self.stages if s < self.n_stages - 1]
         if act_in:
-            self._spawn(ActionKind.F, self.rank_of(act_in[0] - 1), self._recv_group[True],
-                        len(act_in) * remaining, self.in_meta)
+            self._spawn(ActionKind.F, self.rank_of(act_in[0] - 1), self._recv_group[True], len(act_in) * remaining)
         if grad_in:
-            self._spawn(ActionKind.B, self.rank_of(grad_in[0] + 1), self._recv_group[False],
-                        len(grad_in) * remaining, self.out_meta)
+            self._spawn(ActionKind.B, self.rank_of(grad_in[0] + 1), self._recv_group[False], len(grad_in) * remaining)
 
-    def _spawn(self, kind: ActionKind, src_rank: int, group, count: int, metas: dict[int, TensorMeta]) -> None:
+    def _spawn(self, kind: ActionKind, src_rank: int, group, count: int) -> None:
         src, device = self.base + src_rank, self.device
-        size = frame_bytes(max(metas[s].nbytes for s in self.stages if s in metas))
 
         def loop() -> None:
             try:
@@ -267,15 +324,21 @@ class P2PTransport:
                 if self.cuda:  # [Note: CUDA without host synchronisation]
                     torch.cuda.set_device(device)
                     stream = torch.cuda.Stream(device)
+                size, received = frame_bytes(0), 0  # [Note: shapes travel with each frame]
                 with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-                    for _ in range(count):
+                    while received < count:
                         frame = torch.empty(size, dtype=torch.uint8, device=device)
                         dist.recv(frame, src, group=group)
-                        stage, k = frame_header(frame)  # CUDA: waits on this thread's stream only
+                        words = read_trailer(frame)  # CUDA: waits on this thread's stream only
+                        if words[1] == _ANNOUNCE:
+                            size = frame_bytes(words[2])
+                            continue
+                        stage, k = decode_header(words[0])
                         if k >= _END_BASE:  # nothing follows on this channel
                             self.inbox.put((END, stage, k - _END_BASE, None, None))
                             return
-                        payload = frame_payload(frame, metas[stage])
+                        received += 1
+                        payload = frame_payload(frame, TensorMeta.from_words(words[1:]))
                         event = None
                         if stream is not None:
                             event = torch.cuda.Event()
@@ -298,13 +361,26 @@ class P2PTransport:
         if dst == self.rank:  # both stages on this rank
             self.inbox.put((ActionKind.F if forward else ActionKind.B, dst_stage, k, tensor, None))
             return
-        frame = pack_frame(tensor, dst_stage, k, frame_bytes(self._frame_bytes[forward]))
+        meta = TensorMeta.of(tensor, dst_stage, k)  # raises before anything is sent
+        self._fit(forward, tensor.numel() * tensor.element_size(), dst)
+        frame = pack_frame(tensor, dst_stage, k, frame_bytes(self._capacity[forward]), meta)
         pending = self._pending_sends
         pending.append((dist.isend(frame, self.base + dst, group=self._send_group[forward]), frame))
         # reap without waiting where the backend can tell (NCCL polls an event; gloo's sends
         # report completion only through wait(), so the oldest are waited for past the cap)
         while pending and (len(pending) > MAX_PENDING_SENDS or (self.cuda and pending[0][0].is_completed())):
             pending.popleft()[0].wait()
+
+    def _fit(self, forward: bool, nbytes: int, dst: int) -> None:
+        """Announces a larger capacity on the ``forward`` channel if ``nbytes`` does not fit
+        ([Note: shapes travel with each frame])."""
+        old = self._capacity[forward]
+        if nbytes <= old:
+            return
+        new = grown_capacity(old, nbytes)
+        frame = announce_frame(frame_bytes(old), new, self.device)
+        self._pending_sends.append((dist.isend(frame, self.base + dst, group=self._send_group[forward]), frame))
+        self._capacity[forward] = new
 
     def send_end(self, forward: bool, step: int) -> None:
         """Sends the end-of-stream frame of a stop at ``step`` to the next rank (``forward``, after
@@ -315,7 +391,7 @@ class P2PTransport:
         dst = self.rank_of(dst_stage)
         if dst == self.rank or self.n_ranks == 1:
             return  # no receiver thread on a loop-back channel
-        size = frame_bytes(self._frame_bytes[forward])
+        size = frame_bytes(self._capacity[forward])
         frame = pack_frame(torch.zeros(0, device=self.device), dst_stage, _END_BASE + step, size)
         self._pending_sends.append((dist.isend(frame, self.base + dst, group=self._send_group[forward]), frame))
 

@@ -14,7 +14,7 @@ from unbubble.optim import optimizer_state_bytes
 from unbubble.runtime.checkpoint import CutWriter
 from unbubble.runtime.job import PipelineJob
 from unbubble.runtime.data_parallel import GradientAverager, Layout
-from unbubble.runtime.transport import END, P2PTransport, PeerFailure, TensorMeta, channel_groups
+from unbubble.runtime.transport import END, P2PTransport, PeerFailure, channel_groups
 from unbubble.schedules.actions import Action, ActionKind
 from unbubble.schedules.policy import CutPolicy, Cuts, ListPolicy, RankView, StageState, resume_position, \
     resume_state
@@ -34,19 +34,6 @@ def to_bytes(state: dict) -> bytes:
 
 def from_bytes(data: bytes) -> dict:
     return torch.load(io.BytesIO(data), weights_only=True)
-
-
-def _probe(executor, meta: TensorMeta | None) -> TensorMeta:
-    """Shape of the stage's output, from one no-grad forward (eval mode, RNG untouched)."""
-    module = executor.module
-    was_training = module.training
-    module.eval()
-    with torch.no_grad(), torch.random.fork_rng(devices=[]):
-        x = executor._on_device(executor.batch_fn(0)[0]) if meta is None else \
-            torch.zeros(meta.shape, dtype=meta.dtype, device=executor.device)
-        out = module(x)
-    module.train(was_training)
-    return TensorMeta(tuple(out.shape), out.dtype)
 
 
 def run_stage(job: PipelineJob, rank: int, sink: Sink, replay: list[Action] | None = None,
@@ -116,7 +103,6 @@ def run_stage(job: PipelineJob, rank: int, sink: Sink, replay: list[Action] | No
         for s, ex in execs.items():
             sink(("snapshot", s, (0, to_bytes(ex.module.state_dict()))))
     transport = P2PTransport(prank, sched.n_ranks, n, sched.total_mb, replica=replica, dp=job.dp, device=device)
-    transport.exchange_meta(lambda s, meta: _probe(execs[s], meta))
     transport.start(start * m)
     inner = ListPolicy(replay) if replay is not None else sched.policy(prank)
     states = {s: StageState(s, n, sched.total_mb) for s in stages}
@@ -143,8 +129,7 @@ def run_stage(job: PipelineJob, rank: int, sink: Sink, replay: list[Action] | No
             transport.send_end(False, t)
             end_sent[False] = True
 
-    # a start time shared by every rank (host tensors), taken once all have finished setting up:
-    # the shape exchange is a chain through the stages, so rank 0 is ready first
+    # a start time shared by every rank (host tensors), taken once all have finished setting up
     dist.barrier(group=control_group)
     t_ref = torch.tensor([time.time()], dtype=torch.float64)
     dist.broadcast(t_ref, src=0, group=control_group)
