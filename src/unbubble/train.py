@@ -22,6 +22,7 @@ import torch
 from unbubble.config import TrainConfig
 from unbubble.data import MicroBatchSampler, prepare_tokens, val_batches
 from unbubble.data.memmap import TokenData
+from unbubble.data.sampler import check_split_sizes
 from unbubble.errors import ConfigError, PipelineFailure
 from unbubble.lr import warmup_cosine
 from unbubble.loggers import check_loggers
@@ -103,6 +104,7 @@ def build_job(cfg: TrainConfig, tokens: TokenData) -> tuple[PipelineJob, GPTConf
                           "or --dp 1")
     data = _Data(str(tokens.meta["dir"]) + "/train.bin", str(tokens.meta["dir"]) + "/val.bin",
                  cfg.micro_batch_size, cfg.seq_len, cfg.seed, cfg.eval_batches)
+    check_split_sizes(tokens.train.size, tokens.val.size, cfg.seq_len)
     MicroBatchSampler(tokens.train, cfg.micro_batch_size, cfg.seq_len, cfg.seed)  # validates sizes
     if cfg.micro_batch_size * cfg.seq_len > tokens.train.size:
         raise ConfigError(f"micro_batch_size={cfg.micro_batch_size} × seq_len={cfg.seq_len} = "

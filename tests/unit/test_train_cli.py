@@ -56,6 +56,7 @@ def bad_files(tmp_path):
     (tmp_path / "empty.txt").write_text("")
     (tmp_path / "binary.txt").write_bytes(b"\xff\xfe\x00\x81 not utf-8 \xc3\x28")
     (tmp_path / "emptydir").mkdir()
+    (tmp_path / "small.txt").write_text("In the beginning " * 120)  # 2,040 bytes + EOS: 1,939 train + 102 val tokens
     good = np.arange(4000, dtype="<u2") % 257
     bad = good.copy()
     bad[1234] = 300
@@ -91,6 +92,9 @@ BAD = [
     (["--corpus", "{tmp}/binary.txt"], "binary.txt"),
     (["--corpus", "{tmp}/emptydir"], "emptydir"),
     (["--seq-len", "4096"], "seq_len=4096 is invalid: model 'tiny' has block_size=128"),
+    (["--corpus", "{tmp}/small.txt", "--seq-len", "120"],
+     "seq_len=120 is too long for this corpus: the validation split has 102 tokens; the corpus has 2,041 (a split "
+     "needs seq_len + 2 = 122): set --seq-len 100 or less, or give a larger corpus"),
     (["--model", "gpt5"], "model='gpt5' is invalid"),
     (["--lr", "-1"], "lr=-1.0 is invalid"),
     (["--steps", "0"], "steps=0 is invalid"),

@@ -41,6 +41,27 @@ def _check_tokens(tokens: np.ndarray, micro_batch_size: int, seq_len: int) -> np
     return arr
 
 
+def check_split_sizes(n_train: int, n_val: int, seq_len: int) -> None:
+    """Checks that both splits of a corpus hold a window of ``seq_len`` + 1 tokens.
+
+    Args:
+        n_train: tokens of the training split.
+        n_val: tokens of the validation split.
+        seq_len: tokens per window (the target is shifted by one, so a split needs ``seq_len + 2``).
+
+    Raises:
+        ConfigError: a split is too small; the message names the smaller failing split, its size,
+            the corpus's size and the largest ``seq_len`` that fits.
+    """
+    failing = [(n, name) for n, name in ((n_train, "training"), (n_val, "validation")) if n <= seq_len + 1]
+    if not failing:
+        return
+    n, name = min(failing)
+    fix = f"set --seq-len {n - 2} or less, or give a larger corpus" if n > 2 else "give a larger corpus"
+    raise ConfigError(f"seq_len={seq_len} is too long for this corpus: the {name} split has {n:,} tokens; the corpus "
+                      f"has {n_train + n_val:,} (a split needs seq_len + 2 = {seq_len + 2:,}): {fix}")
+
+
 def _gather(tokens: np.ndarray, starts: np.ndarray, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Cuts windows ``tokens[s : s + seq_len + 1]`` and returns (x, y) int64 tensors of shape (B, seq_len)."""
     idx = starts[:, None] + np.arange(seq_len + 1, dtype=np.int64)[None, :]

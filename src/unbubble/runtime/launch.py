@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from unbubble.errors import NonFiniteError, PipelineFailure
+from unbubble.errors import ConfigError, NonFiniteError, PipelineFailure
 from unbubble.runtime.job import PipelineJob
 from unbubble.runtime.telemetry import Listener, RunResult, Telemetry
 from unbubble.runtime.worker import from_bytes, run_stage
@@ -58,8 +58,6 @@ def choose_backend(local_processes: int, backend: str | None = None) -> str:
     Raises:
         ConfigError: ``backend`` is not gloo or nccl, or nccl without enough CUDA devices.
     """
-    from unbubble.errors import ConfigError
-
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if backend is None:
         return "nccl" if gpus >= local_processes else "gloo"
@@ -80,6 +78,48 @@ def _init(backend: str, local_rank: int, **kwargs):
     dist.init_process_group(backend, **kwargs)
     control = dist.new_group(backend="gloo") if backend == "nccl" else None  # host-side control messages
     return device, control
+
+
+#: Exit status of a stage process that found itself re-running the caller's ``__main__`` module.
+_NO_GUARD_EXIT = 86
+
+
+def _no_guard_message(where: str) -> str:
+    return (f"run_processes was called from a script without an `if __name__ == \"__main__\":` guard ({where}): "
+            "each stage process starts by importing that script and would run it again; move the call under "
+            "the guard")
+
+
+def check_main_guard() -> None:
+    """Refuses to start stage processes when the code calling :func:`run_processes` runs at the
+    top level of the ``__main__`` script, outside ``if __name__ == "__main__":``: the spawned
+    processes re-import that script (Python's ``spawn`` start method) and would run it again.
+
+    Interactive sessions, ``python -c`` and notebooks have no script to re-import: no check.
+
+    Raises:
+        ConfigError: the call is not under the guard; names the script and the line.
+    """
+    import ast
+
+    path = getattr(sys.modules.get("__main__"), "__file__", None)
+    frame, top = sys._getframe(1), None
+    while frame is not None:  # the outermost frame running the script's top level
+        if frame.f_code.co_name == "<module>" and frame.f_globals.get("__name__") == "__main__":
+            top = frame
+        frame = frame.f_back
+    if path is None or top is None:
+        return
+    try:
+        tree = ast.parse(open(path, encoding="utf-8").read())
+    except (OSError, SyntaxError, UnicodeDecodeError, ValueError):
+        return
+    line = top.f_lineno
+    for stmt in tree.body:
+        if stmt.lineno <= line <= (stmt.end_lineno or stmt.lineno):
+            if isinstance(stmt, ast.If) and "__name__" in ast.unparse(stmt.test):
+                return
+            raise ConfigError(_no_guard_message(f"{path}, line {line}"))
 
 
 def _rank_name(job: PipelineJob, rank: int) -> int | str:
@@ -256,6 +296,9 @@ def run_processes(job: PipelineJob, replay: list[list[Action]] | None = None, li
     Raises:
         PipelineFailure: a stage process raised, died or hung; every other stage is terminated.
     """
+    if getattr(mp.current_process(), "_inheriting", False):  # a stage process re-running an unguarded script
+        os._exit(_NO_GUARD_EXIT)  # silently: the launcher says why
+    check_main_guard()
     n = job.schedule.n_ranks
     world = job.dp * n
     backend = choose_backend(world, backend)
@@ -335,6 +378,8 @@ def run_processes(job: PipelineJob, replay: list[list[Action]] | None = None, li
                     except queue.Empty:
                         pass
                     g, code = dead[0]
+                    if code == _NO_GUARD_EXIT:
+                        raise ConfigError(_no_guard_message(getattr(sys.modules["__main__"], "__file__", "?")))
                     raise PipelineFailure(culprit() or f"stage {_rank_name(job, g)} exited with code {code} without "
                                           f"a report; its last action was {last(g)}")
                 found = culprit()
@@ -351,10 +396,11 @@ def run_processes(job: PipelineJob, replay: list[list[Action]] | None = None, li
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-        for p in procs:  # after a failure: SIGTERM would only ask them to stop at a checkpoint
+        started = [p for p in procs if p.pid is not None]  # a failed start leaves some never started
+        for p in started:  # after a failure: SIGTERM would only ask them to stop at a checkpoint
             if p.is_alive():
                 p.kill()
-        for p in procs:
+        for p in started:
             p.join(timeout=10)
     return collector.result()
 
@@ -389,8 +435,6 @@ def run_torchrun(job: PipelineJob, replay: list[list[Action]] | None = None, lis
     Raises:
         ConfigError: WORLD_SIZE differs from dp × pipeline ranks.
     """
-    from unbubble.errors import ConfigError
-
     world = int(os.environ["WORLD_SIZE"])
     n = job.schedule.n_ranks
     if world != job.dp * n:

@@ -1,0 +1,47 @@
+"""The process engine's launcher, checked without starting stage processes: a script that calls
+it without a ``__main__`` guard (in a subprocess, as a user runs it)."""
+
+import subprocess
+import sys
+import textwrap
+import time
+
+SCRIPT = textwrap.dedent('''
+    import torch
+    from unbubble.runtime.job import PipelineJob
+    from unbubble.runtime.launch import check_main_guard, run_processes
+    from unbubble.schedules import get_schedule
+
+
+    def stage(i):
+        return torch.nn.Linear(4, 4)
+
+
+    def batch(k):
+        return torch.randn(2, 4), torch.randn(2, 4)
+
+
+    def optimizer(params, stage):
+        return torch.optim.SGD(params, lr=0.1)
+
+
+    job = PipelineJob(stage, torch.nn.functional.mse_loss, batch, optimizer, get_schedule("paci", 2, steps=2, a=1))
+    if __name__ == "__main__":
+        check_main_guard()
+        print("a guarded call is accepted")
+    result = run_processes(job)
+''')
+
+
+def test_a_script_without_main_guard_stops_at_once_with_one_line(tmp_path):
+    script = tmp_path / "train_it.py"
+    script.write_text(SCRIPT)
+    t0 = time.monotonic()
+    res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert time.monotonic() - t0 < 30  # no stage process is started, none waited for
+    assert res.returncode == 1 and res.stdout == "a guarded call is accepted\n"
+    assert res.stderr.count("Traceback") == 1  # the caller's own, not the stages'
+    assert res.stderr.strip().splitlines()[-1] == (
+        f"unbubble.errors.ConfigError: run_processes was called from a script without an `if __name__ == "
+        f"\"__main__\":` guard ({script}, line 24): each stage process starts by importing that script and would "
+        "run it again; move the call under the guard")
