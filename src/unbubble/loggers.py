@@ -7,6 +7,10 @@ What is logged (x axis: optimizer step of the last stage; evaluations: weight ve
   ``train/tokens_per_s`` (tokens through the first stage per wall-clock second so far),
   ``train/max_drift`` (largest Δ = v_B − v_F seen so far);
 * ``val/loss``, ``val/perplexity`` of the version-v weights of every stage;
+* mixture of experts, at each evaluation (statistics since the previous one, ``models.moe.router_stats``):
+  ``router/max_load`` (max over blocks and experts of E × the expert's share; 1 = balanced),
+  ``router/dropped_frac`` (mean over blocks of the assignments dropped past capacity) and
+  ``router/block_j/expert_e`` (the share of block j's assignments expert e received);
 * at the end: ``utilization/rank_r`` per step (busy fraction of rank r between two updates of
   the last stage, measured wall clock; the emulator runs stages one after another, so also
   ``simulated_utilization/rank_r`` from its simulated clock), ``drift/stage_s`` histograms of Δ
@@ -85,6 +89,8 @@ class Logger:
 
     def eval(self, version: int, val_loss: float) -> None: ...
 
+    def router(self, version: int, stats: dict[str, Any]) -> None: ...
+
     def finish(self, result, summary: dict[str, Any]) -> None: ...
 
 
@@ -110,6 +116,10 @@ class TensorBoardLogger(Logger):
     def eval(self, version: int, val_loss: float) -> None:
         self.writer.add_scalar("val/loss", val_loss, version)
         self.writer.add_scalar("val/perplexity", perplexity(val_loss), version)
+
+    def router(self, version: int, stats: dict[str, Any]) -> None:
+        for name, value in _router_scalars(stats).items():
+            self.writer.add_scalar(name, value, version)
 
     def finish(self, result, summary: dict[str, Any]) -> None:
         w = self.writer
@@ -154,6 +164,9 @@ class WandbLogger(Logger):
     def eval(self, version: int, val_loss: float) -> None:
         self.run.log({"val/version": version, "val/loss": val_loss, "val/perplexity": perplexity(val_loss)})
 
+    def router(self, version: int, stats: dict[str, Any]) -> None:
+        self.run.log({"val/version": version, **_router_scalars(stats)})
+
     def finish(self, result, summary: dict[str, Any]) -> None:
         rec: dict[str, Any] = {}
         for s, values in enumerate(drift_values(result.trace)):
@@ -164,3 +177,12 @@ class WandbLogger(Logger):
             self.run.log(rec)
         self.run.summary.update({k: v for k, v in summary.items() if isinstance(v, (int, float, str, list))})
         self.run.finish()
+
+
+def _router_scalars(stats: dict[str, Any]) -> dict[str, float]:
+    """Scalar names and values of one ``router_stats`` result."""
+    out = {"router/max_load": stats["max_load"], "router/dropped_frac": stats["mean_dropped_frac"]}
+    for j, shares in stats["load"].items():
+        for e, share in enumerate(shares):
+            out[f"router/block_{j}/expert_{e}"] = share
+    return out

@@ -12,6 +12,7 @@ from typing import Any
 from unbubble.config import TrainConfig, config_to_yaml
 from unbubble.errors import ConfigError
 from unbubble.loggers import open_loggers, perplexity
+from unbubble.models.moe import router_stats
 from unbubble.runtime.job import PipelineJob
 from unbubble.runtime.telemetry import RunResult
 
@@ -51,6 +52,7 @@ class RunWriter:
         self.loggers = open_loggers(run_dir, cfg)
         self._metrics = open(run_dir / "metrics.jsonl", "w" if resume_step is None else "a")
         self.last: dict[str, Any] = {}
+        self._router_since: dict | None = None  # router counters at the previous snapshot
 
     @staticmethod
     def choose_dir(cfg: TrainConfig) -> Path:
@@ -107,6 +109,20 @@ class RunWriter:
         self._metrics.write(json.dumps({"event": "nonfinite", "step": event["version"], **event}) + "\n")
         self._metrics.flush()
 
+    def on_snapshot(self, version: int, states: dict[int, dict]) -> None:
+        """Router statistics of a mixture of experts since the previous evaluation: one JSONL line
+        ``{"step": v, "router": {...}}`` and TensorBoard scalars (``models.moe.router_stats``; nothing for a
+        dense model)."""
+        merged = {k: v for state in states.values() for k, v in state.items()}
+        stats = router_stats(merged, self._router_since)
+        if stats is None:
+            return
+        self._router_since = {k: v for k, v in merged.items() if k.endswith((".routed", ".dropped"))}
+        self._metrics.write(json.dumps({"step": version, "router": stats}) + "\n")
+        self._metrics.flush()
+        for lg in self.loggers:
+            lg.router(version, stats)
+
     def on_eval(self, version: int, val_loss: float) -> None:
         rec = {"step": version, "val_loss": val_loss, "val_ppl": perplexity(val_loss)}
         self._metrics.write(json.dumps(rec) + "\n")
@@ -150,6 +166,8 @@ class RunWriter:
             "resumed_from_step": self.resume_step,
             "stopped_at_step": result.stopped_at,
             "nonfinite_dropped": [{k: e[k] for k in ("stage", "mb", "version", "what")} for e in result.events],
+            # mixture of experts: load per expert and dropped assignments over the whole run (None if dense)
+            "router": router_stats({k: v for state in result.final_states for k, v in state.items()}),
         }
         if summary["final_val_loss"] is not None:
             summary["final_val_ppl"] = perplexity(summary["final_val_loss"])

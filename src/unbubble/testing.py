@@ -7,7 +7,7 @@ import functools
 import torch
 from torch import nn
 
-from unbubble.models import GPTConfig, build_gpt_stages, gpt_loss
+from unbubble.models import GPTConfig, ModelConfig, build_stages, gpt_loss
 from unbubble.runtime.job import PipelineJob
 from unbubble.schedules.registry import Schedule
 
@@ -19,8 +19,8 @@ def random_tokens(vocab_size: int, micro_batch_size: int, seq_len: int, seed: in
     return t[:, :-1], t[:, 1:]
 
 
-def _stage(config: GPTConfig, n_stages: int, seed: int, stage: int) -> nn.Module:
-    return build_gpt_stages(config, n_stages, seed, only=stage)[stage]
+def _stage(config: ModelConfig, n_stages: int, seed: int, loss_scale: float, stage: int) -> nn.Module:
+    return build_stages(config, n_stages, seed, only=stage, loss_scale=loss_scale)[stage]
 
 
 def _sgd(lr: float, params: list, stage: int) -> torch.optim.Optimizer:
@@ -37,12 +37,13 @@ def tiny_gpt_config(n_layer: int = 4, vocab_size: int = 64, block_size: int = 16
 
 
 def tiny_gpt_job(schedule: Schedule, optimizer: str = "adamw", lr: float = 1e-2, seed: int = 0,
-                 micro_batch_size: int = 2, config: GPTConfig | None = None) -> PipelineJob:
-    """A picklable GPT-2 pipeline job on random tokens (used by the tests of every engine)."""
+                 micro_batch_size: int = 2, config: ModelConfig | None = None) -> PipelineJob:
+    """A picklable pipeline job on random tokens (used by the tests of every engine); GPT-2 unless
+    ``config`` is another architecture's."""
     config = config or tiny_gpt_config()
     opt = {"adamw": _adamw, "sgd": _sgd}[optimizer]
     return PipelineJob(
-        stage_fn=functools.partial(_stage, config, schedule.n_stages, seed),
+        stage_fn=functools.partial(_stage, config, schedule.n_stages, seed, schedule.loss_scale),
         loss_fn=gpt_loss,
         batch_fn=functools.partial(random_tokens, config.vocab_size, micro_batch_size, config.block_size, seed),
         optimizer_fn=functools.partial(opt, lr),

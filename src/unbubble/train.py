@@ -27,7 +27,7 @@ from unbubble.errors import ConfigError, PipelineFailure
 from unbubble.lr import warmup_cosine
 from unbubble.loggers import check_loggers
 from unbubble.metrics import RunWriter
-from unbubble.models import GPTConfig, build_gpt_stages, count_params, gpt_loss, make_config, partition_layers
+from unbubble.models import ModelConfig, build_stages, count_params, gpt_loss, make_config, partition_layers
 from unbubble.optim import build_optimizer
 from unbubble.runtime.checkpoint import Checkpointing, complete_steps, load_stage
 from unbubble.runtime.emulator import run_emulator
@@ -71,9 +71,11 @@ def gpt_val(data: _Data) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return val_batches(_tokens(data.val_path), data.micro_batch_size, data.seq_len, data.eval_batches)
 
 
-def gpt_stage(model: GPTConfig, n_stages: int, seed: int, seq_len: int, stage: int) -> torch.nn.Module:
-    """Builds only stage ``stage`` of the cost-balanced partition."""
-    return build_gpt_stages(model, n_stages, seed, seq_len=seq_len, only=stage)[stage]
+def gpt_stage(model: ModelConfig, n_stages: int, seed: int, seq_len: int, stage: int,
+              loss_scale: float = 1.0) -> torch.nn.Module:
+    """Builds only stage ``stage`` of the cost-balanced partition (any architecture; ``loss_scale`` is the
+    schedule's, which a mixture of experts applies to its load-balancing loss)."""
+    return build_stages(model, n_stages, seed, seq_len=seq_len, only=stage, loss_scale=loss_scale)[stage]
 
 
 def stage_optimizer(name: str, lr: float, betas: tuple[float, float], weight_decay: float, delays: tuple[int, ...],
@@ -83,7 +85,7 @@ def stage_optimizer(name: str, lr: float, betas: tuple[float, float], weight_dec
                            br_stage_delays=list(delays), **dict(br_options))
 
 
-def build_job(cfg: TrainConfig, tokens: TokenData) -> tuple[PipelineJob, GPTConfig]:
+def build_job(cfg: TrainConfig, tokens: TokenData) -> tuple[PipelineJob, ModelConfig]:
     """The GPT-2 pipeline job for ``cfg`` on prepared ``tokens``.
 
     Raises:
@@ -113,7 +115,8 @@ def build_job(cfg: TrainConfig, tokens: TokenData) -> tuple[PipelineJob, GPTConf
     val_batches(tokens.val, cfg.micro_batch_size, cfg.seq_len, 1)
     warmup = cfg.warmup_steps
     job = PipelineJob(
-        stage_fn=functools.partial(gpt_stage, model, schedule.n_stages, cfg.seed, cfg.seq_len),
+        stage_fn=functools.partial(gpt_stage, model, schedule.n_stages, cfg.seed, cfg.seq_len,
+                                   loss_scale=schedule.loss_scale),
         loss_fn=gpt_loss,
         batch_fn=functools.partial(gpt_batch, data),
         optimizer_fn=functools.partial(

@@ -276,12 +276,14 @@ def test_too_many_stages_error_text():
 def test_unknown_preset_lists_names():
     msg = (
         "model='gpt3' is invalid: must be one of tiny, small-cpu, deep-cpu, deep32-cpu, gpt2, gpt2-medium, "
-        "gpt2-large, gpt2-xl (set --model)"
+        "gpt2-large, gpt2-xl, llama-tiny, llama-deep-cpu, llama-1b, llama-8b, moe-tiny, moe-deep-cpu, "
+        "mixtral-8x7b (set --model)"
     )
     with pytest.raises(ConfigError, match=re.escape(msg)):
         make_config("gpt3", 50257)
     assert set(PRESETS) == {"tiny", "small-cpu", "deep-cpu", "deep32-cpu", "gpt2", "gpt2-medium", "gpt2-large",
-                            "gpt2-xl"}
+                            "gpt2-xl", "llama-tiny", "llama-deep-cpu", "llama-1b", "llama-8b", "moe-tiny",
+                            "moe-deep-cpu", "mixtral-8x7b"}
     xl = make_config("gpt2-xl", 50257)
     assert (xl.n_layer, xl.n_head, xl.n_embd, xl.block_size) == (48, 25, 1600, 1024)
 

@@ -134,12 +134,14 @@ class CostSource:
 @click.option("--micro-batches", default=None, type=int,
               help="Micro-batches each schedule processes [default: 16 steps of the first schedule].")
 @click.option("--model", default="gpt2-medium",
-              help="Analytic cost model: a GPT-2 preset (tiny … gpt2-xl) or a Zero Bubble model (zb-1.5b … zb-28.3b).")
+              help="Analytic cost model: a preset (tiny … gpt2-xl, llama-tiny … llama-8b, moe-tiny, moe-deep-cpu, "
+                   "mixtral-8x7b) or a Zero Bubble model (zb-1.5b … zb-28.3b).")
 @click.option("--hardware", default="h200", help="Device preset: a100-80g, h100, h200.")
 @click.option("--achievable", default=None, type=float, help="Fraction of peak FLOP/s reached [default: the preset's].")
 @click.option("--micro-batch-size", default=16, type=int, help="Sequences per micro-batch.")
 @click.option("--seq-len", default=None, type=int, help="Tokens per sequence [default: the model's block size].")
-@click.option("--vocab-size", default=None, type=int, help="Vocabulary [default: 50257, or 50304 for zb-*].")
+@click.option("--vocab-size", default=None, type=int, help="Vocabulary [default: the published model's: 50257 GPT-2, 128256 llama-*, "
+                                                                  "32000 moe-*/mixtral, 50304 zb-*].")
 @click.option("--layers-per-stage", default=None, help="Blocks per stage, e.g. 2,3,3,2 [default: cost-balanced].")
 @click.option("--flash-attention/--no-flash-attention", default=False,
               help="Attention scores are not stored (smaller activations).")

@@ -217,7 +217,8 @@ def component_seed(seed: int, component: int) -> int:
     return seed * _SEED_STRIDE + component
 
 
-def _generator(seed: int, component: int) -> torch.Generator:
+def generator(seed: int, component: int) -> torch.Generator:
+    """A CPU generator seeded with ``component_seed(seed, component)`` (shared by every model family)."""
     g = torch.Generator(device="cpu")
     g.manual_seed(component_seed(seed, component))
     return g
@@ -283,7 +284,7 @@ class GPTStage(nn.Module):
 
     def __init__(self, config: GPTConfig, layers: range, first: bool, last: bool, seed: int) -> None:
         super().__init__()
-        _check_stage_args(config, layers, first, last, seed)
+        check_stage_args(config.n_layer, layers, first, last, seed)
         self.config = config
         self.layers = layers
         self.first = first
@@ -309,15 +310,15 @@ class GPTStage(nn.Module):
     def _init_weights(self) -> None:
         """Fill every parameter from its component's generator. See [Note: partition-invariant init]."""
         if self.first:
-            g = _generator(self.seed, EMBEDDING_COMPONENT)
+            g = generator(self.seed, EMBEDDING_COMPONENT)
             self.wte.weight.normal_(0.0, INIT_STD, generator=g)  # drawn first: the head replays this
             self.wpe.weight.normal_(0.0, INIT_STD, generator=g)
         for j in self.layers:
-            _init_block(self.h[str(j)], self.config, _generator(self.seed, j + 1))
+            _init_block(self.h[str(j)], self.config, generator(self.seed, j + 1))
         if self.last:
             _init_layernorm(self.ln_f)
             if not self.first:  # untied head = replay of the wte draw. See [Note: untied head].
-                g = _generator(self.seed, EMBEDDING_COMPONENT)
+                g = generator(self.seed, EMBEDDING_COMPONENT)
                 self.lm_head.weight.normal_(0.0, INIT_STD, generator=g)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -352,25 +353,31 @@ class GPTStage(nn.Module):
         return f"layers=[{self.layers.start}, {self.layers.stop}), first={self.first}, last={self.last}"
 
 
-def _check_stage_args(config: GPTConfig, layers: range, first: bool, last: bool, seed: int) -> None:
+def check_stage_args(n_layer: int, layers: range, first: bool, last: bool, seed: int) -> None:
+    """Validates the arguments of a stage of a model with ``n_layer`` blocks (every model family).
+
+    Raises:
+        ConfigError: ``layers`` empty, out of bounds or with step != 1, ``first``/``last`` inconsistent
+            with ``layers``, too many layers for the seed scheme, or a bad seed.
+    """
     if not isinstance(layers, range) or layers.step != 1 or len(layers) == 0:
         raise ConfigError(f"layers={layers!r} is invalid: must be a non-empty range with step 1")
-    if layers.start < 0 or layers.stop > config.n_layer:
+    if layers.start < 0 or layers.stop > n_layer:
         raise ConfigError(
             f"layers=range({layers.start}, {layers.stop}) is invalid: the model has "
-            f"{config.n_layer} layers, so layers must lie inside range(0, {config.n_layer})"
+            f"{n_layer} layers, so layers must lie inside range(0, {n_layer})"
         )
-    if config.n_layer >= _SEED_STRIDE - 1:
-        raise ConfigError(f"n_layer={config.n_layer} is invalid: must be < {_SEED_STRIDE - 1}")
+    if n_layer >= _SEED_STRIDE - 1:
+        raise ConfigError(f"n_layer={n_layer} is invalid: must be < {_SEED_STRIDE - 1}")
     if bool(first) != (layers.start == 0):
         raise ConfigError(
             f"first={first} is invalid for layers starting at {layers.start}: the stage holding "
             f"block 0 and only that stage owns the embeddings"
         )
-    if bool(last) != (layers.stop == config.n_layer):
+    if bool(last) != (layers.stop == n_layer):
         raise ConfigError(
             f"last={last} is invalid for layers ending at {layers.stop}: the stage holding block "
-            f"{config.n_layer - 1} and only that stage owns the head"
+            f"{n_layer - 1} and only that stage owns the head"
         )
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < _MAX_SEED:
         raise ConfigError(f"seed={seed!r} is invalid: must be an integer in 0..2**40-1 (set --seed)")

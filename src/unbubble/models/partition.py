@@ -1,4 +1,5 @@
-"""Split GPT-2 into N contiguous pipeline stages of balanced cost, and build them.
+"""Split a decoder (GPT-2, Llama-style or mixture-of-experts) into N contiguous pipeline stages of balanced
+cost, and build them.
 
 The pipeline runs at the pace of its slowest stage, so the split minimises the largest stage cost.
 Stage 0 also pays for the embeddings and the last stage for the final LayerNorm and the head, whose
@@ -7,7 +8,8 @@ stage then gets fewer blocks.
 
 Costs are estimated forward FLOPs per token (backward is about 2x forward for every component, so the
 same split balances forward + backward). Measured per-block costs can be passed to
-``partition_by_cost`` instead.
+``partition_by_cost`` instead. A block's matmul FLOPs are 2 per weight-matrix parameter a token passes
+through (``block_shape``): for a mixture of experts only the k active experts of E count.
 
 Sources: Kaplan et al. 2020, "Scaling Laws for Neural Language Models", arXiv 2001.08361, Table 1
 (per-component forward FLOPs); Chowdhery et al. 2022, "PaLM", arXiv 2204.02311, Appendix B (counts both
@@ -20,28 +22,85 @@ import logging
 import math
 from collections.abc import Sequence
 
+from dataclasses import dataclass
+
+from torch import nn
+
 from unbubble.errors import ConfigError
-from unbubble.models.gpt2 import GPTConfig, GPTStage, count_params
+from unbubble.models.gpt2 import GPTConfig, count_params
+from unbubble.models.moe import MoEConfig
+from unbubble.models.registry import ModelConfig, stage_class
 
 logger = logging.getLogger(__name__)
 
 _TIE_RTOL = 1e-12  # sums of squares closer than this (relative) count as a tie
 
 
-def component_costs(config: GPTConfig, seq_len: int | None = None) -> tuple[float, list[float], float]:
+@dataclass(frozen=True)
+class BlockShape:
+    """Parameter counts of one block.
+
+    Attributes:
+        params: every parameter (matrices, biases, norm weights).
+        matrix_params: weight-matrix parameters (all E experts of a routed layer).
+        active_matrix_params: the matrix parameters one token passes through (k of E experts and the router);
+            forward FLOPs per token are twice this, plus attention's 4·T·C.
+    """
+
+    params: int
+    matrix_params: int
+    active_matrix_params: int
+
+
+def block_shape(config: ModelConfig) -> BlockShape:
+    """Parameter counts of one block of ``config``'s architecture.
+
+    With C = ``n_embd``, H = ``hidden``, C_kv = ``n_kv_head`` · head size, E experts, k active:
+
+    - GPT-2: matrices 12C² (QKV 3C², output C², MLP 8C²); + 13C biases and LayerNorms with ``bias``, else 2C.
+    - Llama: attention 2C² + 2·C·C_kv (GQA), SwiGLU 3CH, two RMSNorm weights 2C.
+    - MoE: attention as Llama, router CE, experts E·3CH of which k·3CH are active.
+    """
+    C = config.n_embd
+    if isinstance(config, GPTConfig):
+        matrix = 12 * C * C
+        return BlockShape(matrix + (13 * C if config.bias else 2 * C), matrix, matrix)
+    attention = 2 * C * C + 2 * C * config.kv_width
+    ffn = 3 * C * config.hidden
+    if isinstance(config, MoEConfig):
+        router = C * config.n_expert
+        total = attention + router + config.n_expert * ffn
+        return BlockShape(total + 2 * C, total, attention + router + config.top_k * ffn)
+    return BlockShape(attention + ffn + 2 * C, attention + ffn, attention + ffn)
+
+
+def embedding_params(config: ModelConfig) -> int:
+    """Parameters of the first stage's embeddings: (V + T)·C with GPT-2's learned positions, V·C with RoPE."""
+    positions = config.block_size if isinstance(config, GPTConfig) else 0
+    return (config.vocab_size + positions) * config.n_embd
+
+
+def final_norm_params(config: ModelConfig) -> int:
+    """Parameters of the final norm: 2C for GPT-2's LayerNorm with bias, C otherwise."""
+    return 2 * config.n_embd if isinstance(config, GPTConfig) and config.bias else config.n_embd
+
+
+def component_costs(config: ModelConfig, seq_len: int | None = None) -> tuple[float, list[float], float]:
     """Estimated forward FLOPs per token of the embedding, each block and the head.
 
     With C = ``n_embd``, T = ``seq_len`` and V = ``vocab_size`` (a multiply-add counts as 2 FLOPs):
 
-    - block: ``24 * C**2 + 4 * T * C``. QKV projection 6C², attention output projection 2C², MLP
+    - block: ``2 * active_matrix_params + 4 * T * C`` (``block_shape``). For GPT-2 this is
+      ``24 * C**2 + 4 * T * C``: QKV projection 6C², attention output projection 2C², MLP
       2 * (2 * C * 4C) = 16C² (Kaplan Table 1), plus 2TC for the scores QK^T and 2TC for the weighted
-      sum AV (PaLM App. B; causal masking is not discounted, as in both sources). LayerNorms, GELU and
-      softmax are neglected.
+      sum AV (PaLM App. B; causal masking is not discounted, as in both sources; GQA shares K/V heads but
+      every query head still attends, so the term is unchanged). Norms, activations, softmax, RoPE and
+      the routing bookkeeping are neglected.
     - embedding: ``4 * C`` (Kaplan Table 1): a gather and an add, memory-bound and tiny.
-    - head: ``2 * C * V`` (the de-embedding matmul; the final LayerNorm is neglected).
+    - head: ``2 * C * V`` (the de-embedding matmul; the final norm is neglected).
 
     Args:
-        config: model shape.
+        config: model shape (GPT-2, Llama or MoE).
         seq_len: sequence length T in tokens, 1..``block_size``; defaults to ``block_size``.
 
     Returns:
@@ -52,11 +111,11 @@ def component_costs(config: GPTConfig, seq_len: int | None = None) -> tuple[floa
     """
     T = _resolve_seq_len(config, seq_len)
     C, V = config.n_embd, config.vocab_size
-    block = float(24 * C * C + 4 * T * C)
+    block = float(2 * block_shape(config).active_matrix_params + 4 * T * C)
     return float(4 * C), [block] * config.n_layer, float(2 * C * V)
 
 
-def partition_layers(config: GPTConfig, n_stages: int, seq_len: int | None = None) -> list[range]:
+def partition_layers(config: ModelConfig, n_stages: int, seq_len: int | None = None) -> list[range]:
     """Contiguous, cost-balanced split of the ``n_layer`` blocks into ``n_stages`` stages.
 
     Uses ``component_costs`` and ``partition_by_cost``: minimises the largest stage cost, where stage
@@ -162,7 +221,7 @@ def partition_by_cost(
     return ranges
 
 
-def stage_costs(config: GPTConfig, ranges: Sequence[range], seq_len: int | None = None) -> list[float]:
+def stage_costs(config: ModelConfig, ranges: Sequence[range], seq_len: int | None = None) -> list[float]:
     """Estimated forward FLOPs per token of each stage of a partition (see ``component_costs``).
 
     Args:
@@ -180,17 +239,18 @@ def stage_costs(config: GPTConfig, ranges: Sequence[range], seq_len: int | None 
     return costs
 
 
-def build_gpt_stages(
-    config: GPTConfig,
+def build_stages(
+    config: ModelConfig,
     n_stages: int,
     seed: int,
     seq_len: int | None = None,
     only: int | None = None,
-) -> list[GPTStage | None]:
-    """Build the stages of the balanced partition (``partition_layers``).
+    loss_scale: float = 1.0,
+) -> list[nn.Module | None]:
+    """Build the stages of the balanced partition (``partition_layers``) of any architecture.
 
     Weights do not depend on the partition (see [Note: partition-invariant init] in ``gpt2.py``); with
-    one stage the head is tied to the embedding, otherwise it is untied but starts equal to it.
+    one stage a tied head shares the embedding, otherwise it is untied but starts equal to it.
 
     Args:
         config: model shape.
@@ -199,9 +259,13 @@ def build_gpt_stages(
         seq_len: sequence length T used to balance the partition; defaults to ``block_size``.
         only: build just this stage (0-based, 0..N-1) and leave the others ``None``, so a per-stage
             process allocates only its own weights.
+        loss_scale: the factor the executor multiplies each micro-batch's loss by (``Schedule.loss_scale``);
+            mixture-of-experts stages apply it to their load-balancing loss too ([Note: auxiliary loss through
+            the pipeline] in ``moe.py``); other architectures ignore it.
 
     Returns:
-        A list of N entries: ``GPTStage`` objects (CPU, float32), or ``None`` for unbuilt stages.
+        A list of N entries: ``GPTStage``, ``LlamaStage`` or ``MoEStage`` objects (CPU, float32), or ``None``
+        for unbuilt stages.
 
     Raises:
         ConfigError: ``n_stages``, ``seq_len``, ``seed`` or ``only`` out of range.
@@ -212,12 +276,14 @@ def build_gpt_stages(
             f"only={only!r} is invalid: with stages={n_stages} the stage index must be in 0..{n_stages - 1}"
         )
     costs = stage_costs(config, ranges, seq_len)
-    stages: list[GPTStage | None] = []
+    cls = stage_class(config)
+    stages: list[nn.Module | None] = []
     for s, r in enumerate(ranges):
         if only is not None and s != only:
             stages.append(None)
             continue
-        stage = GPTStage(config, r, first=s == 0, last=s == n_stages - 1, seed=seed)
+        extra = {"aux_loss_scale": loss_scale} if isinstance(config, MoEConfig) else {}
+        stage = cls(config, r, first=s == 0, last=s == n_stages - 1, seed=seed, **extra)
         logger.debug(
             "stage %d/%d: blocks [%d, %d), %.2fM params, %.3g GFLOP/token forward (%.0f%% of the max)",
             s, n_stages, r.start, r.stop, count_params(stage) / 1e6, costs[s] / 1e9,
@@ -225,6 +291,9 @@ def build_gpt_stages(
         )
         stages.append(stage)
     return stages
+
+
+build_gpt_stages = build_stages  # the name from before other architectures existed
 
 
 def _check_n_stages(n_stages: int, n_layer: int) -> None:
@@ -235,7 +304,7 @@ def _check_n_stages(n_stages: int, n_layer: int) -> None:
         )
 
 
-def _resolve_seq_len(config: GPTConfig, seq_len: int | None) -> int:
+def _resolve_seq_len(config: ModelConfig, seq_len: int | None) -> int:
     if seq_len is None:
         return config.block_size
     if isinstance(seq_len, bool) or not isinstance(seq_len, int) or not 1 <= seq_len <= config.block_size:

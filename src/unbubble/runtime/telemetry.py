@@ -23,6 +23,9 @@ class Listener(Protocol):
 
     def on_event(self, event: dict[str, Any]) -> None: ...
 
+    # optional: ``on_snapshot(version, {stage: state_dict})`` receives every evaluated snapshot
+    # (the run writer reads the router counters of a mixture of experts from it)
+
 
 @dataclass
 class RunResult:
@@ -131,6 +134,8 @@ class Telemetry:
             self.val_losses.append((version, val))
             if self.listener is not None:
                 self.listener.on_eval(version, val)
+                if hasattr(self.listener, "on_snapshot"):
+                    self.listener.on_snapshot(version, got)
 
     def result(self, final_states: list[dict], wall_s: float, sim_trace: Trace | None = None,
                optimizer_bytes: list[dict] | None = None, stopped_at: int | None = None) -> RunResult:

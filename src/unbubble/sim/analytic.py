@@ -1,4 +1,8 @@
-"""Analytic cost model: durations and memory of every stage from a GPT shape and a hardware preset.
+"""Analytic cost model: durations and memory of every stage from a model shape and a hardware preset.
+
+Models: GPT-2, Llama-style and mixture-of-experts presets (``unbubble.models.registry``) and the Zero Bubble
+paper's GPT-3-like shapes. Parameter counts per block come from ``unbubble.models.partition.block_shape``
+(a mixture of experts holds all E experts but a token computes with k of them).
 
 Compute. Forward FLOPs per token of the embedding, each block and the head come from
 ``unbubble.models.partition.component_costs`` (Kaplan et al. 2020 Table 1; PaLM App. B). A backward costs
@@ -8,12 +12,15 @@ F = sbh(24h + 4s), I = sbh(24h + 8s), W = sbh·24h (arXiv 2401.10241, §2.3). A 
 by ``hardware.flops`` (peak × achievable fraction). The optimizer update streams its state through
 device memory: ``update_bytes_per_param`` / HBM bandwidth per parameter.
 
-Memory (bytes). Parameters: block 12h² + 13h, embedding (V + T)·h on the first stage, an untied head
-V·h plus the final LayerNorm on the last (tied when N = 1). Per parameter, mixed-precision Adam keeps
+Memory (bytes). Parameters: ``block_shape(config).params`` per block (GPT-2: 12h² + 13h), the embedding
+((V + T)·h with learned positions, V·h with RoPE) on the first stage, an untied head V·h plus the final
+norm on the last (tied when N = 1 and the model ties it). Per parameter, mixed-precision Adam keeps
 2 (BF16 weights) + 4 (FP32 gradients, Megatron-LM's default with BF16) + 12 (FP32 master weights and
 two moments; ZeRO, arXiv 1910.02054, §3.1) bytes. Activations per block and micro-batch:
 M_B = sb(34h + 5as) (Korthikanti et al., arXiv 2205.05198, §4.1, 16-bit, no recomputation; ``flash_attention``
-drops the 5as² attention-score term) and M_W = 32sbh (Zero Bubble Table 1). The head keeps its input and
+drops the 5as² attention-score term) and M_W = 32sbh (Zero Bubble Table 1). These are GPT-2's activation
+counts; they are used for the Llama and MoE blocks too (an approximation: SwiGLU keeps 3 hidden tensors
+instead of 2, GQA smaller K/V, a mixture k expert activations per token). The head keeps its input and
 FP32 logits, 4sbh + 4sbV (Korthikanti §4.3), of which W needs 2sbh + 2sbV.
 
 Communication. Each boundary carries one activation (forward) or gradient (backward) of s·b·h BF16
@@ -35,7 +42,7 @@ from unbubble.sim.hardware import Hardware
 from unbubble.sim.memory import MemorySpec
 
 if TYPE_CHECKING:
-    from unbubble.models.gpt2 import GPTConfig
+    from unbubble.models.registry import ModelConfig
 
 #: GPT-3-like models of the Zero Bubble paper's experiments (arXiv 2401.10241, §5.1, Table 3): layers,
 #: heads, width, sequence length, pipeline depth, micro-batch size and micro-batch counts. Vocabulary:
@@ -52,24 +59,27 @@ ZB_VOCAB = 50304
 
 
 def model_names() -> list[str]:
-    """Names ``--model`` accepts: the GPT-2 presets of ``unbubble.models.gpt2`` and :data:`ZB_MODELS`."""
-    from unbubble.models.gpt2 import PRESETS
+    """Names ``--model`` accepts: the presets of ``unbubble.models.registry`` and :data:`ZB_MODELS`."""
+    from unbubble.models.registry import PRESETS
 
     return list(PRESETS) + list(ZB_MODELS)
 
 
-def make_model(name: str, vocab_size: int | None = None, seq_len: int | None = None) -> "GPTConfig":
+def make_model(name: str, vocab_size: int | None = None, seq_len: int | None = None) -> "ModelConfig":
     """A model shape by name.
 
     Args:
-        name: a GPT-2 preset (``tiny`` … ``gpt2-xl``) or a Zero Bubble model (``zb-1.5b`` … ``zb-28.3b``).
-        vocab_size: V (default 50257 for GPT-2 presets, 50304 for the Zero Bubble models).
+        name: a preset of ``unbubble.models.registry`` (``tiny`` … ``gpt2-xl``, ``llama-tiny`` … ``llama-8b``,
+            ``moe-tiny``, ``mixtral-8x7b`` …) or a Zero Bubble model (``zb-1.5b`` … ``zb-28.3b``).
+        vocab_size: V (default: the published model's, 50257 for GPT-2, 128256 for Llama 3, 32000 for
+            Mixtral; 50304 for the Zero Bubble models).
         seq_len: block size T (default: the preset's).
 
     Raises:
         ConfigError: unknown name (the message lists the valid ones) or invalid sizes.
     """
-    from unbubble.models.gpt2 import PRESETS, GPTConfig, make_config
+    from unbubble.models.gpt2 import GPTConfig
+    from unbubble.models.registry import PRESETS, make_config
 
     if name in ZB_MODELS:
         z = ZB_MODELS[name]
@@ -77,7 +87,7 @@ def make_model(name: str, vocab_size: int | None = None, seq_len: int | None = N
                          block_size=seq_len or z["block_size"], vocab_size=vocab_size or ZB_VOCAB)
     if name not in PRESETS:
         raise ConfigError(f"model={name!r} is unknown: valid models are {', '.join(model_names())} (set --model)")
-    return make_config(name, vocab_size or 50257, seq_len)
+    return make_config(name, vocab_size, seq_len)
 
 
 @dataclass(frozen=True)
@@ -142,14 +152,14 @@ def zb_layers_per_stage(n_layer: int, n_stages: int) -> list[int]:
     return [k - 1] + [k] * (n_stages - 2) + [k - 1]
 
 
-def analytic_model(config: "GPTConfig", n_stages: int, hardware: Hardware, micro_batch_size: int,
+def analytic_model(config: "ModelConfig", n_stages: int, hardware: Hardware, micro_batch_size: int,
                    seq_len: int | None = None, *, virtual: int = 1, layers_per_stage: Sequence[int] | None = None,
                    precision: Precision = Precision(), flash_attention: bool = False, jitter: float = 0.0,
                    seed: int = 0, stragglers: Sequence[Straggler] = ()) -> AnalyticModel:
     """Builds the per-stage costs and memory sizes of ``config`` split over ``n_stages · virtual`` stages.
 
     Args:
-        config: model shape (``unbubble.models.gpt2.GPTConfig``).
+        config: model shape (``GPTConfig``, ``LlamaConfig`` or ``MoEConfig``).
         n_stages: devices N ≥ 1.
         hardware: the device type (``unbubble.sim.hardware``).
         micro_batch_size: sequences per micro-batch b ≥ 1.
@@ -168,7 +178,8 @@ def analytic_model(config: "GPTConfig", n_stages: int, hardware: Hardware, micro
     Raises:
         ConfigError: sizes out of range, or ``layers_per_stage`` that does not sum to ``n_layer``.
     """
-    from unbubble.models.partition import component_costs, partition_layers
+    from unbubble.models.partition import block_shape, component_costs, embedding_params, final_norm_params, \
+        partition_layers
 
     for name, v in (("stages", n_stages), ("micro_batch_size", micro_batch_size), ("virtual", virtual)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -193,8 +204,9 @@ def analytic_model(config: "GPTConfig", n_stages: int, hardware: Hardware, micro
     tokens = b * T
     sbh = tokens * h
     p = precision
-    block_params = 12 * h * h + 13 * h
-    block_mat = 12 * h * h  # weight-matrix parameters (their W costs 2 FLOPs per token each)
+    shape = block_shape(config)
+    block_params = shape.params
+    block_mat = shape.active_matrix_params  # weight-matrix parameters a token uses (W: 2 FLOPs per token each)
     attn = 0 if flash_attention else 5 * a * T
     block_mb, block_mw = tokens * (34 * h + attn), 32 * sbh  # bytes, Korthikanti §4.1 / ZB Table 1
 
@@ -208,9 +220,9 @@ def analytic_model(config: "GPTConfig", n_stages: int, hardware: Hardware, micro
         w_s = 2 * wmat * tokens / hardware.flops
         n_params = len(r) * block_params
         if first:
-            n_params += (V + config.block_size) * h
-        if last:
-            n_params += 2 * h + (h * V if n > 1 else 0)  # final LayerNorm; head untied across stages
+            n_params += embedding_params(config)
+        if last:  # final norm; the head is untied across stages (and in models that never tie it)
+            n_params += final_norm_params(config) + (h * V if n > 1 or not getattr(config, "tie_embeddings", True) else 0)
         u_s = n_params * p.update_bytes_per_param / hardware.hbm_bytes_per_s
         stages.append(StageCosts(f_s, b_s, b_s - w_s, w_s, u_s))
         params.append(n_params)
