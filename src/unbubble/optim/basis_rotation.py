@@ -23,6 +23,15 @@ Q <- QR(F Q). Matrices in a group with ``rotate=False``, 1-D parameters (biases,
 tensors of other ranks get plain AdamW inside the same optimizer, bit-identical to
 ``torch.optim.AdamW`` (foreach=False).
 
+[Note: batches of matrices]
+    A 3-D parameter ``(E, m, n)`` (the experts of a mixture-of-experts layer, ``models/moe.py``) is E
+    independent matrices: each has its own bases ``(E, m, m)``/``(E, n, n)``, factors and moments, and
+    all E refresh together through batched ``torch.linalg.eigh``/``qr`` and batched matmuls (no Python
+    loop over experts). Every numeric helper below works on ``(..., m, n)``; scaling, sorting and
+    permutation are per matrix, so expert e gets what ``BasisRotation`` on that matrix alone computes
+    (up to the rounding of batched against single matmuls). One difference: if any expert's refresh
+    meets a non-finite factor, all E keep their old bases for that refresh.
+
 [Note: BR update order]
     Within ``step()``, for each rotated matrix: (1) rotate G with the *current* bases, update the
     moments and W; (2) fold G into L/R (source "2nd"; source "1st" already has it in M); (3) if a
@@ -95,10 +104,10 @@ def initial_basis(factor: torch.Tensor) -> torch.Tensor:
     """Eigenvectors of a symmetric factor, columns by descending eigenvalue (the cold start).
 
     Args:
-        factor: ``(d, d)`` symmetric positive semi-definite matrix (L, R, M M^T or M^T M).
+        factor: ``(..., d, d)`` symmetric positive semi-definite matrices (L, R, M M^T or M^T M).
 
     Returns:
-        ``(d, d)`` orthogonal matrix in ``factor``'s dtype; column j belongs to the j-th largest
+        ``(..., d, d)`` orthogonal matrices in ``factor``'s dtype; column j belongs to the j-th largest
         eigenvalue. Signs are whatever ``torch.linalg.eigh`` returns.
 
     Raises:
@@ -117,21 +126,21 @@ def _initial_basis(factor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     try:
         eigenvalues, q = torch.linalg.eigh(work)
     except torch.linalg.LinAlgError:
-        logger.warning("eigh failed in %s on a %dx%d factor; retrying in float64", work.dtype, *work.shape)
+        logger.warning("eigh failed in %s on a %s factor; retrying in float64", work.dtype, tuple(work.shape))
         eigenvalues, q = torch.linalg.eigh(work.double())
-    return q.flip(1).to(factor.dtype), eigenvalues
+    return q.flip(-1).to(factor.dtype), eigenvalues
 
 
 def power_step(basis: torch.Tensor, factor_basis: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """One refresh from a current basis Q and the product F Q: sort, then Q <- QR(F Q).
 
     Args:
-        basis: ``(d, d)`` current orthogonal basis Q.
-        factor_basis: ``(d, d)`` the product F Q.
+        basis: ``(..., d, d)`` current orthogonal basis Q.
+        factor_basis: ``(..., d, d)`` the product F Q.
 
     Returns:
-        ``(new_basis, order)``: the ``(d, d)`` orthogonal Q factor of ``(F Q)[:, order]`` and the
-        int64 permutation ``order`` (length d) that sorts the estimated eigenvalues
+        ``(new_basis, order)``: the ``(..., d, d)`` orthogonal Q factor of ``(F Q)[:, order]`` and the
+        int64 permutation ``order`` (``(..., d)``, one per matrix) that sorts the estimated eigenvalues
         diag(Q^T F Q) in descending order (stable for ties). Column j of the new basis continues
         column ``order[j]`` of the old one, so a rotated second moment must be permuted by
         ``order`` along this side's axis.
@@ -146,9 +155,9 @@ def power_step(basis: torch.Tensor, factor_basis: torch.Tensor) -> tuple[torch.T
 
 def _power_step(basis: torch.Tensor, factor_basis: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``power_step`` and the estimated eigenvalues (any non-finite F Q makes them non-finite)."""
-    estimated = (basis * factor_basis).sum(dim=0)  # diag(Q^T F Q), (d,)
-    order = torch.argsort(estimated, descending=True, stable=True)
-    power = factor_basis.index_select(1, order)  # a fresh (d, d) tensor
+    estimated = (basis * factor_basis).sum(dim=-2)  # diag(Q^T F Q), (..., d)
+    order = torch.argsort(estimated, dim=-1, descending=True, stable=True)
+    power = torch.take_along_dim(factor_basis, order.unsqueeze(-2), dim=-1)  # a fresh (..., d, d) tensor
     if power.dtype in (torch.float16, torch.bfloat16):
         power = power.float()
     q, _ = torch.linalg.qr(power.mul_(_power_of_two_scale(power)))
@@ -156,14 +165,14 @@ def _power_step(basis: torch.Tensor, factor_basis: torch.Tensor) -> tuple[torch.
 
 
 def _power_of_two_scale(x: torch.Tensor) -> torch.Tensor:
-    """0-dim 2^-e with max |x| * 2^-e in [0.5, 1) (1 for an all-zero x).
+    """2^-e per matrix of ``x`` (``(..., 1, 1)``) with max |x| * 2^-e in [0.5, 1) (1 for an all-zero matrix).
 
     Eigenvectors and the Q of a QR are scale-invariant and a power-of-two scale is exact, so
     scaling by it changes no result; it keeps factors built from tiny gradients (and the near-zero
     columns of F Q on a null space) away from float32's slow subnormal range. No host sync.
     """
-    _, exponent = torch.frexp(x.abs().amax())
-    return torch.ldexp(torch.ones((), dtype=x.dtype, device=x.device), -exponent)
+    _, exponent = torch.frexp(x.abs().amax(dim=(-2, -1), keepdim=True))
+    return torch.ldexp(torch.ones(exponent.shape, dtype=x.dtype, device=x.device), -exponent)
 
 
 def refresh_basis(factor: torch.Tensor, basis: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -184,7 +193,8 @@ def rotated_sides(shape: Sequence[int], geometry: str, max_precond_dim: int) -> 
     """Which sides of a matrix of ``shape`` are rotated.
 
     Args:
-        shape: ``(m, n)`` of a 2-D parameter (other ranks are never rotated).
+        shape: ``(m, n)`` of a 2-D parameter, or ``(E, m, n)`` of E matrices ([Note: batches of
+            matrices]); other ranks are never rotated.
         geometry: "bilateral" (both sides) or "unilateral" (only the smaller side; the right one
             when m == n, as in the released code).
         max_precond_dim: sides longer than this stay unrotated.
@@ -192,9 +202,9 @@ def rotated_sides(shape: Sequence[int], geometry: str, max_precond_dim: int) -> 
     Returns:
         ``(left, right)``: whether U (m x m) and V (n x n) exist.
     """
-    if len(shape) != 2:
+    if len(shape) not in (2, 3):
         return False, False
-    m, n = int(shape[0]), int(shape[1])
+    m, n = int(shape[-2]), int(shape[-1])
     if geometry == "bilateral":
         return m <= max_precond_dim, n <= max_precond_dim
     if m < n:
@@ -206,7 +216,7 @@ def rotation_extra_numel(shape: Sequence[int], source: str, geometry: str, max_p
     """Elements of state Basis Rotation keeps for one matrix beyond AdamW's two moments.
 
     Bases U (m^2) and V (n^2) for each rotated side, plus the factors L (m^2) and R (n^2) with
-    source "2nd". For GPT-2-small's block (4 x 768x768, 768x3072, 3072x768) this is 7x, 3.5x, 1x
+    source "2nd"; E times that for a 3-D ``(E, m, n)`` parameter. For GPT-2-small's block (4 x 768x768, 768x3072, 3072x768) this is 7x, 3.5x, 1x
     and 0.5x the block's parameters for (2nd, bi), (1st, bi), (2nd, uni), (1st, uni).
 
     Args:
@@ -222,10 +232,10 @@ def rotation_extra_numel(shape: Sequence[int], source: str, geometry: str, max_p
     per_side = 2 if source == "2nd" else 1
     total = 0
     if left:
-        total += per_side * int(shape[0]) ** 2
+        total += per_side * int(shape[-2]) ** 2
     if right:
-        total += per_side * int(shape[1]) ** 2
-    return total
+        total += per_side * int(shape[-1]) ** 2
+    return total * math.prod(int(e) for e in shape[:-2])
 
 
 def stage_refresh_intervals(delays: Sequence[int], base_interval: int, allocation: str = "stage-aware") -> list[int]:
@@ -286,38 +296,47 @@ def refresh_budget(intervals: Iterable[int]) -> float:
 
 
 def _rotate(x: torch.Tensor, left: torch.Tensor | None, right: torch.Tensor | None) -> torch.Tensor:
-    """U^T x V, skipping absent sides. x: (m, n)."""
+    """U^T x V, skipping absent sides. x: (..., m, n)."""
     if left is not None:
-        x = left.t() @ x  # (m, m)^T (m, n) -> (m, n)
+        x = left.mT @ x  # (m, m)^T (m, n) -> (m, n)
     if right is not None:
         x = x @ right  # (m, n) (n, n) -> (m, n)
     return x
 
 
 def _unrotate(x: torch.Tensor, left: torch.Tensor | None, right: torch.Tensor | None) -> torch.Tensor:
-    """U x V^T, skipping absent sides. x: (m, n)."""
+    """U x V^T, skipping absent sides. x: (..., m, n)."""
     if left is not None:
         x = left @ x
     if right is not None:
-        x = x @ right.t()
+        x = x @ right.mT
     return x
 
 
 def _gram(a: torch.Tensor) -> torch.Tensor:
-    """A A^T, (m, n) -> (m, m)."""
-    return a @ a.t()
+    """A A^T, (..., m, n) -> (..., m, m)."""
+    return a @ a.mT
 
 
 def _gram_times(a: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """(A A^T) Q in the cheaper order. a: (m, n), q: (m, m)."""
-    m, n = a.shape
+    """(A A^T) Q in the cheaper order. a: (..., m, n), q: (..., m, m)."""
+    m, n = a.shape[-2:]
     if n >= m:
         return _gram(a) @ q  # m^2 n + m^3
-    return a @ (a.t() @ q)  # 2 m^2 n
+    return a @ (a.mT @ q)  # 2 m^2 n
+
+
+def _add_product(factor: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: float) -> None:
+    """factor += alpha · a b, in place, for one matrix or a batch."""
+    if factor.dim() == 2:
+        factor.addmm_(a, b, alpha=alpha)
+    else:
+        factor.baddbmm_(a, b, alpha=alpha)
 
 
 class BasisRotation(torch.optim.Optimizer):
-    """Adam in a rotated eigenbasis for 2-D hidden matrices, AdamW for everything else.
+    """Adam in a rotated eigenbasis for 2-D hidden matrices (and 3-D batches of them, [Note: batches of
+    matrices]), AdamW for everything else.
 
     See the module docstring for the update, [Note: BR update order] for when bases change, and
     ``unbubble.optim.keys`` for the state it keeps.
@@ -442,14 +461,14 @@ class BasisRotation(torch.optim.Optimizer):
         left, right = rotated_sides(p.shape, group[K.GEOMETRY], group[K.MAX_PRECOND_DIM])
         second = group[K.SOURCE] == "2nd"
         for present, dim, basis_key, factor_key in (
-            (left, 0, K.BASIS_LEFT, K.FACTOR_LEFT), (right, 1, K.BASIS_RIGHT, K.FACTOR_RIGHT),
+            (left, -2, K.BASIS_LEFT, K.FACTOR_LEFT), (right, -1, K.BASIS_RIGHT, K.FACTOR_RIGHT),
         ):
             if not present:
                 continue
-            d = p.shape[dim]
-            state[basis_key] = torch.eye(d, dtype=p.dtype, device=p.device)
+            d, batch = p.shape[dim], p.shape[:-2]  # batch: (E,) for a 3-D parameter, () for a matrix
+            state[basis_key] = torch.eye(d, dtype=p.dtype, device=p.device).expand(*batch, d, d).clone()
             if second:
-                state[factor_key] = torch.zeros(d, d, dtype=p.dtype, device=p.device)
+                state[factor_key] = torch.zeros(*batch, d, d, dtype=p.dtype, device=p.device)
         if left or right:
             state[K.REFRESHES] = 0
             state[K.EXP_AVG_ROTATED] = group[K.UPDATE_FREQ] > _ORIGINAL_SPACE_MAX_FREQ
@@ -475,7 +494,7 @@ class BasisRotation(torch.optim.Optimizer):
         p.addcdiv_(exp_avg, denom, value=-step_size)
 
     def _rotated_step(self, p: torch.Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
-        grad = p.grad  # (m, n)
+        grad = p.grad  # (m, n), or (E, m, n)
         beta1, beta2 = group["betas"]
         lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
         left, right = state.get(K.BASIS_LEFT), state.get(K.BASIS_RIGHT)
@@ -503,9 +522,9 @@ class BasisRotation(torch.optim.Optimizer):
         if group[K.SOURCE] == "2nd":
             beta_f = beta2 if group[K.FACTOR_BETA] is None else group[K.FACTOR_BETA]
             if left is not None:
-                state[K.FACTOR_LEFT].mul_(beta_f).addmm_(grad, grad.t(), alpha=1 - beta_f)  # L, (m, m)
+                _add_product(state[K.FACTOR_LEFT].mul_(beta_f), grad, grad.mT, 1 - beta_f)  # L, (m, m)
             if right is not None:
-                state[K.FACTOR_RIGHT].mul_(beta_f).addmm_(grad.t(), grad, alpha=1 - beta_f)  # R, (n, n)
+                _add_product(state[K.FACTOR_RIGHT].mul_(beta_f), grad.mT, grad, 1 - beta_f)  # R, (n, n)
         start, freq = group[K.START_STEP], group[K.UPDATE_FREQ]
         t = int(step)
         if t >= start and (t - start) % freq == 0:
@@ -533,7 +552,7 @@ class BasisRotation(torch.optim.Optimizer):
                 else:
                     new[axis], orders[axis], check = _power_step(q, factor @ q)
             else:
-                a = momentum if axis == 0 else momentum.t()  # F = A A^T: M M^T or M^T M
+                a = momentum if axis == 0 else momentum.mT  # F = A A^T: M M^T or M^T M
                 if cold:
                     new[axis], check = _initial_basis(_gram(a))
                 else:
@@ -547,8 +566,9 @@ class BasisRotation(torch.optim.Optimizer):
         if cold:  # the old bases are the identity: U0^T U1 = U1. Squared-rotation map, see the Note.
             state[K.EXP_AVG_SQ] = _rotate(exp_avg_sq, _square(new.get(0)), _square(new.get(1)))
         else:
-            for axis, order in orders.items():
-                exp_avg_sq = exp_avg_sq.index_select(axis, order)  # permuted, never rotated
+            for axis, order in orders.items():  # permuted (per matrix), never rotated
+                index = order.unsqueeze(-1) if axis == 0 else order.unsqueeze(-2)
+                exp_avg_sq = torch.take_along_dim(exp_avg_sq, index, dim=axis - 2)
             state[K.EXP_AVG_SQ] = exp_avg_sq
         if 0 in new:
             state[K.BASIS_LEFT] = new[0]
