@@ -120,6 +120,8 @@ class RunWriter:
         self._router_since = {k: v for k, v in merged.items() if k.endswith((".routed", ".dropped"))}
         self._metrics.write(json.dumps({"step": version, "router": stats}) + "\n")
         self._metrics.flush()
+        log.info("router at version %d: max load %.2f × even share, %.1f %% of assignments dropped", version,
+                 stats["max_load"], 100 * stats["mean_dropped_frac"])
         for lg in self.loggers:
             lg.router(version, stats)
 
