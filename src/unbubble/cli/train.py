@@ -13,7 +13,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from unbubble.cli import err_console
 from unbubble.config import TrainConfig
-from unbubble.errors import ConfigError, StartupInterrupted
+from unbubble.errors import ConfigError
 
 log = logging.getLogger("unbubble.train")
 
@@ -148,11 +148,6 @@ def train(print_config: bool, resume: str | None, **kwargs) -> None:
             result, run_dir = run_training(listener_factory=factory, resume=resume, resume_overrides=_given(kwargs))
         else:
             result, run_dir = run_training(cfg, listener_factory=factory)
-    except (KeyboardInterrupt, StartupInterrupted) as exc:  # a stop before the first step
-        after = f"the run folder is unchanged; continue with: unbubble train --resume {resume}" if resume else \
-            "nothing of the new run was kept"
-        what = str(exc) if isinstance(exc, StartupInterrupted) else "interrupted before the first step"
-        raise StartupInterrupted(f"{what}; {after}") from None
     finally:
         for lst in listeners:
             lst.close()

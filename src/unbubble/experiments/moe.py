@@ -97,7 +97,7 @@ def moe_delay(out: Path, size: str = "default", seeds: list[int] | None = None) 
           f"micro-batches of {spec.base['micro_batch_size']} × {spec.base['seq_len']} tokens per run; schedule "
           f"pipedream (stashed weights, τ_s = N − 1 − s). Models: `moe-deep-cpu` (8 blocks, 4 experts, top-2, "
           "capacity factor 1.25, load-balancing coefficient 0.01) and `llama-deep-cpu` (the same decoder, one "
-          "SwiGLU of equal parameters). Delay penalty = mean at N = {deep} − mean at N = 1. Router statistics: "
+          f"SwiGLU of equal parameters). Delay penalty = mean at N = {deep} − mean at N = 1. Router statistics: "
           f"whole run of the seed-0 run at N = {deep} (max over blocks and experts of E × an expert's share; mean share of "
           "assignments dropped past capacity).\n\n"
           + md_table(rows) + "\n\n"
