@@ -115,7 +115,7 @@ class RunWriter:
         dense model)."""
         merged = {k: v for state in states.values() for k, v in state.items()}
         stats = router_stats(merged, self._router_since)
-        if stats is None:
+        if stats is None or stats["assignments"] == 0:  # dense, or nothing routed yet (version 0)
             return
         self._router_since = {k: v for k, v in merged.items() if k.endswith((".routed", ".dropped"))}
         self._metrics.write(json.dumps({"step": version, "router": stats}) + "\n")
