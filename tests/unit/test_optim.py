@@ -500,7 +500,7 @@ ERRORS = [
     (lambda: build_optimizer("basis-rotation", _params([(2, 2)]), 0, 2, 1, 1e-3, (0.9, 0.95), 0.1, br_freq=0),
      "br_freq=0 is invalid: must be an integer ≥ 1 (set --br-freq)"),
     (lambda: build_optimizer("sgd", _params([(2, 2)]), 0, 2, 1, 1e-3, (0.9, 0.95), 0.1),
-     "optimizer='sgd' is invalid: must be one of adamw, basis-rotation, nesterov, nadam (set --optimizer)"),
+     "optimizer='sgd' is invalid: must be one of adamw, basis-rotation, nesterov, nadam, muon (set --optimizer)"),
     (lambda: build_optimizer("adamw", _params([(2, 2)]), 2, 2, 1, 1e-3, (0.9, 0.95), 0.1),
      "stage=2 is invalid: must be an integer in 0..1 (stages are 0..1 for n_stages=2)"),
     (lambda: build_optimizer("adamw", _params([(2, 2)]), 0, 2, 1, 1e-3, (0.9, 1.0), 0.1),

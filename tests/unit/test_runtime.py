@@ -110,7 +110,7 @@ def _delayed_reference(job, records, gamma=0.9):
     return versions
 
 
-@pytest.mark.parametrize("name,a", [("paci", 1), ("paci", 2), ("paci", 4), ("pipedream", None),
+@pytest.mark.parametrize("name,a", [("paci", 1), ("paci", 2), ("paci", 4), ("paci-stashed", 2), ("pipedream", None),
                                     ("pipedream-2bw", None), ("pipemare", None)])
 def test_async_schedules_equal_delayed_reference(name, a):
     n = 4
@@ -214,7 +214,8 @@ def test_synchronous_schedules_equal_non_pipelined_reference(name, kw, n):
     assert result.step_losses == pytest.approx(ref_losses, rel=1e-5)
 
 
-@pytest.mark.parametrize("name,bound", [("pipedream", lambda n, s: n - s), ("pipedream-2bw", lambda n, s: 2)])
+@pytest.mark.parametrize("name,bound", [("pipedream", lambda n, s: n - s), ("pipedream-2bw", lambda n, s: 2),
+                                        ("paci-stashed", lambda n, s: -(-(n - 1 - s) // 2) + 1)])
 def test_stashed_weight_versions_are_counted_and_bounded(name, bound, monkeypatch):
     n = 4
     peak: dict[int, int] = {}
@@ -226,8 +227,10 @@ def test_stashed_weight_versions_are_counted_and_bounded(name, bound, monkeypatc
         return out
 
     monkeypatch.setattr(StageExecutor, "forward", counting_forward)
-    result = run_emulator(tiny_gpt_job(get_schedule(name, n, steps=8, m=4)))
+    result = run_emulator(tiny_gpt_job(get_schedule(name, n, steps=8, m=4, a=2)))
     assert result.max_drift() == [0] * n  # every backward on its forward's version
-    assert result.trace.max_delay() == ([3, 2, 1, 0] if name == "pipedream" else [1, 1, 1, 0])
+    # τ_i = N−i (PipeDream), 1 (2BW), ⌈(N−i)/a⌉ with a = 2 (PACI's schedule with stashing)
+    assert result.trace.max_delay() == {"pipedream": [3, 2, 1, 0], "pipedream-2bw": [1, 1, 1, 0],
+                                        "paci-stashed": [2, 1, 1, 0]}[name]
     assert all(peak[s] <= bound(n, s) for s in range(n))
     assert peak[0] == bound(n, 0)  # the bound is reached

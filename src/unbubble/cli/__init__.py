@@ -61,6 +61,7 @@ cli.add_command(__import__("unbubble.cli.predict", fromlist=["predict"]).predict
 cli.add_command(__import__("unbubble.cli.bench", fromlist=["bench"]).bench)
 cli.add_command(__import__("unbubble.cli.report", fromlist=["report"]).report)
 cli.add_command(__import__("unbubble.cli.experiment", fromlist=["experiment"]).experiment)
+cli.add_command(__import__("unbubble.cli.sweep", fromlist=["sweep"]).sweep)
 
 
 def main() -> None:

@@ -18,17 +18,35 @@ import click
               help="Folder for runs, CSV and PNG files.")
 @click.option("--results", type=click.Path(path_type=Path), default=Path("docs/results.md"), show_default=True,
               help="Markdown file whose section for NAME is replaced.")
-def experiment(name: str, size: str, seeds: tuple[int, ...], out: Path, results: Path) -> None:
-    """Run experiment NAME: paci-stability, time-to-accuracy, throughput-memory, delay-scaling, br-ablation."""
+@click.option("--workers", type=click.IntRange(1), default=2, show_default=True,
+              help="paci-study, br-study: runs trained at once (one process and one torch thread each).")
+@click.option("--analyze", type=click.Path(path_type=Path, file_okay=False), default=None,
+              help="paci-study, br-study: train nothing; rebuild tables and plots from DIR/runs.csv and "
+                   "DIR/curves.csv (e.g. docs/data/paci-study).")
+def experiment(name: str, size: str, seeds: tuple[int, ...], out: Path, results: Path, workers: int,
+               analyze: Path | None) -> None:
+    """Run experiment NAME: paci-study, br-study, paci-stability, time-to-accuracy, throughput-memory,
+    delay-scaling, br-ablation.
+
+    paci-study and br-study are resumable sweeps: run the same command again after a stop and
+    finished runs are skipped."""
+    from unbubble.errors import ConfigError
     from unbubble.experiments import get_experiment, update_results
+    from unbubble.experiments.studies import STUDIES
 
     fn = get_experiment(name)
     folder = out / name
-    if (folder / "runs").exists() and any((folder / "runs").iterdir()):
-        from unbubble.errors import ConfigError
-
-        raise ConfigError(f"out={str(folder)!r} already holds runs: choose another --out; nothing was overwritten")
-    output = fn(folder, size=size, seeds=list(seeds) or None)
+    if name in STUDIES:
+        if analyze is not None and not (analyze / "runs.csv").is_file():
+            raise ConfigError(f"analyze={str(analyze)!r} holds no runs.csv: give the folder of a finished study "
+                              f"(e.g. docs/data/{name})")
+        output = fn(folder, size=size, seeds=list(seeds) or None, analyze=analyze, workers=workers)
+    else:
+        if analyze is not None:
+            raise ConfigError(f"--analyze is for {', '.join(STUDIES)}, not {name!r}")
+        if (folder / "runs").exists() and any((folder / "runs").iterdir()):
+            raise ConfigError(f"out={str(folder)!r} already holds runs: choose another --out; nothing was overwritten")
+        output = fn(folder, size=size, seeds=list(seeds) or None)
     markdown = output.markdown
     img = results.parent / "img"
     for f in output.files:  # figures travel with the results page
