@@ -60,6 +60,8 @@ class TrainConfig:
     checkpoint_every: int = field(default=100, metadata={"help": "Checkpoint after every K-th update (0: only at the end and on a stop). Asynchronous schedules drain the pipeline once per K steps for it."})
     nan_policy: Literal["skip", "lower-lr", "abort", "off"] = field(default="skip", metadata={"help": "A micro-batch with a non-finite loss or gradient: skip (it contributes nothing; logged), lower-lr (skip and multiply that stage's lr by --nan-lr-factor), abort (stop with an error), off (no checks)."})
     nan_lr_factor: float = field(default=0.5, metadata={"help": "Learning-rate factor per dropped micro-batch with --nan-policy lower-lr, in (0, 1]."})
+    precision: Literal["fp32", "bf16-autocast", "bf16"] = field(default="fp32", metadata={"help": "fp32; bf16-autocast (fp32 weights, forwards under torch.autocast: an in-flight micro-batch's input gradient uses its forward-time bf16 weights and holds a bf16 copy of them); bf16 (bf16 weights updated in place from fp32 master copies and fp32 moments, gradients summed in fp32: the backward uses the current weights, as in fp32)."})
+    recompute: Literal["none", "full"] = field(default="none", metadata={"help": "full: each stage keeps only its input per in-flight micro-batch and re-runs its forward, on the weights the backward uses (v_B) and with the forward's RNG state, right before the backward (one more forward per backward)."})
     timeout_s: float = field(default=60.0, metadata={"help": "Seconds a stage process waits for a neighbour before the run fails (processes engine, torchrun)."})
     threads_per_stage: int = field(default=1, metadata={"help": 'torch threads in each stage process (processes engine), and in the emulator.'})
     cache_dir: str = field(default_factory=lambda: os.environ.get("UNBUBBLE_CACHE_DIR", "~/.cache/unbubble"),
@@ -124,6 +126,9 @@ class TrainConfig:
             if getattr(self, name) not in valid:
                 raise ConfigError(f"{name}={getattr(self, name)!r} is invalid: must be one of {', '.join(valid)} "
                                   f"(set --{_flag(name)})")
+        from unbubble.runtime.precision import check_modes  # imports torch: only when validating
+
+        check_modes(self.precision, self.recompute)
         if self.tokenizer not in TOKENIZERS:
             raise ConfigError(f"tokenizer={self.tokenizer!r} is unknown: valid tokenizers are "
                               f"{', '.join(TOKENIZERS)} (set --tokenizer)")

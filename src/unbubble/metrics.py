@@ -137,6 +137,7 @@ class RunWriter:
     def finish(self, result: RunResult, total_wall_s: float) -> dict[str, Any]:
         self._metrics.close()
         versions = result.trace.versions()
+        recompute = self.job.recompute == "full"
         with open(self.dir / "actions.jsonl", "w") as f:
             for r in result.trace.records:
                 a = r.action
@@ -145,6 +146,8 @@ class RunWriter:
                 if a.kind.value in "BI" and (a.stage, a.mb) in versions:
                     vf, vb = versions[(a.stage, a.mb)]
                     rec.update(v_F=vf, v_B=vb, drift=vb - vf)
+                    if recompute:  # the recomputed forward ran on the backward's weights ([Note: precision ...])
+                        rec["recomputed_v"] = vb
                 f.write(json.dumps(rec) + "\n")
         sched = self.job.schedule
         train, val = self.history()
@@ -158,6 +161,10 @@ class RunWriter:
             "max_drift": result.max_drift(),
             "drift_bound": [sched.drift_bound(s) for s in range(sched.n_stages)],
             "optimizer": self.cfg.optimizer,
+            "precision": self.job.precision, "recompute": self.job.recompute,
+            # per stage, measured by the executor (StageExecutor.memory_bytes): parameter, fp32 master,
+            # gradient, optimizer-state, peak activation and weight-copy bytes
+            "memory": result.memory,
             "optimizer_extra_bytes": [b.get("extra_bytes") for b in result.optimizer_bytes],
             "optimizer_extra_per_rotated_param": [b.get("extra_per_rotated_param") for b in result.optimizer_bytes],
             "final_train_loss": train[-1][1] if train else None,

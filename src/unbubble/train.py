@@ -135,6 +135,8 @@ def build_job(cfg: TrainConfig, tokens: TokenData) -> tuple[PipelineJob, ModelCo
         nan_policy=cfg.nan_policy,
         nan_lr_factor=cfg.nan_lr_factor,
         seed=cfg.seed,
+        precision=cfg.precision,
+        recompute=cfg.recompute,
     )
     return job, model
 

@@ -108,4 +108,4 @@ def run_emulator(job: PipelineJob, costs: CostModel | None = None, replay: list[
     wall = time.perf_counter() - t0
     return telemetry.result([ex.module.state_dict() for ex in execs], wall, sim_trace=sim,
                             optimizer_bytes=[optimizer_state_bytes(ex.optimizer) for ex in execs],
-                            stopped_at=cuts.stop_step)
+                            stopped_at=cuts.stop_step, memory=[ex.memory_bytes() for ex in execs])

@@ -12,6 +12,8 @@ from torch import nn
 from torch.func import functional_call
 
 from unbubble.errors import NonFiniteError
+from unbubble.runtime.precision import SavedBytes, check_modes, compute_context, copy_masters, device_type, \
+    fold_grads, replayed_rng, rng_state, tensor_bytes
 from unbubble.runtime.versions import keep_version_counters
 from unbubble.schedules.actions import Action, ActionKind
 
@@ -64,6 +66,17 @@ class StageExecutor:
             ([Note: non-finite guard]).
         nan_lr_factor: with ``"lower-lr"``, the stage's learning rate is multiplied by this
             after each dropped micro-batch.
+        precision: ``"fp32"``, ``"bf16-autocast"`` or ``"bf16"`` ([Note: precision and version
+            semantics] in ``precision.py``).
+        masters: with ``"bf16"``, the fp32 master copies of the (bf16) parameters, in
+            ``module.parameters()`` order: the tensors ``optimizer`` steps
+            (``precision.to_bf16``). Gradients accumulate in their ``.grad`` (fp32).
+        recompute: ``"none"`` or ``"full"``: keep only the stage's input and RNG state per
+            in-flight micro-batch and re-run the forward right before its backward.
+
+    Memory is measured, not estimated (:meth:`memory_bytes`): the bytes autograd saves in a
+    forward (``precision.SavedBytes``, once per input shape and dtype), split into activations
+    and per-forward weight copies, held from F until the micro-batch's backward ends.
 
     On CUDA nothing in F, B, I or W synchronises with the host: the last stage keeps each
     micro-batch's loss as a device tensor and reads the step's losses once, at ``U``.
@@ -74,12 +87,30 @@ class StageExecutor:
                  lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
                  clip_grad_norm: float | None = None, backward_weights: str = "current",
                  velocity_decay: float = 0.9, grad_sync: Callable[[list, float | None], float | None] | None = None,
-                 device: torch.device | None = None, nan_policy: str = "skip", nan_lr_factor: float = 0.5):
+                 device: torch.device | None = None, nan_policy: str = "skip", nan_lr_factor: float = 0.5,
+                 precision: str = "fp32", masters: list[nn.Parameter] | None = None, recompute: str = "none"):
+        check_modes(precision, recompute, device)
+        if (precision == "bf16") != (masters is not None):
+            raise ValueError(f"precision={precision!r} {'needs' if precision == 'bf16' else 'takes no'} fp32 master "
+                             "copies (masters=precision.to_bf16(module))")
         self.stage, self.n_stages = stage, n_stages
         self.module, self.loss_fn, self.batch_fn = module, loss_fn, batch_fn
         self.optimizer, self.lr_scheduler = optimizer, lr_scheduler
         self.loss_scale, self.clip_grad_norm = loss_scale, clip_grad_norm
         self.params = [p for p in module.parameters() if p.requires_grad]
+        self.precision, self.recompute, self.masters = precision, recompute, masters
+        #: where gradients accumulate and what the optimizer steps: the fp32 masters under bf16
+        self.grad_params = self.params if masters is None else list(masters)
+        self._device_type = device_type(module)
+        self._replay: dict[int, tuple] = {}  # recompute: k -> (forward input, RNG state)
+        # bytes held per micro-batch k: [stored from F (activations, or the input when recomputing),
+        # weight copies saved by F, activations of a recomputed forward (from recompute to B / W)]
+        self._held: dict[int, list[int]] = {}
+        self.held_bytes = [0, 0, 0]  # now, summed over k
+        self.peak_bytes = [0, 0, 0]  # maxima of: stored, weight copies, stored + recomputed
+        self.mb_bytes: dict[str, int] = {}  # one micro-batch's measured bytes (last forward / recompute)
+        self._sizes: dict[tuple, list[int]] = {}  # (forward or recomputed, input shape, dtype) -> saved bytes
+        self.peak_grad_bytes = 0
         self.version = 0
         self.store: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}
         self.backward_weights, self.velocity_decay = backward_weights, velocity_decay
@@ -124,16 +155,116 @@ class StageExecutor:
             inp = x = activation.detach().requires_grad_(True)
         self.fwd_version[k] = self.version
         if self.backward_weights == "stashed":
-            out = functional_call(self.module, self._stashed_weights(), (x,))
+            self._stashed_weights()  # registers this micro-batch with the current version's stash
+        if self.recompute == "full":  # keep the input and the RNG state; the graph is rebuilt at B
+            state = rng_state(self._device_type)
+            with torch.no_grad():
+                out, loss = self._compute(k, x)
+            self._replay[k] = (x, state)
+            self.store[k] = (inp, None)
+            self._hold(k, (x.untyped_storage().nbytes(), 0, 0), "input")  # a view keeps its whole storage
         else:
-            out = self.module(x)
+            with self._measured("forward", x) as sizes:
+                out, loss = self._compute(k, x)
+            self.store[k] = (inp, out)
+            self._hold(k, (sizes[0], sizes[1], 0), "forward")
         if self.is_last:
-            loss = self.loss_fn(out, self._on_device(self.batch_fn(k)[1]))
-            self.losses[k] = loss.detach()  # read at U: no host synchronisation per micro-batch
-            self.store[k] = (inp, loss * self.loss_scale)
+            self.losses[k] = loss  # read at U: no host synchronisation per micro-batch
             return None
-        self.store[k] = (inp, out)
         return out.detach()
+
+    def _compute(self, k: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The stage's function on ``x`` with the weights micro-batch ``k``'s backward will use
+        (the live ones, or its forward's stashed version), in the precision's context.
+
+        Returns:
+            ``(output, None)``, or on the last stage ``(loss × loss_scale, detached loss)``.
+        """
+        with compute_context(self.precision, self._device_type):
+            if self.backward_weights == "stashed":
+                out = functional_call(self.module, self.stash[self.fwd_version[k]][0], (x,))
+            else:
+                out = self.module(x)
+            if not self.is_last:
+                return out, None
+            if out.is_floating_point() and out.dtype != torch.float32:
+                out = out.float()  # the loss (log-softmax over the vocabulary) in fp32
+            loss = self.loss_fn(out, self._on_device(self.batch_fn(k)[1]))
+        return loss * self.loss_scale, loss.detach()
+
+    def _recompute(self, k: int) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """Re-runs micro-batch ``k``'s forward with autograd, on the weights in use now (v_B, the
+        stashed v_F, or PipeMare's corrected ones) and its forward's RNG state.
+
+        Returns:
+            ``(input leaf or None on the first stage, output or scaled loss)``.
+        """
+        x, state = self._replay.pop(k)
+        inp = None if self.is_first else x.requires_grad_(True)
+        with replayed_rng(state), self._measured("recomputed", x) as sizes:
+            out, _ = self._compute(k, x)
+        self._hold(k, (0, sizes[1], sizes[0]), "recomputed")
+        return inp, out
+
+    @contextlib.contextmanager
+    def _measured(self, what: str, x: torch.Tensor):
+        """Yields ``[activation bytes, weight-copy bytes]`` that the forward in the block saves;
+        measured with ``SavedBytes`` the first time a ``what`` forward sees ``x``'s shape and dtype
+        (saved sizes depend only on them), then reused: the hooks cost ≈ 4 % of a small forward."""
+        key = (what, tuple(x.shape), x.dtype)
+        sizes = self._sizes.get(key)
+        if sizes is not None:
+            yield sizes
+            return
+        sizes = [0, 0]
+        # a recomputed forward's input is already counted as stored
+        with SavedBytes(self.module, exclude=[x] if what == "recomputed" else ()) as saved:
+            yield sizes
+        sizes[:] = saved.activation_bytes, saved.weight_copy_bytes
+        self._sizes[key] = sizes
+
+    def _hold(self, k: int, sizes: tuple[int, int, int], what: str) -> None:
+        """Counts ``sizes`` (stored, weight-copy, recomputed bytes) as held for ``k``."""
+        self.mb_bytes[what] = sum(sizes)
+        if sizes[1]:
+            self.mb_bytes["weight_copies"] = sizes[1]
+        held = self._held.setdefault(k, [0, 0, 0])
+        for i, b in enumerate(sizes):
+            held[i] += b
+            self.held_bytes[i] += b
+        h = self.held_bytes
+        self.peak_bytes = [max(self.peak_bytes[0], h[0]), max(self.peak_bytes[1], h[1]),
+                           max(self.peak_bytes[2], h[0] + h[2])]
+
+    def _unhold(self, k: int) -> None:
+        for i, b in enumerate(self._held.pop(k, (0, 0, 0))):
+            self.held_bytes[i] -= b
+
+    def memory_bytes(self) -> dict[str, Any]:
+        """This stage's measured memory, bytes (the run's summary.json ``memory`` entry).
+
+        Returns:
+            ``precision``, ``recompute``; ``param_bytes`` (the module's parameters as stored:
+            fp32, or bf16 under ``"bf16"``); ``master_bytes`` (fp32 masters, 0 unless bf16);
+            ``grad_bytes`` (largest accumulated gradient seen at an update, fp32);
+            ``optimizer_state_bytes``; ``stored_activation_bytes`` (peak of what in-flight
+            micro-batches keep from F to their backward: saved activations, or only the inputs
+            under recomputation), ``activation_bytes`` (peak of that plus the activations of a
+            micro-batch recomputed for its backward), ``weight_copy_bytes`` (peak of the weight
+            copies forwards saved: autocast's bf16 casts); ``per_micro_batch`` (one micro-batch's
+            bytes: ``forward`` saved by a forward, ``input`` kept under recomputation,
+            ``recomputed`` saved by a recomputed forward, ``weight_copies`` the weight-copy part).
+        """
+        from unbubble.optim import optimizer_state_bytes
+
+        return {"precision": self.precision, "recompute": self.recompute,
+                "param_bytes": tensor_bytes(self.params),
+                "master_bytes": tensor_bytes(self.masters or []),
+                "grad_bytes": self.peak_grad_bytes,
+                "optimizer_state_bytes": optimizer_state_bytes(self.optimizer)["state_bytes"],
+                "stored_activation_bytes": self.peak_bytes[0], "activation_bytes": self.peak_bytes[2],
+                "weight_copy_bytes": self.peak_bytes[1],
+                "per_micro_batch": dict(self.mb_bytes)}
 
     def _on_device(self, t):
         """A micro-batch tensor from ``batch_fn`` on the stage's device (non-blocking copy)."""
@@ -158,6 +289,8 @@ class StageExecutor:
         if self._incoming_bad(k, grad):
             return self._drop(k, inp, self._incoming_reason())
         with self._backward_weights(k):
+            if self.recompute == "full":
+                inp, out = self._recompute(k)
             out.backward(None if self.is_last else grad)
         self._finish(k)
         if inp is None:
@@ -178,9 +311,12 @@ class StageExecutor:
         if self._incoming_bad(k, grad):
             self._dropped.add(k)
             return self._poison(inp, k, self._incoming_reason())
-        if inp is None:
-            return None
         with self._backward_weights(k):
+            if self.recompute == "full":  # the graph is kept from I until W
+                inp, out = self._recompute(k)
+                self.store[k] = (inp, out, grad)
+            if inp is None:
+                return None
             (gx,) = torch.autograd.grad(out, inp, None if self.is_last else grad, retain_graph=True)
         if self.nan_policy != "off" and not _finite([gx]):
             self._dropped.add(k)
@@ -224,7 +360,7 @@ class StageExecutor:
 
     def _drop(self, k: int, inp, what: str) -> torch.Tensor | None:
         """Discards micro-batch ``k`` before its backward and returns the poison for upstream."""
-        for p in self.params:  # a zero contribution: the update still comes (momentum moves on)
+        for p in self.grad_params:  # a zero contribution: the update still comes (momentum moves on)
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         poison = self._poison(inp, k, what)
@@ -269,6 +405,8 @@ class StageExecutor:
 
     def _release(self, k: int) -> None:
         """Forgets micro-batch ``k`` without using its gradients."""
+        self._replay.pop(k, None)
+        self._unhold(k)
         version = self.fwd_version.pop(k)
         if self.is_last:
             self.losses.pop(k, None)
@@ -318,19 +456,21 @@ class StageExecutor:
     def _finish(self, k: int) -> None:
         """After the backward of ``k``: move stashed-version gradients to the live parameters."""
         self._kept_since_update += 1
+        self._unhold(k)
         version = self.fwd_version.pop(k)
         if self.is_last:
             self._step_losses.append(self.losses.pop(k))
-        if self.backward_weights != "stashed":
-            return
-        entry = self.stash[version]
-        for p, t in zip(self.params, entry[0].values()):
-            if t.grad is not None:
-                p.grad = t.grad if p.grad is None else p.grad.add_(t.grad)
-                t.grad = None
-        entry[1] -= 1
-        if entry[1] == 0 and version != self.version:
-            del self.stash[version]
+        if self.backward_weights == "stashed":
+            entry = self.stash[version]
+            for p, t in zip(self.params, entry[0].values()):
+                if t.grad is not None:
+                    p.grad = t.grad if p.grad is None else p.grad.add_(t.grad)
+                    t.grad = None
+            entry[1] -= 1
+            if entry[1] == 0 and version != self.version:
+                del self.stash[version]
+        if self.masters is not None:
+            fold_grads(self.params, self.masters)
 
     def weights_version(self, action: Action) -> int:
         """Version of the weights ``action`` computes with (the forward's, when stashed)."""
@@ -346,7 +486,8 @@ class StageExecutor:
     @property
     def idle(self) -> bool:
         """True at a cut: no stored activation, stashed version or accumulated gradient."""
-        return not (self.store or self.stash or self._step_losses or any(p.grad is not None for p in self.params))
+        return not (self.store or self.stash or self._step_losses or self._replay
+                    or any(p.grad is not None for p in self.grad_params))
 
     def state_dict(self) -> dict[str, Any]:
         """The stage's training state at a cut ([Note: the checkpoint cut] in ``checkpoint.py``).
@@ -367,11 +508,16 @@ class StageExecutor:
             "velocity": self.velocity,
             "lr_factor": self.lr_factor,
             "last_step_loss": self.last_step_loss,
+            "masters": None if self.masters is None else [m.detach() for m in self.masters],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restores :meth:`state_dict`'s output (the module must have the same parameters)."""
         self.module.load_state_dict(state["model"])
+        if self.masters is not None:  # fp32 masters: the bf16 parameters alone would lose their low bits
+            with torch.no_grad():
+                for m, saved in zip(self.masters, state["masters"]):
+                    m.copy_(saved)
         self.optimizer.load_state_dict(state["optimizer"])
         sched = self.lr_scheduler
         if sched is not None and state["lr_scheduler"] is not None:
@@ -392,7 +538,7 @@ class StageExecutor:
         replicas; the last stage's step loss becomes the replicas' mean.
         """
         if self.nan_policy != "off":
-            grads = [p.grad for p in self.params if p.grad is not None]
+            grads = [p.grad for p in self.grad_params if p.grad is not None]
             if self._tainted or not _finite(grads):
                 if not self._tainted:
                     self._poison(None, None, "accumulated weight gradient (this stage's update is dropped)")
@@ -407,12 +553,15 @@ class StageExecutor:
             step_loss = sum(values) / len(values)
             self._step_losses = []
         if self.grad_sync is not None:
-            step_loss = self.grad_sync(self.params, step_loss)
+            step_loss = self.grad_sync(self.grad_params, step_loss)
         if self.clip_grad_norm is not None:
-            torch.nn.utils.clip_grad_norm_(self.params, self.clip_grad_norm)
+            torch.nn.utils.clip_grad_norm_(self.grad_params, self.clip_grad_norm)
+        self.peak_grad_bytes = max(self.peak_grad_bytes, tensor_bytes([p.grad for p in self.grad_params]))
         before = [p.detach().clone() for p in self.params] if self.velocity is not None else None
         with keep_version_counters(self.params):
             self.optimizer.step()
+            if self.masters is not None:  # bf16 parameters ← rounded fp32 masters, in place
+                copy_masters(self.params, self.masters)
         self.optimizer.zero_grad(set_to_none=True)
         if before is not None:  # PipeMare T2 velocity: δ ← γ δ + (1 − γ)(w_new − w_old)
             with torch.no_grad():

@@ -14,6 +14,7 @@ from unbubble.runtime.checkpoint import Checkpointing, check_fingerprint, finger
     save_stage, set_rng_state
 from unbubble.runtime.data_parallel import replica_batch
 from unbubble.runtime.executor import BatchFn, LossFn, StageExecutor
+from unbubble.runtime.precision import check_modes, to_bf16
 from unbubble.optim.lr_rescheduling import PipeDreamLR, StalenessLR
 from unbubble.schedules.policy import Cuts
 from unbubble.schedules.registry import Schedule
@@ -65,6 +66,10 @@ class PipelineJob:
         seed: seeds the training RNG (dropout) at the start of a run: the emulator's one stream
             with ``seed``, stage process g's with ``seed + 1_000_003·(g + 1)``; a resumed run
             restores the saved streams instead.
+        precision: ``"fp32"``, ``"bf16-autocast"`` or ``"bf16"`` (bf16 parameters stepped from fp32
+            masters); [Note: precision and version semantics] in ``runtime/precision.py``.
+        recompute: ``"none"`` or ``"full"`` (each stage keeps only its input per in-flight
+            micro-batch and re-runs its forward, on the backward's weights, before the backward).
     """
 
     stage_fn: StageFn
@@ -84,6 +89,8 @@ class PipelineJob:
     nan_policy: str = "skip"
     nan_lr_factor: float = 0.5
     seed: int = 0
+    precision: str = "fp32"
+    recompute: str = "none"
 
     def build_executor(self, stage: int, module: nn.Module | None = None, replica: int = 0,
                        grad_sync=None, device: torch.device | None = None) -> StageExecutor:
@@ -99,9 +106,13 @@ class PipelineJob:
         module = self.stage_fn(stage) if module is None else module
         if device is not None:
             module = module.to(device)
+        check_modes(self.precision, self.recompute, device)
+        masters = to_bf16(module) if self.precision == "bf16" else None
         # (name, parameter) pairs: torch optimizers accept them, and Basis Rotation uses the
-        # names to keep embeddings and the head on AdamW
+        # names to keep embeddings and the head on AdamW; under bf16 the optimizer steps the fp32 masters
         params = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
+        if masters is not None:
+            params = [(name, m) for (name, _), m in zip(params, masters)]
         optimizer = self.optimizer_fn(params, stage)
         lr_lambda = self.lr_lambda
         if self.delay_lr == "staleness":
@@ -116,6 +127,7 @@ class PipelineJob:
             batch_fn, optimizer, self.schedule.loss_scale, sched, self.clip_grad_norm,
             backward_weights=self.schedule.backward_weights, grad_sync=grad_sync, device=device,
             nan_policy=self.nan_policy, nan_lr_factor=self.nan_lr_factor,
+            precision=self.precision, masters=masters, recompute=self.recompute,
         )
 
     # -- checkpoints ([Note: the checkpoint cut]) --------------------------------------------------

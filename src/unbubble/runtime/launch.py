@@ -208,7 +208,7 @@ class _Collector:
     def __init__(self, job: PipelineJob, listener: Listener | None):
         self.job = job
         self.telemetry = Telemetry(job, listener, start_step=job.start_step)
-        self.finals: dict[int, tuple[dict, float, dict]] = {}
+        self.finals: dict[int, tuple[dict, float, dict, dict]] = {}
         self.done_walls: list[float] = []  # from replicas d > 0
         self.stopped_at: int | None = None
 
@@ -229,8 +229,8 @@ class _Collector:
             version, data = payload
             self.telemetry.add_snapshot(stage, version, from_bytes(data))
         elif kind == "final":
-            data, wall, opt_bytes = payload
-            self.finals[stage] = (from_bytes(data), wall, opt_bytes)
+            data, wall, opt_bytes, memory = payload
+            self.finals[stage] = (from_bytes(data), wall, opt_bytes, memory)
         elif kind == "done":
             self.done_walls.append(payload)
         elif kind == "event":
@@ -242,7 +242,8 @@ class _Collector:
         n = self.job.schedule.n_stages
         wall = max([f[1] for f in self.finals.values()] + self.done_walls)
         return self.telemetry.result([self.finals[s][0] for s in range(n)], wall,
-                                     optimizer_bytes=[self.finals[s][2] for s in range(n)], stopped_at=self.stopped_at)
+                                     optimizer_bytes=[self.finals[s][2] for s in range(n)], stopped_at=self.stopped_at,
+                                     memory=[self.finals[s][3] for s in range(n)])
 
 
 _SECONDARY = ("PeerFailure", "Connection closed by peer", "Connection reset by peer", "Broken pipe")

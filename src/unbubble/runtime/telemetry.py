@@ -47,6 +47,9 @@ class RunResult:
             ``step_losses[i]`` belongs to update ``start_step + i + 1``.
         stopped_at: the step T a stop (SIGINT/SIGTERM) ended the run at, else ``None``.
         events: micro-batches the non-finite guard dropped (stage, mb, version, what, policy).
+        memory: per stage, the executor's measured bytes (``StageExecutor.memory_bytes``:
+            parameters, fp32 masters, gradients, optimizer state, peak activations and weight
+            copies), or empty when the engine did not report them.
     """
 
     trace: Trace
@@ -60,6 +63,7 @@ class RunResult:
     start_step: int = 0
     stopped_at: int | None = None
     events: list[dict[str, Any]] = field(default_factory=list)
+    memory: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def tokens_per_s(self) -> float:
@@ -138,14 +142,15 @@ class Telemetry:
                     self.listener.on_snapshot(version, got)
 
     def result(self, final_states: list[dict], wall_s: float, sim_trace: Trace | None = None,
-               optimizer_bytes: list[dict] | None = None, stopped_at: int | None = None) -> RunResult:
+               optimizer_bytes: list[dict] | None = None, stopped_at: int | None = None,
+               memory: list[dict] | None = None) -> RunResult:
         self.trace.records.sort(key=lambda r: (r.start, r.action.stage))
         sched = self.job.schedule
         end = sched.steps if stopped_at is None else stopped_at
         tokens = (end - self.start_step) * sched.mb_per_step * (self.job.tokens_per_mb or 1) * self.job.dp
         return RunResult(self.trace, sim_trace, self.step_losses, sorted(self.val_losses),
                          final_states, wall_s, tokens, optimizer_bytes or [], self.start_step, stopped_at,
-                         self.events)
+                         self.events, memory or [])
 
 
 def snapshot(module: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -48,7 +48,7 @@ def run_stage(job: PipelineJob, rank: int, sink: Sink, replay: list[Action] | No
     Reports to ``sink`` (replica 0): ``("records", stage, [(action, start_s, end_s, version,
     weights), …])`` and ``("step_loss", stage, loss)`` after each update (with D > 1 the loss is
     the replicas' mean), ``("snapshot", stage, (version, bytes))`` for evaluation, and
-    ``("final", stage, (state_bytes, wall_s, optimizer_bytes))`` at the end; other replicas,
+    ``("final", stage, (state_bytes, wall_s, optimizer_bytes, memory_bytes))`` at the end; other replicas,
     whose weights equal replica 0's, report only ``("done", stage, wall_s)``. Times are seconds
     since a start shared by all ranks. ``("event", stage, event)`` reports a micro-batch the
     non-finite guard dropped (every replica reports its own).
@@ -209,5 +209,6 @@ def run_stage(job: PipelineJob, rank: int, sink: Sink, replay: list[Action] | No
     if records:
         sink(("records", prank, records))
     for s, ex in execs.items():
-        sink(("final", s, (to_bytes(ex.module.state_dict()), wall, optimizer_state_bytes(ex.optimizer))))
+        sink(("final", s, (to_bytes(ex.module.state_dict()), wall, optimizer_state_bytes(ex.optimizer),
+                           ex.memory_bytes())))
     return cuts.stop_step

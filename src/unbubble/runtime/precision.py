@@ -1,0 +1,219 @@
+"""Numeric precision and activation recomputation of a stage: what each mode computes and holds.
+
+[Note: precision and version semantics]
+Which weights a backward uses is the one semantic every mode states (DESIGN §8):
+
+* ``fp32``: fp32 parameters; autograd saves each parameter by reference, so the input gradient of
+  an in-flight micro-batch uses the *current* weights (version v_B) and the weight gradient the
+  forward-time activations — PACI as specified (``versions.py``, [Note: backward on current weights]).
+* ``bf16``: the stage's parameters are bf16 tensors, updated in place from an fp32 master copy
+  (the "main parameters" of Megatron-LM, arXiv 1909.08053, and mixed-precision training, arXiv
+  1710.03740, §3.1): the optimizer steps the fp32 masters with fp32 moments, then the bf16
+  parameters are overwritten in place with the rounded masters (version counters kept). Autograd
+  still holds the live bf16 parameters, so the semantics are fp32's: the input gradient uses v_B,
+  and no per-micro-batch weight copy exists. Each micro-batch's weight gradient is computed in
+  bf16 (autograd's dtype of a bf16 leaf) and added to an fp32 accumulator right after its
+  backward, so the a (or m) micro-batches of an update are summed in fp32.
+* ``bf16-autocast``: fp32 parameters, optimizer state and gradients; forwards (and recomputed
+  forwards) run under ``torch.autocast(dtype=torch.bfloat16)``. Autocast casts a weight to bf16
+  inside each forward and autograd saves *that copy*, so the input gradient of an in-flight
+  micro-batch uses the **forward-time** (v_F) bf16 weights of every autocast op (``linear``,
+  ``matmul``: the weight matrices and their biases), while ops autocast keeps in fp32 (LayerNorm)
+  save the live parameter and use v_B. Every micro-batch in flight therefore holds one bf16 copy
+  of the stage's matmul weights (2 bytes per such parameter; :class:`SavedBytes` measures it).
+  Δ = v_B − v_F is reported as for fp32 (the version the update and the LayerNorms see); for the
+  matmul weights the effective drift of the input gradient is 0. Backwards are not wrapped in
+  autocast: they run in the dtypes the forward chose (PyTorch's autocast documentation).
+
+Recomputation (``recompute="full"``): a stage keeps only its input per in-flight micro-batch (the
+received activation, or the token ids on the first stage) and the RNG state of its forward; right
+before the backward it re-runs the forward with autograd on, on the weights the backward uses
+(version v_B; the stashed version v_F under weight stashing; PipeMare's corrected weights under
+T2), with the saved RNG state, so dropout draws the same mask. Only the received activation is
+from upstream's forward time. Both the input and the weight gradient therefore use v_B:
+recomputation removes the PACI mix of two versions inside a stage (Δ still counts v_B − v_F, the
+drift of the stage's input). Its cost is one extra forward per backward (``sim/costs.py``
+``with_recompute``); its memory, the inputs of the in-flight micro-batches plus the full
+activations of the one micro-batch being differentiated.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+
+import torch
+from torch import nn
+
+from unbubble.errors import ConfigError
+
+#: ``--precision``: fp32; bf16 compute with fp32 weights (autocast); bf16 weights with an fp32 master copy.
+PRECISIONS = ("fp32", "bf16-autocast", "bf16")
+#: ``--recompute``: keep the forward's activations, or only the stage's input (recompute before the backward).
+RECOMPUTE = ("none", "full")
+
+
+def check_modes(precision: str, recompute: str, device: torch.device | None = None) -> None:
+    """Refuses an unknown mode, or bf16 on a device without bf16 support, in one line.
+
+    Args:
+        precision: one of :data:`PRECISIONS`.
+        recompute: one of :data:`RECOMPUTE`.
+        device: the stage's device (``None``: the CPU).
+
+    Raises:
+        ConfigError: naming the value and what is valid.
+    """
+    if precision not in PRECISIONS:
+        raise ConfigError(f"precision={precision!r} is invalid: must be one of {', '.join(PRECISIONS)} "
+                          "(set --precision)")
+    if recompute not in RECOMPUTE:
+        raise ConfigError(f"recompute={recompute!r} is invalid: must be one of {', '.join(RECOMPUTE)} "
+                          "(set --recompute)")
+    if precision != "fp32" and device is not None and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        raise ConfigError(f"precision={precision!r} needs bf16, which {torch.cuda.get_device_name(device)} does not "
+                          "support (compute capability < 8.0): use --precision fp32")
+
+
+def device_type(module: nn.Module) -> str:
+    """``"cuda"`` or ``"cpu"``: where ``module``'s parameters live (autocast's device type)."""
+    p = next(module.parameters(), None)
+    return "cpu" if p is None else p.device.type
+
+
+def compute_context(precision: str, device: str) -> contextlib.AbstractContextManager:
+    """The context a forward runs in: ``torch.autocast(device, torch.bfloat16)`` for
+    ``bf16-autocast``, nothing otherwise."""
+    if precision == "bf16-autocast":
+        return torch.autocast(device_type=device, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def to_bf16(module: nn.Module) -> list[nn.Parameter]:
+    """Makes ``module`` a bf16 module and returns fp32 master copies of its trainable parameters.
+
+    The masters are new ``nn.Parameter`` leaves (the optimizer's parameters); the module's
+    parameters and floating buffers become bf16 in place of the fp32 ones.
+
+    Returns:
+        One fp32 master per trainable parameter, in ``module.parameters()`` order (bit-equal to
+        the fp32 weights before the cast).
+    """
+    masters = [nn.Parameter(p.detach().float().clone()) for p in module.parameters() if p.requires_grad]
+    module.to(torch.bfloat16)
+    return masters
+
+
+def fold_grads(params: Sequence[torch.Tensor], masters: Sequence[torch.Tensor]) -> None:
+    """Adds each bf16 parameter's ``.grad`` into its fp32 master's ``.grad`` and clears it
+    (fp32 accumulation across the micro-batches of an update)."""
+    for p, m in zip(params, masters):
+        g = p.grad
+        if g is None:
+            continue
+        if m.grad is None:
+            m.grad = g.float()
+        else:
+            m.grad.add_(g)
+        p.grad = None
+
+
+def copy_masters(params: Sequence[torch.Tensor], masters: Sequence[torch.Tensor]) -> None:
+    """Writes the fp32 masters into the bf16 parameters in place (round to nearest even).
+    Run under ``keep_version_counters``: in-flight graphs then see the new weights (v_B)."""
+    with torch.no_grad():
+        for p, m in zip(params, masters):
+            p.copy_(m)
+
+
+def rng_state(device: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The RNG state a forward starts from: CPU generator, and the current CUDA device's."""
+    return torch.get_rng_state(), torch.cuda.get_rng_state() if device == "cuda" else None
+
+
+@contextlib.contextmanager
+def replayed_rng(state: tuple[torch.Tensor, torch.Tensor | None]) -> Iterator[None]:
+    """Runs the block from a saved :func:`rng_state` and restores the RNG afterwards, so a
+    recomputed forward draws its forward's dropout masks and the training stream moves on as if
+    nothing ran."""
+    cpu, cuda = state
+    devices = [torch.cuda.current_device()] if cuda is not None else []
+    with torch.random.fork_rng(devices=devices):
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state(cuda)
+        yield
+
+
+class SavedBytes:
+    """Measures what autograd saves for backward inside the block (``torch.autograd.graph.saved_tensors_hooks``).
+
+    Each saved tensor's storage is counted once. Storages of the stage's parameters and buffers
+    are held by reference and cost nothing; a saved tensor reached from a parameter only through
+    dtype casts and views (``grad_fn`` chain ToCopyBackward0 / TBackward0 / views → AccumulateGrad)
+    is a **weight copy** (autocast's per-forward bf16 cast); everything else is an **activation**.
+    Hooks already active around the block (a user's offloading, a test's counter) still run: the
+    counter passes every tensor on to them (``torch._C._autograd._top_saved_tensors_default_hooks``).
+
+    Attributes:
+        activation_bytes: bytes of saved activation storages.
+        weight_copy_bytes: bytes of saved weight copies.
+
+    Args:
+        module: the stage's module (its parameters and buffers are excluded).
+        exclude: tensors already counted elsewhere (a recomputed forward's kept input).
+    """
+
+    _CAST_OR_VIEW = ("ToCopyBackward0", "TBackward0", "ViewBackward0", "TransposeBackward0", "ExpandBackward0",
+                     "PermuteBackward0", "UnsqueezeBackward0", "SqueezeBackward0")
+
+    def __init__(self, module: nn.Module, exclude: Sequence[torch.Tensor] = ()):
+        self._shared = {t.untyped_storage().data_ptr() for t in [*module.parameters(), *module.buffers(), *exclude]}
+        self._params = {id(p) for p in module.parameters()}
+        self._seen: set[int] = set()
+        self.activation_bytes = 0
+        self.weight_copy_bytes = 0
+        self._outer = None
+        self._hooks = None
+
+    def _pack(self, t: torch.Tensor):
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr not in self._shared and ptr not in self._seen:
+            self._seen.add(ptr)
+            if self._is_weight_copy(t):
+                self.weight_copy_bytes += storage.nbytes()
+            else:
+                self.activation_bytes += storage.nbytes()
+        return t if self._outer is None else self._outer[0](t)
+
+    def _unpack(self, packed):
+        return packed if self._outer is None else self._outer[1](packed)
+
+    def _is_weight_copy(self, t: torch.Tensor) -> bool:
+        fn, cast = t.grad_fn, False
+        for _ in range(4):
+            if fn is None or type(fn).__name__ not in self._CAST_OR_VIEW:
+                break
+            cast |= type(fn).__name__ == "ToCopyBackward0"
+            nxt = [f for f, _ in fn.next_functions if f is not None]
+            if len(nxt) != 1:
+                return False
+            fn = nxt[0]
+            if type(fn).__name__ == "AccumulateGrad":
+                return cast and id(fn.variable) in self._params
+        return False
+
+    def __enter__(self) -> "SavedBytes":
+        self._outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._hooks.__exit__(*exc)
+
+
+def tensor_bytes(tensors: Sequence[torch.Tensor | None]) -> int:
+    """Bytes of ``tensors`` (``None`` entries skipped)."""
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
