@@ -4,7 +4,8 @@ import math
 
 import pytest
 
-from unbubble.experiments.stats import loss_at_fraction, mean_std, rms_std, slowdown, smooth, time_to_target
+from unbubble.experiments.stats import (iso_loss_overhead, loss_at, loss_at_fraction, mean_curve, mean_std, rms_std,
+                                        slowdown, smooth, time_to_target)
 
 
 def test_mean_std():
@@ -50,3 +51,32 @@ def test_loss_at_fraction_is_the_smoothed_loss_at_that_step():
     assert loss_at_fraction(losses, 1.0, 10) == pytest.approx(2.4)
     with pytest.raises(ValueError):
         loss_at_fraction(losses, 0.0, 2)
+
+
+def test_iso_loss_overhead_on_known_curves():
+    # the baseline ends at 2.0 after 100 tokens; this method passes 2.0 at 150 tokens (linear between points)
+    method = [(0, 5.0), (100, 2.5), (200, 1.5)]
+    assert iso_loss_overhead(method, 2.0, 100) == (pytest.approx(1.5), True)
+    # ahead of the baseline: 2.0 is reached at 50 tokens
+    assert iso_loss_overhead([(0, 5.0), (50, 2.0), (100, 1.0)], 2.0, 100) == (0.5, True)
+    # never reached: a lower bound, last tokens ÷ baseline tokens
+    assert iso_loss_overhead([(0, 5.0), (120, 2.1)], 2.0, 100) == (pytest.approx(1.2), False)
+    with pytest.raises(ValueError):
+        iso_loss_overhead([], 2.0, 100)
+    with pytest.raises(ValueError):
+        iso_loss_overhead(method, 2.0, 0)
+
+
+def test_mean_curve_and_loss_at():
+    a = [(0, 4.0), (10, 2.0), (20, None)]
+    b = [(0, 2.0), (10, 4.0), (20, 1.0)]
+    assert mean_curve([a, b]) == [(0, 3.0), (10, 3.0)]  # the point with a missing value is dropped
+    with pytest.raises(ValueError):
+        mean_curve([a, [(0, 1.0), (5, 1.0), (20, 1.0)]])
+    with pytest.raises(ValueError):
+        mean_curve([])
+    curve = [(0, 4.0), (10, 2.0), (30, 1.0)]
+    assert loss_at(curve, 5) == 3.0
+    assert loss_at(curve, 20) == 1.5
+    assert loss_at(curve, 30) == 1.0
+    assert loss_at(curve, 31) is None and loss_at(curve, -1) is None

@@ -59,12 +59,12 @@ def br_spec(size: str) -> dict[str, Any]:
     variants borrow the tuned lr of the nearest tuned depth (``lr_from``)."""
     if size == "tiny":
         return {
-            "name": "br-study", "micro_batches": 12, "stages": [1, 4], "lrs": [3e-3, 1e-2], "seeds": [0, 1],
-            "evals": 2, "keep_train_curve": True,
+            "name": "br-study", "micro_batches": 12, "stages": [1, 4], "lrs": [1e-2], "seeds": [0, 1],
+            "evals": 2, "keep_train_curve": True, "seed_stages": [1],
             "base": {"model": "deep32-cpu", "seq_len": 16, "micro_batch_size": 4, "warmup_frac": 0.1,
                      "warmup_min": 0, "eval_batches": 2},
             "methods": [
-                {"label": "adamw", "schedule": "pipedream", "optimizer": "adamw"},
+                {"label": "adamw", "schedule": "pipedream", "optimizer": "adamw", "lrs": [3e-3, 1e-2]},
                 {"label": "basis-rotation (2nd, bilateral)", "schedule": "pipedream", "optimizer": "basis-rotation"},
                 {"label": "adamw, no stashing", "schedule": "async-1f1b", "optimizer": "adamw", "stages": [4],
                  "lr_from": "adamw"},

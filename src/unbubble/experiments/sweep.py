@@ -321,7 +321,7 @@ def run_sweep(spec: SweepSpec, out: Path, workers: int = 2,
         spec: the sweep.
         out: its folder (results/, runs/, runs.csv, curves.csv).
         workers: runs trained at once, each in its own process on one torch thread
-            (2 on a 2-core machine).
+            (2 on a 2-core machine); with 1, runs train one after another in this process.
         progress: called with one line per finished run.
 
     Returns:
@@ -341,16 +341,22 @@ def _run_all(runs: list[RunSpec], spec: SweepSpec, out: Path, workers: int,
     todo = [r for r in runs if r.run_id not in done]
     if done:
         say(f"{spec.name}: {len(done)} of {len(runs)} {runs[0].phase} runs already finished (skipped)")
-    if todo:
-        t0 = time.perf_counter()
+    t0 = time.perf_counter()
+
+    def finished(i: int, rec: dict[str, Any]) -> None:
+        done[rec["run_id"]] = rec
+        say(f"{spec.name}: {i}/{len(todo)} {rec['run_id']}: val loss {rec['final_val_loss']} "
+            f"({rec['wall_s']:.0f} s, {(time.perf_counter() - t0) / 60:.1f} min so far)")
+
+    if len(todo) == 1 or (todo and workers == 1):  # in this process: no interpreter to start
+        for i, r in enumerate(todo, 1):
+            finished(i, execute(r, spec, out))
+    elif todo:
         ctx = multiprocessing.get_context("spawn")  # fresh interpreters: no forked torch thread pools
-        with ProcessPoolExecutor(max_workers=max(1, min(workers, len(todo))), mp_context=ctx) as pool:
-            futures = {pool.submit(execute, r, spec, out): r for r in todo}
+        with ProcessPoolExecutor(max_workers=min(workers, len(todo)), mp_context=ctx) as pool:
+            futures = [pool.submit(execute, r, spec, out) for r in todo]
             for i, fut in enumerate(as_completed(futures), 1):
-                rec = fut.result()
-                done[rec["run_id"]] = rec
-                say(f"{spec.name}: {i}/{len(todo)} {rec['run_id']}: val loss {rec['final_val_loss']} "
-                    f"({rec['wall_s']:.0f} s, {(time.perf_counter() - t0) / 60:.1f} min so far)")
+                finished(i, fut.result())
     return [done[r.run_id] for r in runs]
 
 

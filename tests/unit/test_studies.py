@@ -1,0 +1,126 @@
+"""Sweeps (lr tuning, seeds, resume, validation) and the two studies in their tiny size."""
+
+import csv
+import math
+
+import pytest
+
+from unbubble.errors import ConfigError
+from unbubble.experiments import get_experiment
+from unbubble.experiments import sweep as sweep_mod
+from unbubble.experiments.sweep import SweepSpec, read_tables, run_sweep, tuned_lrs
+
+
+def _spec(**kw):
+    d = {"name": "t", "micro_batches": 4, "stages": [2], "lrs": [1e-3], "seeds": [0],
+         "base": {"model": "tiny", "seq_len": 16, "micro_batch_size": 2, "eval_batches": 1, "warmup_min": 0},
+         "methods": [{"label": "flush", "schedule": "1f1b-flush", "m": 2}]}
+    d.update(kw)
+    return d
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"lr": 1}, "sweep key 'lr' is unknown: valid keys are"),
+    ({"methods": [{"schedule": "paci"}]}, "methods[0]={'schedule': 'paci'} is invalid: each method needs a label"),
+    ({"lrs": []}, "sweep lrs=[] is invalid: give at least one"),
+    ({"methods": [{"label": "p", "schedule": "nope"}]}, "method 'p' at N=2: schedule='nope' is unknown"),
+    ({"methods": [{"label": "p", "schedule": "paci", "lr_from": "q"}]},
+     "method 'p': lr_from='q' must name a tuned method of this sweep"),
+    ({"micro_batches": 1, "methods": [{"label": "f", "schedule": "1f1b-flush", "m": 4}]},
+     "method 'f' at N=2: micro_batches=1 is fewer than one update of 4 micro-batches"),
+])
+def test_spec_errors_name_the_value(change, message):
+    with pytest.raises(ConfigError) as info:
+        SweepSpec.from_dict(_spec(**change))
+    assert str(info.value).startswith(message)
+
+
+def test_missing_key_and_labels():
+    d = _spec()
+    del d["seeds"]
+    with pytest.raises(ConfigError, match="sweep key 'seeds' is missing"):
+        SweepSpec.from_dict(d)
+    with pytest.raises(ConfigError, match="method labels must be unique"):
+        SweepSpec.from_dict(_spec(methods=[{"label": "x", "schedule": "paci"}, {"label": "x", "schedule": "paci"}]))
+
+
+def test_tuned_lr_is_the_lowest_final_loss_and_a_diverged_run_loses():
+    runs = [{"method": "m", "stages": 8, "lr": lr, "phase": "tune", "final_val_loss": loss}
+            for lr, loss in ((3e-4, 2.2), (1e-3, 1.9), (3e-3, None))]
+    runs += [{"method": "m", "stages": 4, "lr": lr, "phase": "tune", "final_val_loss": 2.0} for lr in (1e-3, 3e-4)]
+    runs += [{"method": "m", "stages": 8, "lr": 3e-3, "phase": "seeds", "final_val_loss": 0.1}]  # not a tuning run
+    assert tuned_lrs(runs) == {("m", 8): 1e-3, ("m", 4): 3e-4}  # a tie goes to the smaller lr
+
+
+def test_lr_from_takes_the_nearest_tuned_depth_on_a_log_scale_and_seed_phases():
+    spec = SweepSpec.from_dict(_spec(
+        stages=[1, 32], seeds=[0, 1, 2], seed_stages=[32], lrs=[1e-3, 3e-3],
+        methods=[{"label": "a", "schedule": "pipedream"},
+                 {"label": "b", "schedule": "pipedream", "stages": [4, 8, 16], "lr_from": "a", "extra_seeds": False}]))
+    best = {("a", 1): 1e-3, ("a", 32): 3e-3}
+    b = spec.methods[1]
+    # |ln 4 − ln 1| < |ln 4 − ln 32|; 8 and 16 are nearer 32
+    assert [spec.lr_for(b, n, best) for n in (4, 8, 16)] == [1e-3, 3e-3, 3e-3]
+    assert len(spec.tuning_runs()) == 4  # a at 2 depths × 2 lrs, seed 0; b waits for phase 2
+    ids = sorted(r.run_id for r in spec.seed_runs(best))
+    assert ids == ["a-N32-lr0.003-s1", "a-N32-lr0.003-s2",  # other seeds only where seed_stages allows
+                   "b-N16-lr0.003-s0", "b-N4-lr0.001-s0", "b-N8-lr0.003-s0"]
+
+
+def test_sweep_resumes_without_retraining_and_reads_back(tmp_path, monkeypatch):
+    spec = SweepSpec.from_dict(_spec(lrs=[1e-3, 3e-3], seeds=[0, 1]))
+    records = run_sweep(spec, tmp_path, workers=2)
+    assert [(r["lr"], r["seed"], r["phase"]) for r in records][:2] == [(1e-3, 0, "tune"), (3e-3, 0, "tune")]
+    best = tuned_lrs(records)[("flush", 2)]
+    assert records[2]["lr"] == best and records[2]["seed"] == 1 and records[2]["phase"] == "seeds"
+    assert all(r["tokens"] == 4 * 2 * 16 and r["steps"] == 2 and r["max_drift"] == 0 for r in records)
+
+    def no_training(*args, **kwargs):
+        raise AssertionError("a finished run was trained again")
+
+    monkeypatch.setattr(sweep_mod, "execute", no_training)
+    lines = []
+    again = run_sweep(spec, tmp_path, workers=2, progress=lines.append)
+    assert [r["final_val_loss"] for r in again] == [r["final_val_loss"] for r in records]
+    assert lines == ["t: 2 of 2 tune runs already finished (skipped)", "t: 1 of 1 seeds runs already finished (skipped)"]
+    data = read_tables(tmp_path)
+    assert [r["final_val_loss"] for r in data.runs] == pytest.approx([r["final_val_loss"] for r in records])
+    assert all(len(data.val[r["run_id"]]) >= 2 for r in records)  # initial and final evaluation at least
+
+
+def _csv(path):
+    return list(csv.DictReader(open(path)))
+
+
+def test_paci_study_tiny_values_and_analysis_from_the_csvs(tmp_path):
+    run = get_experiment("paci-study")
+    out = run(tmp_path / "p", size="tiny", workers=1)
+    main = {r["method"]: r for r in _csv(tmp_path / "p" / "paci_study_main.csv")}
+    flush = main["1f1b-flush m=2"]
+    # the baseline against itself: no gap, iso-loss ratio 1, speed-up 1
+    assert float(flush["gap vs flush m=a"]) == 0 and flush["iso-loss tokens ÷ flush"] == "1.00"
+    assert flush["time-to-target speed-up vs flush m=a"] == "1.00"
+    # Δ ≤ ⌈(N−1)/a⌉ = 1 at N=2, a=2, reached; the stashed control has Δ = 0
+    assert main["paci a=2"]["max Δ"] == "1" and main["paci-stashed a=2"]["max Δ"] == "0"
+    for row in main.values():
+        mean = float(row["final val loss"].split(" ± ")[0])
+        assert mean < math.log(257)  # below the untrained model's loss
+        assert int(row["seeds"]) == 2
+    # PACI has no bubble: on the simulated clock of 2 devices it reaches flush's final loss sooner
+    # whenever it reaches it at about the same tokens
+    assert float(main["paci a=2"]["time-to-target speed-up vs flush m=a"]) > 1
+    again = run(tmp_path / "a", size="tiny", analyze=tmp_path / "p")
+    table = out.markdown.split("Command:")[0]
+    assert again.markdown.split("Command:")[0] == table  # the tables come from runs.csv and curves.csv alone
+
+
+def test_br_study_tiny_values(tmp_path):
+    get_experiment("br-study")(tmp_path, size="tiny", workers=1)
+    scaling = _csv(tmp_path / "br_study_scaling.csv")
+    assert {(r["optimizer"], r["stashing"]) for r in scaling} == {
+        ("adamw", "True"), ("adamw", "False"), ("basis-rotation (2nd, bilateral)", "True")}
+    for r in scaling:
+        if r["P=1"] and r["P=4"]:
+            assert float(r["slowdown P=1→4"]) == pytest.approx(float(r["P=4"]) / float(r["P=1"]))
+    tuned = _csv(tmp_path / "br_study_tuned.csv")
+    assert {r["seeds"] for r in tuned if r["P"] == "1"} == {"2"}
