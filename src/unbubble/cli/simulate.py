@@ -64,11 +64,24 @@ class CostSource:
         self.kind = "uniform" if opts["uniform"] else "measured" if opts["costs_from"] else "analytic"
         self.samples_per_mb, self.tokens_per_mb = 1, None
         self.description = ""
+        self.recompute = opts["recompute"] == "full"
+        self.measured_memory = None
         if self.kind == "measured":
-            from unbubble.sim.measured import load_run, measured_costs
+            from unbubble.sim.measured import load_run, measured_costs, measured_memory
 
             run = load_run(opts["costs_from"])
             self.measured = measured_costs(run.trace)
+            run_precision, run_recompute = run.summary.get("precision", "fp32"), run.summary.get("recompute", "none")
+            if opts["precision"] not in (None, run_precision):
+                raise ConfigError(f"precision={opts['precision']!r} differs from the calibration run's {run_precision!r}: "
+                                  "measured costs hold for its precision (drop --precision, or calibrate from a run "
+                                  f"with --precision {opts['precision']})")
+            if run_recompute == "full" and not self.recompute:
+                raise ConfigError("recompute='none' cannot be predicted from a run that recomputed (its backwards "
+                                  "include a forward): calibrate from a run with --recompute none")
+            if self.recompute and run_recompute == "none":
+                self.measured = self.measured.with_recompute()
+            self.measured_memory = measured_memory(run, recompute=self.recompute)
             if opts["stages"] is None:
                 opts["stages"] = run.schedule.n_stages
             if run.schedule.n_ranks != run.schedule.n_stages:
@@ -77,21 +90,32 @@ class CostSource:
                 raise ConfigError(f"stages={opts['stages']} differs from the calibration run's "
                                   f"{run.schedule.n_stages} stages (set --stages {run.schedule.n_stages})")
             self.samples_per_mb, self.tokens_per_mb = run.samples_per_mb, run.tokens_per_mb
-            self.description = f"costs measured in {run.path}"
+            self.description = (f"costs measured in {run.path} ({run_precision}, recompute {run_recompute})"
+                                + (", + one forward per backward (--recompute full)"
+                                   if self.recompute and run_recompute == "none" else ""))
         elif self.kind == "analytic":
             from unbubble.sim.analytic import make_model
 
+            from unbubble.sim.analytic import get_precision
+
             self.hardware = get_hardware(opts["hardware"], opts["achievable"])
             self.config = make_model(opts["model"], opts["vocab_size"], opts["seq_len"])
+            self.precision_name = opts["precision"] or "bf16"
+            self.precision = get_precision(self.precision_name)
             self.samples_per_mb = opts["micro_batch_size"]
             self.tokens_per_mb = opts["micro_batch_size"] * self.config.block_size
             self.description = (f"{opts['model']} ({self.config.n_layer} blocks, width {self.config.n_embd}, "
                                 f"V={self.config.vocab_size}, T={self.config.block_size}) on {self.hardware.name} "
                                 f"({self.hardware.peak_flops / 1e12:.0f} TFLOP/s × {self.hardware.achievable:.2f}), "
-                                f"{opts['micro_batch_size']} sequences per micro-batch")
+                                f"{opts['micro_batch_size']} sequences per micro-batch, {self.precision_name}, "
+                                f"recompute {opts['recompute']}")
         else:
+            if opts["precision"] is not None:
+                raise ConfigError("--precision needs the analytic model (--model) or is read from the run "
+                                  "(--costs-from): uniform costs have no precision")
             self.uniform = _parse_uniform(opts["uniform"])
-            self.description = f"uniform costs F={self.uniform.f} s, B={self.uniform.b} s, U={self.uniform.u} s"
+            self.description = (f"uniform costs F={self.uniform.f} s, B={self.uniform.b} s, U={self.uniform.u} s"
+                                + (", + F per backward (--recompute full)" if self.recompute else ""))
 
     def for_schedule(self, schedule):
         """``(costs, memory spec or None)`` for one schedule (interleaved ones need per-virtual-stage costs)."""
@@ -105,7 +129,8 @@ class CostSource:
             layers = _parse_layers(o["layers_per_stage"]) if v == 1 else None
             am = analytic_model(self.config, schedule.n_ranks, self.hardware, o["micro_batch_size"], virtual=v,
                                 layers_per_stage=layers, flash_attention=o["flash_attention"], jitter=o["jitter"],
-                                seed=o["seed"], stragglers=self.stragglers)
+                                seed=o["seed"], stragglers=self.stragglers, precision=self.precision,
+                                recompute=self.recompute)
             return am.costs, am.memory
         if schedule.n_stages != schedule.n_ranks:
             raise ConfigError(f"schedule={schedule.name!r} has {schedule.n_stages} virtual stages: it needs costs per "
@@ -116,10 +141,12 @@ class CostSource:
             u = self.uniform
             base = PipelineCosts(tuple(StageCosts(*u.table(1)[0]) for _ in range(schedule.n_stages)),
                                  latency_s=u.latency)
+            if self.recompute:
+                base = base.with_recompute()
         if o["jitter"] or self.stragglers:
             base = PipelineCosts(base.stages, base.message_bytes, base.bandwidth_bytes_per_s, base.latency_s,
                                  o["jitter"], o["seed"], self.stragglers)
-        return base, None
+        return base, self.measured_memory
 
 
 @click.command(context_settings={"show_default": True})
@@ -143,6 +170,12 @@ class CostSource:
 @click.option("--vocab-size", default=None, type=int, help="Vocabulary [default: the published model's: 50257 GPT-2, 128256 llama-*, "
                                                                   "32000 moe-*/mixtral, 50304 zb-*].")
 @click.option("--layers-per-stage", default=None, help="Blocks per stage, e.g. 2,3,3,2 [default: cost-balanced].")
+@click.option("--precision", default=None, type=click.Choice(["fp32", "bf16-autocast", "bf16"]),
+              help="Bytes and compute speed of the analytic model's training precision [default: bf16; with "
+                   "--costs-from, the run's].")
+@click.option("--recompute", default="none", type=click.Choice(["none", "full"]),
+              help="full: every stage keeps only its input per micro-batch and each backward re-runs the forward "
+                   "(one more F per B; peak activations = inputs in flight + one micro-batch's).")
 @click.option("--flash-attention/--no-flash-attention", default=False,
               help="Attention scores are not stored (smaller activations).")
 @click.option("--uniform", default=None, help="Unit costs F:B[:U] in seconds instead of the analytic model.")

@@ -168,6 +168,7 @@ class StageExecutor:
                 out, loss = self._compute(k, x)
             self.store[k] = (inp, out)
             self._hold(k, (sizes[0], sizes[1], 0), "forward")
+            self.mb_bytes["input"] = x.untyped_storage().nbytes()  # what recomputation would keep (sim.memory)
         if self.is_last:
             self.losses[k] = loss  # read at U: no host synchronisation per micro-batch
             return None
@@ -252,7 +253,7 @@ class StageExecutor:
             under recomputation), ``activation_bytes`` (peak of that plus the activations of a
             micro-batch recomputed for its backward), ``weight_copy_bytes`` (peak of the weight
             copies forwards saved: autocast's bf16 casts); ``per_micro_batch`` (one micro-batch's
-            bytes: ``forward`` saved by a forward, ``input`` kept under recomputation,
+            bytes: ``forward`` saved by a forward, ``input`` the stage's input (what recomputation keeps),
             ``recomputed`` saved by a recomputed forward, ``weight_copies`` the weight-copy part).
         """
         from unbubble.optim import optimizer_state_bytes

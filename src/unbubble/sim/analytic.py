@@ -92,15 +92,22 @@ def make_model(name: str, vocab_size: int | None = None, seq_len: int | None = N
 
 @dataclass(frozen=True)
 class Precision:
-    """Bytes per parameter and per moved parameter (mixed-precision Adam by default).
+    """Bytes per parameter and per moved parameter (mixed-precision Adam by default: ``--precision bf16``).
 
     Attributes:
         weight_bytes: compute copy of a parameter (BF16: 2).
         grad_bytes: gradient accumulation buffer (FP32: 4).
         optimizer_bytes: FP32 master weight + Adam's two moments (12).
-        activation_bytes: bytes per activation element sent between stages (BF16: 2).
+        activation_bytes: bytes per activation element sent between stages (BF16: 2), which is
+            also what a stage keeps per element of its input under recomputation.
         update_bytes_per_param: device-memory traffic of one Adam step per parameter: read the
             gradient (4), read and write master weight and moments (24), write the BF16 copy (2).
+        saved_scale: multiplies Korthikanti's 16-bit activation count (2 for FP32 tensors; the
+            formula's 1-byte dropout masks are then overcounted, a small overestimate).
+        compute_factor: multiplies every compute duration (FP32 matmuls run as TF32, whose dense
+            peak is half the BF16 one on A100, H100 and H200: 156/312, 494.7/989.5 TFLOP/s).
+        weight_copy_bytes: bytes per weight-matrix parameter that every in-flight micro-batch
+            holds (``bf16-autocast`` saves its own BF16 cast of each matrix: 2).
     """
 
     weight_bytes: float = 2.0
@@ -108,6 +115,31 @@ class Precision:
     optimizer_bytes: float = 12.0
     activation_bytes: float = 2.0
     update_bytes_per_param: float = 30.0
+    saved_scale: float = 1.0
+    compute_factor: float = 1.0
+    weight_copy_bytes: float = 0.0
+
+
+#: ``--precision`` → :class:`Precision` (the runtime's modes, ``unbubble.runtime.precision``). fp32:
+#: 4-byte weights and gradients, Adam moments 8, update traffic 4 + 8 + 16; bf16-autocast: the same
+#: state, BF16 compute, a BF16 weight copy per in-flight micro-batch, and FP32 activations between
+#: stages (the residual stream adds BF16 matmul outputs to FP32 inputs).
+PRECISIONS: dict[str, Precision] = {
+    "fp32": Precision(4.0, 4.0, 8.0, 4.0, 28.0, saved_scale=2.0, compute_factor=2.0),
+    "bf16-autocast": Precision(4.0, 4.0, 8.0, 4.0, 28.0, weight_copy_bytes=2.0),
+    "bf16": Precision(),
+}
+
+
+def get_precision(name: str) -> Precision:
+    """The :class:`Precision` of a ``--precision`` mode.
+
+    Raises:
+        ConfigError: unknown name (the message lists the modes).
+    """
+    if name not in PRECISIONS:
+        raise ConfigError(f"precision={name!r} is invalid: must be one of {', '.join(PRECISIONS)} (set --precision)")
+    return PRECISIONS[name]
 
 
 @dataclass(frozen=True)
@@ -155,7 +187,7 @@ def zb_layers_per_stage(n_layer: int, n_stages: int) -> list[int]:
 def analytic_model(config: "ModelConfig", n_stages: int, hardware: Hardware, micro_batch_size: int,
                    seq_len: int | None = None, *, virtual: int = 1, layers_per_stage: Sequence[int] | None = None,
                    precision: Precision = Precision(), flash_attention: bool = False, jitter: float = 0.0,
-                   seed: int = 0, stragglers: Sequence[Straggler] = ()) -> AnalyticModel:
+                   seed: int = 0, stragglers: Sequence[Straggler] = (), recompute: bool = False) -> AnalyticModel:
     """Builds the per-stage costs and memory sizes of ``config`` split over ``n_stages · virtual`` stages.
 
     Args:
@@ -168,9 +200,12 @@ def analytic_model(config: "ModelConfig", n_stages: int, hardware: Hardware, mic
         layers_per_stage: blocks of each of the N·v stages in pipeline order (zeros allowed for the first
             and last stage, which then hold only the embedding or the head); default: the cost-balanced
             contiguous split of ``unbubble.models.partition.partition_layers``.
-        precision: bytes per parameter and activation.
+        precision: bytes per parameter and activation (:data:`PRECISIONS`).
         flash_attention: attention scores are not stored (drops Korthikanti's 5as² term).
         jitter, seed, stragglers: passed to :class:`~unbubble.sim.costs.PipelineCosts`.
+        recompute: full activation recomputation: a stage keeps its input per micro-batch (token ids,
+            8 bytes each, on the first stage; s·b·h activations otherwise) and every backward
+            re-runs the forward first (``PipelineCosts.with_recompute``, ``MemorySpec.with_recompute``).
 
     Returns:
         The :class:`AnalyticModel`.
@@ -208,16 +243,17 @@ def analytic_model(config: "ModelConfig", n_stages: int, hardware: Hardware, mic
     block_params = shape.params
     block_mat = shape.active_matrix_params  # weight-matrix parameters a token uses (W: 2 FLOPs per token each)
     attn = 0 if flash_attention else 5 * a * T
-    block_mb, block_mw = tokens * (34 * h + attn), 32 * sbh  # bytes, Korthikanti §4.1 / ZB Table 1
+    sc = p.saved_scale
+    block_mb, block_mw = sc * tokens * (34 * h + attn), sc * 32 * sbh  # bytes, Korthikanti §4.1 / ZB Table 1
 
     stages, params, mem = [], [], {"w": [], "g": [], "o": [], "a": [], "aw": []}
     for j, r in enumerate(ranges):
         first, last = j == 0, j == n - 1
         fwd = sum(block_f[i] for i in r) + (emb_f if first else 0.0) + (head_f if last else 0.0)
         wmat = len(r) * block_mat + (h * V if last else 0)
-        f_s = fwd * tokens / hardware.flops
+        f_s = fwd * tokens / hardware.flops * p.compute_factor
         b_s = 2 * f_s
-        w_s = 2 * wmat * tokens / hardware.flops
+        w_s = 2 * wmat * tokens / hardware.flops * p.compute_factor
         n_params = len(r) * block_params
         if first:
             n_params += embedding_params(config)
@@ -229,8 +265,9 @@ def analytic_model(config: "ModelConfig", n_stages: int, hardware: Hardware, mic
         act = len(r) * block_mb + (sbh if first else 0)  # + the embedding's dropout mask (Korthikanti §4.3)
         act_w = len(r) * block_mw
         if last:
-            act += 4 * sbh + 4 * tokens * V
-            act_w += 2 * sbh + 2 * tokens * V
+            act += sc * 4 * sbh + 4 * tokens * V  # the logits are FP32 in every mode
+            act_w += sc * 2 * sbh + 2 * tokens * V
+        act += wmat * p.weight_copy_bytes  # autocast's BF16 weight copies, held like activations
         mem["w"].append(n_params * p.weight_bytes)
         mem["g"].append(n_params * p.grad_bytes)
         mem["o"].append(n_params * p.optimizer_bytes)
@@ -249,5 +286,9 @@ def analytic_model(config: "ModelConfig", n_stages: int, hardware: Hardware, mic
                           stragglers=tuple(stragglers))
     memory = MemorySpec(tuple(mem["w"]), tuple(mem["g"]), tuple(mem["o"]), tuple(mem["a"]), tuple(mem["aw"]),
                         capacity_bytes=hardware.memory_bytes)
+    if recompute:
+        inputs = tuple(float(tokens * 8 if j == 0 else sbh * p.activation_bytes) for j in range(n))
+        memory = memory.with_recompute(tuple(min(x, a) for x, a in zip(inputs, memory.act_bytes)))
+        costs = costs.with_recompute()
     model_flops = 3 * tokens * (emb_f + sum(block_f) + head_f)
     return AnalyticModel(costs, memory, tuple(ranges), tuple(params), tokens, b, model_flops, hardware, n_stages)

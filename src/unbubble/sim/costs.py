@@ -18,6 +18,7 @@ and a run is reproducible bit for bit.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Callable
@@ -264,6 +265,14 @@ class PipelineCosts:
         if self.jitter == 0 and not self.stragglers:
             return None
         return _Sampler(self.table(n_stages), self.jitter, self.seed, self.stragglers)
+
+    def with_recompute(self) -> "PipelineCosts":
+        """The same pipeline under full activation recomputation: every backward first re-runs its
+        micro-batch's forward, so B and I (which starts a split backward) each take one more F;
+        W reuses what I recomputed. Cost: one extra forward per micro-batch per stage, e.g.
+        (F + B) → (2F + B) ≈ 4/3 of the compute with B = 2F."""
+        return dataclasses.replace(self, stages=tuple(
+            StageCosts(s.f_s, s.b_s + s.f_s, s.i_s + s.f_s, s.w_s, s.u_s) for s in self.stages))
 
     def scaled(self, factor: float) -> "PipelineCosts":
         """The same pipeline with every compute duration multiplied by ``factor``."""

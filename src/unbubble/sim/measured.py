@@ -26,13 +26,16 @@ import json
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from unbubble.errors import ConfigError
 from unbubble.schedules.actions import Action
 from unbubble.schedules.registry import Schedule, get_schedule
 from unbubble.sim.costs import KIND_INDEX, PipelineCosts, StageCosts
 from unbubble.sim.engine import ActionRecord, Trace
+
+if TYPE_CHECKING:
+    from unbubble.sim.memory import MemorySpec
 
 _F, _B, _I, _W, _U = range(5)
 
@@ -176,3 +179,38 @@ def kind_medians(trace: Trace) -> list[dict[str, float]]:
     for (s, k), d in sorted(acc.items()):
         per[s][names[k]] = statistics.median(d)
     return per
+
+
+def measured_memory(run: MeasuredRun, recompute: bool | None = None) -> "MemorySpec | None":
+    """Per-stage sizes measured by a run (``summary.json``'s ``memory``, ``StageExecutor.memory_bytes``),
+    as a :class:`~unbubble.sim.memory.MemorySpec` for ``peak_memory``.
+
+    Weights are the parameters plus the fp32 masters (``bf16``), gradients the largest accumulated
+    gradient, the optimizer its state. One micro-batch holds what its forward saved (activations and
+    autocast's weight copies): ``per_micro_batch.forward``, or, from a run that recomputed,
+    ``recomputed + input``; with ``recompute`` it keeps only ``input`` and re-creates the rest at
+    its backward (``MemorySpec.with_recompute``).
+
+    Args:
+        run: a run folder read by :func:`load_run`.
+        recompute: predict full recomputation (default: as the run did).
+
+    Returns:
+        The spec, or ``None`` when the run's summary has no measured memory (older runs).
+    """
+    from unbubble.sim.memory import MemorySpec
+
+    stages = run.summary.get("memory") or []
+    if len(stages) != run.schedule.n_stages:
+        return None
+    ran_recompute = run.summary.get("recompute", "none") == "full"
+    recompute = ran_recompute if recompute is None else recompute
+    total, inputs = [], []
+    for m in stages:
+        pm = m["per_micro_batch"]
+        total.append(float(pm["recomputed"] + pm["input"] if ran_recompute else pm["forward"]))
+        inputs.append(float(pm["input"]))
+    spec = MemorySpec(tuple(float(m["param_bytes"] + m["master_bytes"]) for m in stages),
+                      tuple(float(m["grad_bytes"]) for m in stages),
+                      tuple(float(m["optimizer_state_bytes"]) for m in stages), tuple(total))
+    return spec.with_recompute(tuple(inputs)) if recompute else spec

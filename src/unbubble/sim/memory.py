@@ -15,6 +15,12 @@ Accounting rules (one device = one rank, which may host several virtual stages):
   instant the stage keeps every version ``v_F(k)`` of a micro-batch k that has started F and not
   finished its last backward (B, or W if split), besides its current version; each extra one costs
   ``version_bytes[s]`` (PipeDream, arXiv 1806.03377, §3.3 weight stashing).
+* Full recomputation (``recomputed_bytes`` given): ``act_bytes[s]`` is then what micro-batch k keeps
+  from the start of its F until the end of its B, the stage's input (and the forward's RNG state), and
+  its backward first re-runs the forward: ``recomputed_bytes[s]`` more are alive during its B, or from
+  the start of its I until the end of its W when the backward is split (the recomputed forward's
+  activations without the input; ``act_w_bytes`` is then unused). This is what ``StageExecutor``
+  measures ([Note: precision and version semantics] in ``runtime/precision.py``).
 * At equal times frees happen before allocations (a stage's action ends before its next one starts).
 
 The peak of a rank is the maximum over time of static + activations + stash; the columns
@@ -23,6 +29,7 @@ The peak of a rank is the maximum over time of static + activations + stash; the
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from unbubble.errors import ConfigError
@@ -43,6 +50,9 @@ class MemorySpec:
         act_w_bytes: part of ``act_bytes`` kept from I until W when the backward is split (M_W).
         version_bytes: one stashed weight version (default: ``weights_bytes``).
         extra_bytes: other per-stage buffers always present (e.g. PipeMare's velocity).
+        recomputed_bytes: with full recomputation, the activations a recomputed forward saves for
+            the backward of one micro-batch (without the input, which ``act_bytes`` holds); empty =
+            no recomputation.
         capacity_bytes: device memory, to flag configurations that do not fit (``None``: unknown).
     """
 
@@ -54,10 +64,12 @@ class MemorySpec:
     version_bytes: tuple[float, ...] = ()
     extra_bytes: tuple[float, ...] = ()
     capacity_bytes: float | None = None
+    recomputed_bytes: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         n = len(self.weights_bytes)
-        for name in ("grads_bytes", "optimizer_bytes", "act_bytes", "act_w_bytes", "version_bytes", "extra_bytes"):
+        for name in ("grads_bytes", "optimizer_bytes", "act_bytes", "act_w_bytes", "version_bytes", "extra_bytes",
+                     "recomputed_bytes"):
             v = getattr(self, name)
             if v and len(v) != n:
                 raise ConfigError(f"{name} has {len(v)} entries but weights_bytes has {n}: give one per stage")
@@ -79,6 +91,29 @@ class MemorySpec:
 
     def extra(self, s: int) -> float:
         return self.extra_bytes[s] if self.extra_bytes else 0.0
+
+    @property
+    def recompute(self) -> bool:
+        return bool(self.recomputed_bytes)
+
+    def with_recompute(self, input_bytes: tuple[float, ...]) -> "MemorySpec":
+        """The same stages under full recomputation: each micro-batch keeps only ``input_bytes[s]``
+        (its stage's input) from F to its backward, and the backward re-creates the rest of
+        ``act_bytes[s]`` (``act_bytes − input_bytes``).
+
+        Raises:
+            ConfigError: a wrong count, an input larger than the activations, or a spec that
+                already recomputes.
+        """
+        if self.recompute:
+            raise ConfigError("this memory spec already recomputes: apply with_recompute once")
+        if len(input_bytes) != self.n_stages:
+            raise ConfigError(f"input_bytes has {len(input_bytes)} entries but the spec has {self.n_stages} stages")
+        for s, (x, a) in enumerate(zip(input_bytes, self.act_bytes)):
+            if not 0 <= x <= a:
+                raise ConfigError(f"input_bytes[{s}]={x} is invalid: must be in [0, act_bytes[{s}]={a}]")
+        return dataclasses.replace(self, act_bytes=tuple(input_bytes), act_w_bytes=(),
+                                   recomputed_bytes=tuple(a - x for a, x in zip(self.act_bytes, input_bytes)))
 
     @classmethod
     def uniform(cls, n_stages: int, *, weights: float = 0.0, grads: float = 0.0, optimizer: float = 0.0,
@@ -148,6 +183,8 @@ def peak_memory(trace: Trace, spec: MemorySpec, *, stashed: bool = False) -> lis
     base = [weights[r] + grads[r] + optim[r] + extra[r] for r in range(nr)]
     act_b = list(spec.act_bytes)
     act_w = [spec.act_w(s) for s in range(n)]
+    recompute = spec.recompute
+    rec = list(spec.recomputed_bytes) if recompute else [0.0] * n
     act = [0.0] * nr
     act_peak = [0.0] * nr
     stash = [0.0] * nr
@@ -166,12 +203,18 @@ def peak_memory(trace: Trace, spec: MemorySpec, *, stashed: bool = False) -> lis
             act[r] += act_b[s]
             q[r] += 1
         elif k == _B:
+            if recompute:  # the recomputed activations are alive during the backward
+                act_peak[r] = max(act_peak[r], act[r] + rec[s])
+                peak[r] = max(peak[r], base[r] + act[r] + rec[s] + stash[r])
             act[r] -= act_b[s]
             q[r] -= 1
         elif k == _I:
-            act[r] -= act_b[s] - act_w[s]
+            if recompute:  # recomputed at I, kept (with the input) until W
+                act[r] += rec[s]
+            else:
+                act[r] -= act_b[s] - act_w[s]
         elif k == _W:
-            act[r] -= act_w[s]
+            act[r] -= act_b[s] + rec[s] if recompute else act_w[s]
             q[r] -= 1
         if stashed:
             lv = live[s]
