@@ -21,3 +21,9 @@ class NonFiniteError(RuntimeError):
 class PipelineFailure(RuntimeError):
     """A stage process failed, died or hung, or a second signal stopped the run; the message
     names the stage and its last action. Every stage process has been terminated."""
+
+
+class StartupInterrupted(PipelineFailure):
+    """A stop signal (Ctrl-C, SIGTERM) arrived before the run's first step: every stage process
+    has been ended at once, since there was nothing to save (the newest checkpoint, or step 0,
+    is unchanged)."""

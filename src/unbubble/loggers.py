@@ -93,6 +93,9 @@ class Logger:
 
     def finish(self, result, summary: dict[str, Any]) -> None: ...
 
+    def close(self) -> None:
+        """Closes the logger's files without a summary (a run that ended before its first step)."""
+
 
 class TensorBoardLogger(Logger):
     """Event files in the run folder, written with ``torch.utils.tensorboard.SummaryWriter``."""
@@ -138,6 +141,9 @@ class TensorBoardLogger(Logger):
         w.add_text("summary", table, last)
         w.close()
 
+    def close(self) -> None:
+        self.writer.close()
+
 
 class WandbLogger(Logger):
     """A Weights & Biases run in offline mode under ``RUN/wandb/`` (nothing leaves the machine)."""
@@ -176,6 +182,9 @@ class WandbLogger(Logger):
         if rec:
             self.run.log(rec)
         self.run.summary.update({k: v for k, v in summary.items() if isinstance(v, (int, float, str, list))})
+        self.run.finish()
+
+    def close(self) -> None:
         self.run.finish()
 
 

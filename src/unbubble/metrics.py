@@ -134,6 +134,16 @@ class RunWriter:
         log.info("eval at version %d: val loss %.4f, ppl %.2f", version, val_loss, rec["val_ppl"])
 
     # End of run ---------------------------------------------------------------------------
+    def discard(self) -> None:
+        """Closes the run's files and removes its folder: a new run that ended before its first
+        step leaves nothing a later run with the same ``--run-dir`` would refuse."""
+        import shutil
+
+        self._metrics.close()
+        for lg in self.loggers:
+            lg.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
     def finish(self, result: RunResult, total_wall_s: float) -> dict[str, Any]:
         self._metrics.close()
         versions = result.trace.versions()

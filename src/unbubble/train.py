@@ -11,6 +11,7 @@ import dataclasses
 import functools
 import json
 import logging
+import shutil
 import signal
 import time
 from dataclasses import dataclass
@@ -202,6 +203,9 @@ def attach_checkpoints(job: PipelineJob, cfg: TrainConfig, run_dir: Path, resume
         step = steps[-1]
         if step >= job.schedule.steps:
             raise ConfigError(f"run {str(run_dir)!r} already finished: its checkpoint is at the last step {step}")
+        if step:
+            log.info("resuming run %s from step %d of %d (checkpoint %s)", run_dir, step, job.schedule.steps,
+                     directory / f"step-{step:08d}")
         extra = tuple(load_stage(directory, step, 0)["extra_cuts"]) if step else ()
     job = dataclasses.replace(job, checkpoint=Checkpointing(str(directory), cfg.checkpoint_every, 2, step, extra))
     if resume and step:  # every file is checked here, so a bad one fails before any process starts
@@ -259,6 +263,9 @@ def train(cfg: TrainConfig | None = None, listener_factory=None, resume: str | P
     Raises:
         ConfigError: any invalid value, file, checkpoint or combination — raised before the run
             folder is created or touched, so nothing existing is overwritten.
+        PipelineFailure: a stage failed, or a signal stopped the run at once
+            (:class:`~unbubble.errors.StartupInterrupted` before the first step). A new run that
+            ends so before its first step removes its run folder.
     """
     if resume is not None:
         cfg = resume_config(resume, resume_overrides)
@@ -279,16 +286,25 @@ def train(cfg: TrainConfig | None = None, listener_factory=None, resume: str | P
         run_dir = Path(cfg.run_dir)
     if run_dir is not None:
         job = attach_checkpoints(job, cfg, run_dir, resume is not None)
-    writer = RunWriter(run_dir, cfg, job, resume_step=job.start_step if resume is not None else None) \
-        if rank0 else None
-    if writer is not None:
-        n = job.schedule.n_stages
-        ranges = partition_layers(model, n, cfg.seq_len)
-        n_params = sum(count_params(job.stage_fn(s)) for s in range(n))
-        writer.describe(model=model, n_params=n_params, ranges=ranges, tokens=tokens)
-    listener = (listener_factory(writer, cfg.steps) if listener_factory and writer else writer)
-    t0 = time.perf_counter()
-    result = run_job(job, cfg.engine, listener, cfg.threads_per_stage, cfg.timeout_s)
+    writer = None
+    try:
+        writer = RunWriter(run_dir, cfg, job, resume_step=job.start_step if resume is not None else None) \
+            if rank0 else None
+        if writer is not None:
+            n = job.schedule.n_stages
+            ranges = partition_layers(model, n, cfg.seq_len)
+            n_params = sum(count_params(job.stage_fn(s)) for s in range(n))
+            writer.describe(model=model, n_params=n_params, ranges=ranges, tokens=tokens)
+        listener = (listener_factory(writer, cfg.steps) if listener_factory and writer else writer)
+        t0 = time.perf_counter()
+        result = run_job(job, cfg.engine, listener, cfg.threads_per_stage, cfg.timeout_s)
+    except BaseException:  # a failure or a stop before the first step of a new run: nothing worth keeping
+        if resume is None and rank0 and not under_torchrun():
+            if writer is not None and not writer.last:
+                writer.discard()
+            elif writer is None and run_dir is not None:  # stopped while the folder was being made
+                shutil.rmtree(run_dir, ignore_errors=True)  # (choose_dir: it was new or empty)
+        raise
     if writer is None or result is None:
         return None, None
     writer.finish(result, time.perf_counter() - t0)

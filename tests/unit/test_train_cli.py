@@ -1,6 +1,7 @@
 """`unbubble train` end to end in-process: real text, run folder, bad input."""
 
 import json
+import logging
 
 import pytest
 from click.testing import CliRunner
@@ -187,6 +188,23 @@ def test_emulator_runs_on_threads_per_stage_and_restores_threads(monkeypatch):
     assert torch.get_num_threads() == before
 
 
+class _Messages(logging.Handler):
+    """The formatted messages of one logger while attached (the CLI's console wraps long lines)."""
+
+    def __init__(self, name: str):
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+        self.logger = logging.getLogger(name)
+        self.logger.addHandler(self)
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+    def close(self):
+        self.logger.removeHandler(self)
+        super().close()
+
+
 def test_resume_continues_the_run_folder_bit_identically(tmp_path, cache_dir):
     """A run cut off after its step-10 checkpoint and resumed equals the uninterrupted run: the
     step-20 checkpoints hold the same weights, metrics.jsonl lists each step once."""
@@ -204,8 +222,13 @@ def test_resume_continues_the_run_folder_bit_identically(tmp_path, cache_dir):
     cut = tmp_path / "cut"
     shutil.copytree(run, cut)
     shutil.rmtree(cut / "checkpoints" / "step-00000020")  # as if the machine died after step 10's checkpoint
-    res = CliRunner().invoke(cli, ["-q", "train", "--resume", str(cut), "--cache-dir", cache_dir])
+    said = _Messages("unbubble.train")
+    try:
+        res = CliRunner().invoke(cli, ["train", "--resume", str(cut), "--cache-dir", cache_dir])
+    finally:
+        said.close()
     assert res.exit_code == 0, res.output
+    assert f"resuming run {cut} from step 10 of 20 (checkpoint {cut}/checkpoints/step-00000010)" in said.lines
     assert complete_steps(cut / "checkpoints", 4) == [10, 20]
     for s in range(4):
         a = load_stage(run / "checkpoints", 20, s)["executor"]["model"]

@@ -9,7 +9,44 @@ import click
 from rich.console import Console
 from rich.logging import RichHandler
 
-from unbubble.errors import ConfigError, NonFiniteError, PipelineFailure, ScheduleError
+from unbubble.errors import ConfigError, NonFiniteError, PipelineFailure, ScheduleError, StartupInterrupted
+
+
+
+class _ClosedPipeSafe:
+    """A text stream whose writes are dropped once its reader has gone (``BrokenPipeError``): a
+    run piped through ``tee`` keeps running when Ctrl-C ends ``tee``, so it still writes its stop
+    checkpoint."""
+
+    def __init__(self, stream):
+        self._stream, self._gone = stream, False
+
+    def write(self, text: str) -> int:
+        if not self._gone:
+            try:
+                return self._stream.write(text)
+            except BrokenPipeError:
+                self._gone = True
+        return len(text)
+
+    def flush(self) -> None:
+        if not self._gone:
+            try:
+                self._stream.flush()
+            except BrokenPipeError:
+                self._gone = True
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+
+def survive_closed_pipes() -> None:
+    """Wraps ``sys.stdout`` and ``sys.stderr`` in :class:`_ClosedPipeSafe` (once)."""
+    for name in ("stdout", "stderr"):
+        stream = getattr(sys, name)
+        if stream is not None and not isinstance(stream, _ClosedPipeSafe):
+            setattr(sys, name, _ClosedPipeSafe(stream))
+
 
 #: Results go to stdout, messages (logs, errors) to stderr.
 err_console = Console(stderr=True)
@@ -37,6 +74,8 @@ class _Group(click.Group):
             return super().invoke(ctx)
         except (ConfigError, ScheduleError) as exc:
             abort(str(exc).splitlines()[0] if isinstance(exc, ConfigError) else str(exc))
+        except StartupInterrupted as exc:
+            abort(str(exc), status=130)
         except (PipelineFailure, NonFiniteError) as exc:
             abort(str(exc), status=1)
 
@@ -65,4 +104,5 @@ cli.add_command(__import__("unbubble.cli.sweep", fromlist=["sweep"]).sweep)
 
 
 def main() -> None:
+    survive_closed_pipes()
     cli(prog_name="unbubble")

@@ -232,7 +232,7 @@ def summary_markdown(runs: list[ReportRun], pictures: list[Path]) -> str:
     base = runs[0].summary.get("tokens_per_s")
     lines = ["# unbubble report", "",
              "| run | schedule | N | a/m | optimizer | engine | steps | tokens | wall s | tokens/s | speed-up "
-             "| final train loss | final val loss | val ppl | max Δ per stage (bound) | utilization per rank |",
+             "| train loss (last 10 %) | final val loss | val ppl | max Δ per stage (bound) | utilization per rank |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in runs:
         s = r.summary
@@ -250,7 +250,8 @@ def summary_markdown(runs: list[ReportRun], pictures: list[Path]) -> str:
             _fmt(speed, ".2f") + "×" if speed else "–", _fmt(sum(tail) / len(tail)),
             _fmt(s.get("final_val_loss")), _fmt(s.get("final_val_ppl"), ".2f"),
             f"{r.run.trace.max_drift()} ({s.get('drift_bound', '–')})", util_text]) + " |")
-    lines += ["", "Final train loss: mean over the last 10 % of the steps. Speed-up: tokens/s against the first "
+    lines += ["", "Train loss (last 10 %): mean over the last 10 % of the steps (summary.json's final_train_loss "
+              "is the last step's loss). Speed-up: tokens/s against the first "
               "run. Utilization: busy / wall time per rank, measured (the emulator runs the stages one after "
               "another, so the simulated value shows the schedule's own utilization).", ""]
     lines += [f"![{p.stem}]({p.name})" for p in pictures]
@@ -288,5 +289,5 @@ def report(run_dirs: tuple[str, ...], out: str) -> None:
     """
     md = write_report(list(run_dirs), out)
     text = md.read_text()
-    click.echo(text.split("\n\nFinal train loss")[0].split("\n", 2)[2])
+    click.echo(text.split("\n\nTrain loss (last 10 %)")[0].split("\n", 2)[2])
     click.echo(f"\nreport: {md} (with loss_vs_tokens.png, loss_vs_time.png, drift.png, utilization.png)")

@@ -13,7 +13,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from unbubble.cli import err_console
 from unbubble.config import TrainConfig
-from unbubble.errors import ConfigError
+from unbubble.errors import ConfigError, StartupInterrupted
 
 log = logging.getLogger("unbubble.train")
 
@@ -43,17 +43,24 @@ def _options(fn):
 
 
 class ProgressListener:
-    """Draws a progress bar on a terminal (plain lines otherwise) and forwards to the run writer."""
+    """Draws a progress bar on a terminal (plain lines otherwise) and forwards to the run writer.
 
-    def __init__(self, writer, total_steps: int, log_every: int):
+    Until the first step the bar says what is starting (``starting`` text); tokens/s count the
+    steps done since the training loop started (start-up excluded), and :meth:`finish` shows
+    the run's final figure, the one summary.json holds.
+    """
+
+    def __init__(self, writer, total_steps: int, log_every: int, starting: str = "", first_step: int = 0):
         self.writer, self.total, self.log_every = writer, total_steps, log_every
         self.progress = None
         if err_console.is_terminal:
             self.progress = Progress(
                 TextColumn("step"), MofNCompleteColumn(), BarColumn(), TextColumn("{task.fields[stats]}"),
                 TimeElapsedColumn(), TimeRemainingColumn(), console=err_console, transient=False)
-            self.task = self.progress.add_task("train", total=total_steps, stats="")
+            self.task = self.progress.add_task("train", total=total_steps, completed=first_step, stats=starting)
             self.progress.start()
+        elif starting:
+            log.info(starting)
 
     def on_step(self, step: int, loss: float, info: dict) -> None:
         self.writer.on_step(step, loss, info)
@@ -71,6 +78,12 @@ class ProgressListener:
 
     def on_snapshot(self, version: int, states: dict) -> None:
         self.writer.on_snapshot(version, states)
+
+    def finish(self, summary: dict) -> None:
+        """Shows the whole run's figures of ``summary`` (summary.json) on the bar."""
+        if self.progress is not None and summary.get("final_train_loss") is not None:
+            self.progress.update(self.task, stats=f"loss {summary['final_train_loss']:.4f} | "
+                                 f"{summary['tokens_per_s']:,.0f} tok/s (whole run) | max Δ {max(summary['max_drift'])}")
 
     def close(self) -> None:
         if self.progress is not None:
@@ -140,7 +153,8 @@ def train(print_config: bool, resume: str | None, **kwargs) -> None:
     listeners = []
 
     def factory(writer, total):
-        listeners.append(ProgressListener(writer, total, max(total // 20, 1)))
+        starting = f"starting {cfg.stages * cfg.dp} stage processes…" if cfg.engine == "processes" else ""
+        listeners.append(ProgressListener(writer, total, max(total // 20, 1), starting, writer.resume_step or 0))
         return listeners[0]
 
     try:
@@ -148,12 +162,23 @@ def train(print_config: bool, resume: str | None, **kwargs) -> None:
             result, run_dir = run_training(listener_factory=factory, resume=resume, resume_overrides=_given(kwargs))
         else:
             result, run_dir = run_training(cfg, listener_factory=factory)
-    finally:
+    except (KeyboardInterrupt, StartupInterrupted) as exc:  # a stop before the first step
+        after = f"the run folder is unchanged; continue with: unbubble train --resume {resume}" if resume else \
+            "nothing of the new run was kept"
+        what = str(exc) if isinstance(exc, StartupInterrupted) else "interrupted before the first step"
+        raise StartupInterrupted(f"{what}; {after}") from None
+    except BaseException:
         for lst in listeners:
             lst.close()
-    if result is None:
+        raise
+    if result is None:  # a torchrun rank other than 0
+        for lst in listeners:
+            lst.close()
         return
     summary = json.loads((run_dir / "summary.json").read_text())  # the whole run, across resumes
+    for lst in listeners:
+        lst.finish(summary)
+        lst.close()
     click.echo(f"run folder: {run_dir}")
     if summary["val_losses"]:
         click.echo(f"validation loss {summary['initial_val_loss']:.4f} -> {summary['final_val_loss']:.4f} "

@@ -68,6 +68,7 @@ def run_emulator(job: PipelineJob, costs: CostModel | None = None, replay: list[
     updates_seen = [0] * n  # U actions replayed per stage, to skip those before the cut
     writer = CutWriter(job, cuts)
     t0 = time.perf_counter()
+    telemetry.set_start(time.time())  # after the evaluation of version 0, as wall_s
 
     def execute(action: Action) -> None:
         ex = execs[action.stage]

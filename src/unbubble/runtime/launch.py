@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from unbubble.errors import ConfigError, NonFiniteError, PipelineFailure
+from unbubble.errors import ConfigError, NonFiniteError, PipelineFailure, StartupInterrupted
 from unbubble.runtime.job import PipelineJob
 from unbubble.runtime.telemetry import Listener, RunResult, Telemetry
 from unbubble.runtime.worker import from_bytes, run_stage
@@ -166,10 +166,16 @@ def _stage_entry(rank: int, job: PipelineJob, replay, q, port: int, threads: int
     if parent is not None and os.getppid() != parent:  # the launcher died before PDEATHSIG was set
         os._exit(1)
     logging.basicConfig(level=logging.WARNING, format=f"%(levelname)-8s [rank {rank}] %(message)s")
+    for sig in _STOP_SIGNALS:  # discards a terminal's Ctrl-C still pending from the start (blocked then)
+        signal.signal(sig, signal.SIG_IGN)
     os.setpgrp()  # a terminal's Ctrl-C reaches the launcher only, which forwards it once
     torch.set_num_threads(threads)
     cuts = job.cuts()
     install_stop_handlers(cuts, announce=False)  # the launcher announces it
+    # a stop signal during the rendezvous would interrupt its connects (EINTR) and print C++ retry
+    # warnings with stack traces: it stays pending (blocked in every thread) until run_stage has
+    # set up its process groups and unblocks it
+    signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
     slot = last_actions[rank] if last_actions is not None else None
 
     def on_action(action) -> None:
@@ -185,10 +191,8 @@ def _stage_entry(rank: int, job: PipelineJob, replay, q, port: int, threads: int
     try:
         device, control = _init(backend, rank, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=job.dp * job.schedule.n_ranks, timeout=timedelta(seconds=timeout_s))
-        stopped = run_stage(job, rank, q.put, replay, recv_timeout_s=timeout_s, device=device,
-                            control_group=control, cuts=cuts, on_action=on_action if slot is not None else None)
-        if stopped is not None:
-            q.put(("stopped", rank, stopped))
+        run_stage(job, rank, q.put, replay, recv_timeout_s=timeout_s, device=device, control_group=control,
+                  cuts=cuts, on_action=on_action if slot is not None else None)
         dist.destroy_process_group()
     except BaseException as exc:  # noqa: BLE001 - reported to the coordinator, then exit 1
         text = f"{type(exc).__name__}: {exc}"
@@ -237,6 +241,8 @@ class _Collector:
             self.telemetry.add_event(payload)
         elif kind == "stopped":
             self.stopped_at = payload
+        elif kind == "start":
+            self.telemetry.set_start(payload)
 
     def result(self) -> RunResult:
         n = self.job.schedule.n_stages
@@ -325,8 +331,18 @@ def run_processes(job: PipelineJob, replay: list[list[Action]] | None = None, li
                 os.kill(p.pid, signals[0])
                 forwarded.add(g)
 
+    starting = [True]  # while the stage processes are spawned: a stop waits until they all have been
+
+    def startup_interrupted(signum: int) -> StartupInterrupted:
+        return StartupInterrupted(f"{signal.Signals(signum).name} before the first step: every stage process "
+                                  "was ended (nothing to save; the newest checkpoint, if any, is unchanged)")
+
     def on_signal(signum, frame):
         signals.append(signum)
+        if starting[0]:  # raising inside Process.start would cut a child's pickled input short
+            return  # (its "EOFError: Ran out of input" traceback): raised once all have started
+        if not collector.telemetry.step_losses:  # nothing done yet, so nothing to save
+            raise startup_interrupted(signum)
         if len(signals) > 1:
             raise KeyboardInterrupt(f"second {signal.Signals(signum).name}: stopped at once, without a checkpoint")
         log.warning("%s: the run stops at the next step boundary, after a checkpoint (send it again to stop at "
@@ -356,14 +372,20 @@ def run_processes(job: PipelineJob, replay: list[list[Action]] | None = None, li
 
     collector = _Collector(job, listener)
     try:
-        if on_main:  # children start with SIGINT/SIGTERM ignored (a terminal's Ctrl-C reaches them too)
-            for sig in _STOP_SIGNALS:
-                signal.signal(sig, signal.SIG_IGN)
-        for p in procs:
-            p.start()
-        if on_main:
+        if on_main:  # children start with SIGINT/SIGTERM blocked (a terminal's Ctrl-C reaches them too, and
+            # they discard it); here a signal that arrives while they start waits until they all have
             for sig in _STOP_SIGNALS:
                 signal.signal(sig, on_signal)
+            signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
+        try:
+            for p in procs:
+                p.start()
+        finally:
+            if on_main:  # (another thread of this process may still have run on_signal meanwhile)
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
+            starting[0] = False
+        if signals:
+            raise startup_interrupted(signals[0])
         while not collector.complete:
             forward_stop()
             try:
@@ -449,10 +471,8 @@ def run_torchrun(job: PipelineJob, replay: list[list[Action]] | None = None, lis
     messages: list[tuple] = []
     cuts = job.cuts()
     install_stop_handlers(cuts)  # torchrun forwards SIGINT/SIGTERM to every worker
-    stopped = run_stage(job, rank, messages.append, None if replay is None else replay[rank % n],
-                        recv_timeout_s=timeout_s, device=device, control_group=control, cuts=cuts)
-    if stopped is not None:
-        messages.append(("stopped", rank, stopped))
+    run_stage(job, rank, messages.append, None if replay is None else replay[rank % n],
+              recv_timeout_s=timeout_s, device=device, control_group=control, cuts=cuts)
     gathered = [None] * world if rank == 0 else None
     dist.gather_object(messages, gathered, dst=0, group=control)
     dist.destroy_process_group()

@@ -93,15 +93,18 @@ class Telemetry:
         self._eval_modules: list | None = None
         self._fwd_version: dict[tuple[int, int], int] = {}
         self._max_drift = [0] * n  # per stage
-        self._n_fwd_first = 0
-        self.t0 = time.perf_counter()
+        self.t0 = time.time()  # training start (epoch seconds): the process engine moves it with set_start
+
+    def set_start(self, t0: float) -> None:
+        """The training loop's start (epoch seconds, shared by the stages): per-step tokens/s and
+        elapsed seconds exclude the process engine's start-up."""
+        self.t0 = t0
 
     def add_record(self, rec: ActionRecord) -> None:
         self.trace.records.append(rec)
         a = rec.action
         if a.kind is ActionKind.F:
             self._fwd_version[(a.stage, a.mb)] = rec.version
-            self._n_fwd_first += a.stage == 0
         elif a.kind in (ActionKind.B, ActionKind.I):
             d = rec.weights_version - self._fwd_version.pop((a.stage, a.mb))
             self._max_drift[a.stage] = max(self._max_drift[a.stage], d)
@@ -109,10 +112,11 @@ class Telemetry:
     def add_step_loss(self, loss: float) -> None:
         self.step_losses.append(loss)
         if self.listener is not None:
-            elapsed = time.perf_counter() - self.t0
-            mb_tokens = (self.job.tokens_per_mb or 1) * self.job.dp  # every replica forwards its own
+            elapsed = time.time() - self.t0
+            # the tokens of the steps done, as RunResult.tokens counts them at the end
+            tokens = len(self.step_losses) * self.job.schedule.mb_per_step * (self.job.tokens_per_mb or 1) * self.job.dp
             self.listener.on_step(self.start_step + len(self.step_losses), loss, {
-                "tok_per_s": self._n_fwd_first * mb_tokens / elapsed if elapsed > 0 else 0.0,
+                "tok_per_s": tokens / elapsed if elapsed > 0 else 0.0,
                 "max_drift": max(self._max_drift),
                 "elapsed_s": elapsed,
             })

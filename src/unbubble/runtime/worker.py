@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import logging
+import signal
 import time
 from typing import Callable
 
@@ -45,13 +46,15 @@ def run_stage(job: PipelineJob, rank: int, sink: Sink, replay: list[Action] | No
     ``r, r + R, …`` when interleaved. May be called again (same job sizes or not) in the same
     process group: the channel groups are created once.
 
-    Reports to ``sink`` (replica 0): ``("records", stage, [(action, start_s, end_s, version,
+    Reports to ``sink`` (replica 0): ``("start", 0, t0)`` once (rank 0: the training loop's
+    start in epoch seconds, after set-up), ``("records", stage, [(action, start_s, end_s, version,
     weights), …])`` and ``("step_loss", stage, loss)`` after each update (with D > 1 the loss is
     the replicas' mean), ``("snapshot", stage, (version, bytes))`` for evaluation, and
     ``("final", stage, (state_bytes, wall_s, optimizer_bytes, memory_bytes))`` at the end; other replicas,
     whose weights equal replica 0's, report only ``("done", stage, wall_s)``. Times are seconds
     since a start shared by all ranks. ``("event", stage, event)`` reports a micro-batch the
-    non-finite guard dropped (every replica reports its own).
+    non-finite guard dropped (every replica reports its own); ``("stopped", stage, T)`` before
+    its final report when a stop signal ended the run at step T.
 
     Checkpoints ([Note: the checkpoint cut]): with ``job.checkpoint`` set, replica 0 writes each
     hosted stage's file at every cut; with ``resume_step`` set, every rank starts from the files
@@ -129,11 +132,15 @@ def run_stage(job: PipelineJob, rank: int, sink: Sink, replay: list[Action] | No
             transport.send_end(False, t)
             end_sent[False] = True
 
+    # set-up is done: a stop signal the launcher blocked during the rendezvous arrives now
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, (signal.SIGINT, signal.SIGTERM))
     # a start time shared by every rank (host tensors), taken once all have finished setting up
     dist.barrier(group=control_group)
     t_ref = torch.tensor([time.time()], dtype=torch.float64)
     dist.broadcast(t_ref, src=0, group=control_group)
     t0 = float(t_ref[0])
+    if rank == 0:
+        sink(("start", 0, t0))
     records: list[tuple[str, float, float, int, int]] = []
     last: Action | None = None
 
@@ -202,6 +209,8 @@ def run_stage(job: PipelineJob, rank: int, sink: Sink, replay: list[Action] | No
         at_stop()
     transport.close()
     wall = time.time() - t0
+    if cuts.stop_step is not None:  # before "final"/"done": the launcher stops reading once all have come
+        sink(("stopped", prank, cuts.stop_step))
     if not primary:
         for s in execs:
             sink(("done", s, wall))
