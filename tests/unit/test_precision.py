@@ -369,3 +369,44 @@ def test_cli_refuses_bad_modes_in_one_line(args, message, tmp_path):
     assert res.exit_code == 2
     assert res.stderr.strip() == message
     assert not (tmp_path / "r").exists()
+
+
+# --- the non-finite guard ---------------------------------------------------------------------------
+def _nan_batch(bad, k):
+    x, y = _mlp_batch(k)
+    if k in bad:
+        x[0, 0] = float("nan")
+    return x, y
+
+
+def _marked(k):
+    x, y = _mlp_batch(k)
+    if k == 7:
+        y[0, 0] = 1000.0
+    return x, y
+
+
+def _zeroing_mse(out, y):
+    """MSE; the micro-batch marked with 1000 in y[0, 0] counts zero (what dropping it must give)."""
+    loss = _mse(out.float(), y)
+    return loss * 0.0 if y[0, 0] > 500 else loss
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("name,kw", [("paci", dict(a=2)), ("zb-h1", dict(m=3))])
+def test_nan_guard_drops_the_micro_batch_under_recompute(name, kw, precision):
+    """A NaN in micro-batch 7's input: with recomputation it is found in the (recomputed) loss on
+    the last stage and dropped on every stage; the weights equal a run in which that micro-batch's
+    loss counts zero."""
+    sched = get_schedule(name, 3, steps=6, **kw)
+    adam = lambda params, stage: torch.optim.Adam(params, lr=0.05)  # noqa: E731
+    guarded = run_emulator(PipelineJob(_mlp_stage, _mse, lambda k: _nan_batch({7}, k), adam, sched,
+                                       precision=precision, recompute="full"))
+    reference = run_emulator(PipelineJob(_mlp_stage, _zeroing_mse, _marked, adam, sched, precision=precision,
+                                         recompute="full"))
+    assert [(e["stage"], e["mb"], e["what"]) for e in guarded.events] == \
+        [(2, 7, "loss"), (1, 7, "gradient from the next stage"), (0, 7, "gradient from the next stage")]
+    for got, want in zip(guarded.final_states, reference.final_states):
+        for k in got:
+            assert torch.isfinite(got[k]).all()
+            torch.testing.assert_close(got[k], want[k], rtol=1e-6, atol=1e-7)

@@ -151,6 +151,8 @@ class StageExecutor:
         """
         if self.is_first:
             inp, x = None, self._on_device(self.batch_fn(k)[0])
+            if self.masters is not None and x.is_floating_point():  # bf16: a float input in the weights' dtype
+                x = x.to(torch.bfloat16)
         else:
             inp = x = activation.detach().requires_grad_(True)
         self.fwd_version[k] = self.version
