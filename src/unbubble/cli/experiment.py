@@ -10,9 +10,9 @@ import click
 
 @click.command()
 @click.argument("name")
-@click.option("--size", type=click.Choice(["default", "tiny", "full"]), default="default", show_default=True,
-              help="default: the documented size (≤ 30 min on 2 cores); tiny: a smoke-sized run (< 60 s); full: "
-                   "delay-scaling's whole grid (P = 1…32, with Nesterov; ≈ 1.5 h), the default for the others.")
+@click.option("--size", type=click.Choice(["default", "tiny"]), default="default", show_default=True,
+              help="default: the documented size (paci-study ≈ 75 min, br-study ≈ 45 min, the others ≤ 30 min on "
+                   "2 cores); tiny: a smoke-sized run (< 30 s).")
 @click.option("--seed", "seeds", type=int, multiple=True, help="Seeds (repeatable); default per experiment.")
 @click.option("--out", type=click.Path(path_type=Path), default=Path("experiments"), show_default=True,
               help="Folder for runs, CSV and PNG files.")
@@ -25,8 +25,7 @@ import click
                    "DIR/curves.csv (e.g. docs/data/paci-study).")
 def experiment(name: str, size: str, seeds: tuple[int, ...], out: Path, results: Path, workers: int,
                analyze: Path | None) -> None:
-    """Run experiment NAME: paci-study, br-study, paci-stability, time-to-accuracy, throughput-memory,
-    delay-scaling, br-ablation.
+    """Run experiment NAME: paci-study, br-study, throughput-memory, moe-delay.
 
     paci-study and br-study are resumable sweeps: run the same command again after a stop and
     finished runs are skipped."""

@@ -1,7 +1,6 @@
 """Experiments that reproduce the seed papers' claims at small scale (``unbubble experiment NAME``)."""
 
-from unbubble.experiments import studies, paci, basis_rotation  # noqa: F401,I001 - registration order = listing order
-from unbubble.experiments import moe  # noqa: F401 - after the Basis Rotation experiments in the listing
+from unbubble.experiments import studies, paci, moe  # noqa: F401,I001 - registration order = listing order
 from unbubble.experiments.common import EXPERIMENTS, ExperimentOutput, get_experiment, update_results
 
 __all__ = ["EXPERIMENTS", "ExperimentOutput", "get_experiment", "update_results"]

@@ -15,7 +15,6 @@ from typing import Any, Callable
 from unbubble.config import TrainConfig
 from unbubble.errors import ConfigError
 from unbubble.runtime.telemetry import RunResult
-from unbubble.schedules.actions import ActionKind
 
 log = logging.getLogger(__name__)
 
@@ -63,14 +62,6 @@ def base_config(out_dir: Path, tag: str, **overrides: Any) -> TrainConfig:
                     checkpoints=False)  # no drains: the schedules run as the papers define them
     defaults.update(overrides)
     return TrainConfig(**defaults)
-
-
-def update_times(result: RunResult, sim: bool = False) -> list[float]:
-    """End time (s) of each update of the last stage: the moment version v exists everywhere
-    downstream (simulated clock if ``sim``, else measured wall clock)."""
-    trace = result.sim_trace if sim else result.trace
-    last = trace.n_stages - 1
-    return [r.end for r in trace.records if r.action.kind is ActionKind.U and r.action.stage == last]
 
 
 def write_csv(path: Path, rows: list[dict[str, Any]]) -> Path:

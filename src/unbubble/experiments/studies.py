@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from unbubble.experiments.common import ExperimentOutput, experiment, figure, md_table, provenance, save_figure, write_csv
-from unbubble.experiments.stats import (iso_loss_overhead, loss_at, loss_at_fraction, mean_curve, mean_std, smooth,
-                                        time_to_target)
+from unbubble.experiments.stats import (iso_loss_overhead, loss_at, loss_at_fraction, mean_curve, mean_std, rms_std,
+                                        slowdown, smooth, time_to_target)
 from unbubble.experiments.study_specs import br_spec, paci_spec
 from unbubble.experiments.sweep import SweepData, SweepSpec, read_tables, run_sweep, tuned_lrs
 
@@ -118,6 +118,15 @@ def _time_curve(study: Study, method: str, n: int, times: dict) -> list[tuple[fl
     return [(0.0 if v == 0 else ends[min(int(v), len(ends)) - 1], loss) for v, loss in study.updates_curve(method, n)]
 
 
+def _run_to_run_std(study: Study, method: str, n: int) -> float | None:
+    """PACI's stability measure: the across-seed std of the validation loss, RMS over the
+    evaluations after the first (None with one seed or a diverged seed)."""
+    curves = [[loss for _, loss in c[1:]] for c in study.curves(method, n)]
+    if len(curves) < 2 or any(x is None or not math.isfinite(x) for c in curves for x in c):
+        return None
+    return rms_std(curves)
+
+
 def _baseline(study: Study, method: str, n: int) -> str | None:
     """The synchronous baseline of a method: 1F1B-flush with m = the method's micro-batches per update."""
     if method.startswith("1f1b-flush"):
@@ -138,7 +147,8 @@ def paci_tables(study: Study, n: int = 8) -> dict[str, list[dict[str, Any]]]:
         losses = study.losses(method, n)
         curve = study.curve(method, n)
         row = {"method": method, "tuned lr": study.lr(method, n), "seeds": len(losses),
-               "final val loss": _fmt_ms(losses), "max Δ": max(r["max_drift"] for r in study.final(method, n))}
+               "final val loss": _fmt_ms(losses), "run-to-run std": _run_to_run_std(study, method, n),
+               "max Δ": max(r["max_drift"] for r in study.final(method, n))}
         if base is not None:
             bl = study.losses(base, n)
             target = statistics.fmean(bl)
@@ -312,8 +322,7 @@ def br_tables(study: Study) -> tuple[float, float, dict[str, list[dict[str, Any]
             for p in depths:
                 row[f"P={p}"] = steps(opt, 1) if p == 1 else steps(label, p)
             last = depths[-1]
-            row[f"slowdown P=1→{last}"] = (row[f"P={last}"] / row["P=1"] if row[f"P={last}"] and row["P=1"]
-                                           else None)
+            row[f"slowdown P=1→{last}"] = slowdown({1: row["P=1"], last: row[f"P={last}"]})[last]
             scaling.append(row)
     tuned = []
     for opt in opts:
@@ -327,7 +336,7 @@ def br_tables(study: Study) -> tuple[float, float, dict[str, list[dict[str, Any]
                               and "no stashing" not in m and not m.endswith(("stage-aware", "inverse"))]:
         s1, sp = steps(label, 1), steps(label, depths[-1])
         ablation.append({"variant": label, "P=1 steps": s1, f"P={depths[-1]} steps": sp,
-                         "slowdown": sp / s1 if s1 and sp else None,
+                         "slowdown": slowdown({1: s1, depths[-1]: sp})[depths[-1]],
                          f"P={depths[-1]} final val loss": _fmt_ms(study.losses(label, depths[-1]))
                          if study.has(label, depths[-1]) else None})
     alloc = []
