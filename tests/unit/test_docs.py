@@ -5,7 +5,8 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-DOCS = ["README.md", "docs/concepts.md", "docs/tutorial.md", "docs/faq.md", "docs/paper-to-code.md"]
+DOCS = ["README.md", "docs/concepts.md", "docs/tutorial.md", "docs/faq.md", "docs/paper-to-code.md", "docs/experiments.md",
+        "docs/results.md"]
 
 
 def test_local_links_and_images_exist():

@@ -124,3 +124,39 @@ def test_br_study_tiny_values(tmp_path):
             assert float(r["slowdown P=1→4"]) == pytest.approx(float(r["P=4"]) / float(r["P=1"]))
     tuned = _csv(tmp_path / "br_study_tuned.csv")
     assert {r["seeds"] for r in tuned if r["P"] == "1"} == {"2"}
+
+
+def test_the_documented_sweep_spec_is_valid(tmp_path):
+    import re
+    from pathlib import Path
+
+    import yaml
+
+    from unbubble.experiments.sweep import load_spec
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "experiments.md").read_text()
+    block = re.search(r"```yaml\n(.*?)```", doc, flags=re.S).group(1)
+    (tmp_path / "grid.yaml").write_text(block)
+    spec = load_spec(tmp_path / "grid.yaml")  # validates every method's configuration
+    assert len(spec.tuning_runs()) == 3 * 3  # three tuned methods × three lrs; the lr_from one waits
+    assert yaml.safe_load(block)["methods"][3]["lr_from"] == "paci a=4"
+    assert spec.lr_for(spec.methods[3], 4, {("paci a=4", 8): 1e-3}) == 1e-3
+
+
+def test_sweep_cli_dry_run_and_a_bad_spec(tmp_path):
+    from click.testing import CliRunner
+
+    import yaml
+
+    from unbubble.cli import cli
+
+    spec = _spec(lrs=[1e-3, 3e-3])
+    (tmp_path / "s.yaml").write_text(yaml.safe_dump(spec))
+    result = CliRunner().invoke(cli, ["sweep", str(tmp_path / "s.yaml"), "--dry-run"])
+    assert result.exit_code == 0, result.output
+    assert result.output.splitlines() == ["flush-N2-lr0.001-s0", "flush-N2-lr0.003-s0",
+                                          "2 tuning runs; then 0 more seed(s) per tuned method"]
+    (tmp_path / "bad.yaml").write_text(yaml.safe_dump({**spec, "stages": []}))
+    result = CliRunner().invoke(cli, ["sweep", str(tmp_path / "bad.yaml")])
+    assert result.exit_code == 2 and result.output.strip().endswith("error: sweep stages=[] is invalid: give at least one")
+    assert not (tmp_path / "runs").exists()
