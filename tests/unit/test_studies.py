@@ -8,7 +8,7 @@ import pytest
 from unbubble.errors import ConfigError
 from unbubble.experiments import get_experiment
 from unbubble.experiments import sweep as sweep_mod
-from unbubble.experiments.sweep import SweepSpec, read_tables, run_sweep, tuned_lrs
+from unbubble.experiments.sweep import SweepSpec, next_lr, read_tables, run_sweep, tuned_lrs
 
 
 def _spec(**kw):
@@ -68,7 +68,7 @@ def test_lr_from_takes_the_nearest_tuned_depth_on_a_log_scale_and_seed_phases():
 
 
 def test_sweep_resumes_without_retraining_and_reads_back(tmp_path, monkeypatch):
-    spec = SweepSpec.from_dict(_spec(lrs=[1e-3, 3e-3], seeds=[0, 1]))
+    spec = SweepSpec.from_dict(_spec(lrs=[1e-3, 3e-3], seeds=[0, 1], extend_grid=0))
     records = run_sweep(spec, tmp_path, workers=2)
     assert [(r["lr"], r["seed"], r["phase"]) for r in records][:2] == [(1e-3, 0, "tune"), (3e-3, 0, "tune")]
     best = tuned_lrs(records)[("flush", 2)]
@@ -86,6 +86,32 @@ def test_sweep_resumes_without_retraining_and_reads_back(tmp_path, monkeypatch):
     data = read_tables(tmp_path)
     assert [r["final_val_loss"] for r in data.runs] == pytest.approx([r["final_val_loss"] for r in records])
     assert all(len(data.val[r["run_id"]]) >= 2 for r in records)  # initial and final evaluation at least
+
+
+def test_next_lr_continues_the_grid():
+    assert next_lr([3e-4, 1e-3, 3e-3]) == 0.01  # the half-decade pattern
+    assert next_lr([3e-4, 1e-3, 3e-3, 1e-2]) == 0.03
+    assert next_lr([3e-4, 1e-3, 3e-3], up=False) == 1e-4
+    assert next_lr([1e-3, 2e-3]) == 4e-3 and next_lr([1e-3, 2e-3], up=False) == 5e-4  # the last ratio
+
+
+def test_a_best_lr_at_the_edge_extends_the_grid(tmp_path, monkeypatch):
+    """A fake trainer whose loss is (log10 lr + 2)², best at lr 1e-2: starting from
+    [1e-3, 3e-3], round 1 tries 9e-3 (ratio 3), round 2 tries 2.7e-2, which is worse: tuned 9e-3."""
+    def fake_execute(run, spec, out):
+        return {"run_id": run.run_id, "method": run.method, "stages": run.stages, "lr": run.lr, "seed": run.seed,
+                "phase": run.phase, "final_val_loss": (math.log10(run.lr) + 2) ** 2, "wall_s": 0.0}
+
+    monkeypatch.setattr(sweep_mod, "execute", fake_execute)
+    monkeypatch.setattr(sweep_mod, "write_tables", lambda records, out: None)
+    spec = SweepSpec.from_dict(_spec(lrs=[1e-3, 3e-3], seeds=[0, 1], extend_grid=3))
+    records = run_sweep(spec, tmp_path, workers=1)
+    assert [(r["lr"], r["seed"], r["phase"]) for r in records] == [
+        (1e-3, 0, "tune"), (3e-3, 0, "tune"), (9e-3, 0, "tune"), (2.7e-2, 0, "tune"), (9e-3, 1, "seeds")]
+    off = SweepSpec.from_dict(_spec(lrs=[1e-3, 3e-3], seeds=[0], extend_grid=0))
+    assert [r["lr"] for r in run_sweep(off, tmp_path / "off", workers=1)] == [1e-3, 3e-3]
+    with pytest.raises(ConfigError, match="extend_grid=-1 is invalid"):
+        SweepSpec.from_dict(_spec(extend_grid=-1))
 
 
 def _csv(path):

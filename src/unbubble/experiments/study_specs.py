@@ -60,7 +60,7 @@ def br_spec(size: str) -> dict[str, Any]:
     if size == "tiny":
         return {
             "name": "br-study", "micro_batches": 12, "stages": [1, 4], "lrs": [1e-2], "seeds": [0, 1],
-            "evals": 2, "keep_train_curve": True, "seed_stages": [1],
+            "evals": 2, "keep_train_curve": True, "seed_stages": [1], "extend_grid": 0,
             "base": {"model": "deep32-cpu", "seq_len": 16, "micro_batch_size": 4, "warmup_frac": 0.1,
                      "warmup_min": 0, "eval_batches": 2},
             "methods": [

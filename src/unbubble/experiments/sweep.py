@@ -6,9 +6,10 @@ pipeline depths, a learning-rate grid, seeds and the number of micro-batches eve
 (equal tokens: ``steps = micro_batches // micro-batches per update``).
 
 Protocol (``tune=True``, the field's usual one): every (method, N) is trained at every lr of the
-grid with the first seed; the lr with the lowest final validation loss is that method's tuned lr;
-the other seeds then run at the tuned lr only (``seed_stages`` limits them to some depths). With
-``tune=False`` every lr runs with every seed.
+grid with the first seed; when the best lr is at the edge of what was tried, the next lr beyond
+it is tried too (``extend_grid`` rounds); the lr with the lowest final validation loss is that
+method's tuned lr; the other seeds then run at the tuned lr only (``seed_stages`` limits them to
+some depths). With ``tune=False`` every lr runs with every seed.
 
 Each finished run leaves ``OUT/results/<run id>.json``; a second invocation skips those, so a
 stopped sweep continues where it stopped. ``OUT/runs.csv`` (one row per run) and
@@ -98,6 +99,9 @@ class SweepSpec:
         tune: tune the lr on ``seeds[0]``, then run the other seeds at the tuned lr.
         seed_stages: depths at which the other seeds run (None: every depth).
         keep_train_curve: store the training loss of every update in curves.csv.
+        extend_grid: rounds of grid extension: a (method, N) whose best lr is the largest (or
+            smallest) it tried also tries the next lr beyond it (:func:`next_lr`), so no method
+            is reported at the edge of its grid; 0 turns it off.
     """
 
     name: str
@@ -111,6 +115,7 @@ class SweepSpec:
     tune: bool = True
     seed_stages: list[int] | None = None
     keep_train_curve: bool = False
+    extend_grid: int = 1
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "SweepSpec":
@@ -141,7 +146,8 @@ class SweepSpec:
         spec = cls(name=d["name"], base=dict(d.get("base", {})), methods=methods, stages=list(d["stages"]),
                    lrs=[float(x) for x in d["lrs"]], seeds=[int(s) for s in d["seeds"]],
                    micro_batches=int(d["micro_batches"]), evals=int(d.get("evals", 12)), tune=bool(d.get("tune", True)),
-                   seed_stages=d.get("seed_stages"), keep_train_curve=bool(d.get("keep_train_curve", False)))
+                   seed_stages=d.get("seed_stages"), keep_train_curve=bool(d.get("keep_train_curve", False)),
+                   extend_grid=int(d.get("extend_grid", 1)))
         spec.validate()
         return spec
 
@@ -161,6 +167,8 @@ class SweepSpec:
         for m in self.methods:
             if m.lr_from is not None and (m.lr_from not in labels or self._method(m.lr_from).lr_from is not None):
                 raise ConfigError(f"method {m.label!r}: lr_from={m.lr_from!r} must name a tuned method of this sweep")
+        if self.extend_grid < 0:
+            raise ConfigError(f"extend_grid={self.extend_grid} is invalid: give 0 (off) or more rounds")
         if self.micro_batches < 1 or self.evals < 1:
             raise ConfigError(f"micro_batches={self.micro_batches} and evals={self.evals} must be ≥ 1")
         for m in self.methods:
@@ -196,6 +204,28 @@ class SweepSpec:
                 for m in self.methods if m.lr_from is None
                 for n in (m.stages or self.stages) for lr in (m.lrs or self.lrs) for s in seeds]
 
+    def edge_runs(self, records: list[dict[str, Any]]) -> list[RunSpec]:
+        """One round of grid extension: for each tuned (method, N) whose best lr among the
+        tuning runs so far is the largest (smallest) of ≥ 2 tried, a tuning run at the next lr
+        above (below) it."""
+        tried: dict[tuple[str, int], list[float]] = {}
+        for r in records:
+            if r["phase"] == "tune":
+                tried.setdefault((r["method"], int(r["stages"])), []).append(float(r["lr"]))
+        best = tuned_lrs(records)
+        runs = []
+        for m in self.methods:
+            if m.lr_from is not None:
+                continue
+            for n in m.stages or self.stages:
+                lrs = sorted(set(tried.get((m.label, n), [])))
+                if len(lrs) < 2 or (m.label, n) not in best:
+                    continue
+                if best[(m.label, n)] in (lrs[0], lrs[-1]):
+                    runs.append(RunSpec(m.label, m.overrides, n, next_lr(lrs, up=best[(m.label, n)] == lrs[-1]),
+                                        self.seeds[0], "tune"))
+        return runs
+
     def lr_for(self, method: Method, n: int, best: dict[tuple[str, int], float]) -> float | None:
         """The lr phase 2 uses for ``method`` at depth ``n`` (None: nothing tuned to take it from)."""
         if method.lr_from is None:
@@ -222,6 +252,15 @@ class SweepSpec:
                 runs += [RunSpec(m.label, m.overrides, n, lr, s, "seeds" if m.lr_from is None else "transfer")
                          for s in seeds]
         return runs
+
+
+def next_lr(lrs: list[float], up: bool = True) -> float:
+    """The lr one grid step beyond the largest (``up``) or smallest of the sorted ``lrs``: a grid
+    with the half-decade pattern (3e-4, 1e-3, 3e-3) continues it (1e-2); otherwise the last ratio
+    repeats. Rounded to 12 significant digits so run ids stay readable."""
+    g = lrs if up else [1 / x for x in reversed(lrs)]
+    nxt = g[-2] * 10 if len(g) >= 3 and math.isclose(g[-1] / g[-3], 10, rel_tol=1e-6) else g[-1] ** 2 / g[-2]
+    return float(f"{(nxt if up else 1 / nxt):.12g}")
 
 
 def load_spec(path: str | Path) -> SweepSpec:
@@ -330,6 +369,11 @@ def run_sweep(spec: SweepSpec, out: Path, workers: int = 2,
     say = progress or log.info
     out.mkdir(parents=True, exist_ok=True)
     records = _run_all(spec.tuning_runs(), spec, out, workers, say)
+    for _ in range(spec.extend_grid if spec.tune else 0):
+        edges = spec.edge_runs(records)
+        if not edges:
+            break
+        records += _run_all(edges, spec, out, workers, say)
     records += _run_all(spec.seed_runs(tuned_lrs(records)), spec, out, workers, say)
     write_tables(records, out)
     return records
