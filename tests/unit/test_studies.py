@@ -186,3 +186,24 @@ def test_sweep_cli_dry_run_and_a_bad_spec(tmp_path):
     result = CliRunner().invoke(cli, ["sweep", str(tmp_path / "bad.yaml")])
     assert result.exit_code == 2 and result.output.strip().endswith("error: sweep stages=[] is invalid: give at least one")
     assert not (tmp_path / "runs").exists()
+
+
+def test_a_stopped_run_is_not_recorded_as_finished(tmp_path, monkeypatch):
+    """Regression: a sweep stopped by Ctrl-C/SIGTERM recorded its workers' partial runs (stopped
+    at a step boundary) as finished, and a resumed sweep skipped them."""
+    import unbubble.train
+    from unbubble.errors import PipelineFailure
+
+    real_train = unbubble.train.train
+
+    def stopped_train(cfg):
+        result, run_dir = real_train(cfg)
+        result.stopped_at, result.step_losses = 1, result.step_losses[:1]  # as a stop after update 1
+        return result, run_dir
+
+    monkeypatch.setattr(unbubble.train, "train", stopped_train)
+    spec = SweepSpec.from_dict(_spec(micro_batches=8, extend_grid=0))  # 4 updates of m=2
+    with pytest.raises(PipelineFailure, match=r"t: run flush-N2-lr0.001-s0 was stopped at step 1 of 4; it is not "
+                                              r"recorded: run the same command again"):
+        run_sweep(spec, tmp_path, workers=1)
+    assert not list(tmp_path.glob("results/*.json"))

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from unbubble.errors import ConfigError
+from unbubble.errors import ConfigError, PipelineFailure
 
 log = logging.getLogger(__name__)
 
@@ -294,7 +294,12 @@ def _stage_costs(trace) -> tuple[list[float], list[float], list[float]]:
 
 
 def execute(run: RunSpec, spec: SweepSpec, out: Path) -> dict[str, Any]:
-    """Trains one run and writes ``out/results/<run id>.json`` (atomically). Returns its record."""
+    """Trains one run and writes ``out/results/<run id>.json`` (atomically). Returns its record.
+
+    Raises:
+        PipelineFailure: a stop signal ended the run early; nothing is recorded (a partial run
+            must not count as finished), so running the sweep again retrains it.
+    """
     import shutil
 
     from unbubble.train import train
@@ -305,6 +310,10 @@ def execute(run: RunSpec, spec: SweepSpec, out: Path) -> dict[str, Any]:
     t0 = time.perf_counter()
     result, _ = train(cfg)
     wall = time.perf_counter() - t0
+    if result.stopped_at is not None or len(result.step_losses) < cfg.steps:
+        raise PipelineFailure(f"{spec.name}: run {run.run_id} was stopped at step {len(result.step_losses)} of "
+                              f"{cfg.steps}; it is not recorded: run the same command again to continue "
+                              "(finished runs are kept)")
     f_s, b_s, u_s = _stage_costs(result.trace)
     vals = result.val_losses
     mb_per_update = cfg.mb_per_step
@@ -399,8 +408,12 @@ def _run_all(runs: list[RunSpec], spec: SweepSpec, out: Path, workers: int,
         ctx = multiprocessing.get_context("spawn")  # fresh interpreters: no forked torch thread pools
         with ProcessPoolExecutor(max_workers=min(workers, len(todo)), mp_context=ctx) as pool:
             futures = [pool.submit(execute, r, spec, out) for r in todo]
-            for i, fut in enumerate(as_completed(futures), 1):
-                finished(i, fut.result())
+            try:
+                for i, fut in enumerate(as_completed(futures), 1):
+                    finished(i, fut.result())
+            except BaseException:  # a stop or a failed run: queued runs must not start
+                pool.shutdown(wait=True, cancel_futures=True)
+                raise
     return [done[r.run_id] for r in runs]
 
 
