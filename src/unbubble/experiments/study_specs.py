@@ -43,6 +43,10 @@ def paci_spec(size: str) -> dict[str, Any]:
             {"label": "paci a=4 + basis-rotation", "schedule": "paci", "a": 4, "optimizer": "basis-rotation"},
             {"label": "paci a=4 + muon", "schedule": "paci", "a": 4, "optimizer": "muon"},
             {"label": "paci a=4 + staleness-lr", "schedule": "paci", "a": 4, "optimizer": "staleness-lr"},
+            # the two matrix-aware remedies at a = 8 too, at their a = 4 lr (three seeds)
+            {"label": "paci a=8 + basis-rotation", "schedule": "paci", "a": 8, "optimizer": "basis-rotation",
+             "lr_from": "paci a=4 + basis-rotation"},
+            {"label": "paci a=8 + muon", "schedule": "paci", "a": 8, "optimizer": "muon", "lr_from": "paci a=4 + muon"},
             {"label": "pipemare", "schedule": "pipemare"},
             {"label": "pipedream", "schedule": "pipedream"},
             {"label": "1f1b-flush m=2", "schedule": "1f1b-flush", "m": 2, **scan},
