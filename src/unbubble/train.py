@@ -143,7 +143,7 @@ def build_job(cfg: TrainConfig, tokens: TokenData) -> tuple[PipelineJob, ModelCo
 
 
 #: Options ``--resume`` lets change: how the run executes, not what it computes.
-RESUME_OVERRIDES = ("engine", "threads_per_stage", "timeout_s", "cache_dir")
+RESUME_OVERRIDES = ("engine", "threads_per_stage", "timeout_s", "cache_dir", "final_checkpoint")
 
 
 def resume_config(run_dir: str | Path, overrides: dict | None = None) -> TrainConfig:
@@ -196,6 +196,11 @@ def attach_checkpoints(job: PipelineJob, cfg: TrainConfig, run_dir: Path, resume
     if resume:
         for leftover in directory.glob("step-*/.stage-*.tmp-*"):  # a write cut short by a second signal
             leftover.unlink(missing_ok=True)
+        summary = run_dir / "summary.json"
+        done = json.loads(summary.read_text()) if summary.exists() else {}
+        if done.get("steps_done") == job.schedule.steps and done.get("stopped_at_step") is None:
+            raise ConfigError(f"run {str(run_dir)!r} already finished: its summary.json has all {job.schedule.steps} "
+                              "steps (start a new run to train longer)")
         steps = complete_steps(directory, n)
         if not steps:  # stopped or crashed before its first checkpoint: start again from step 0
             log.warning("run %s has no complete checkpoint in %s: it restarts from step 0", run_dir, directory)
@@ -207,7 +212,10 @@ def attach_checkpoints(job: PipelineJob, cfg: TrainConfig, run_dir: Path, resume
             log.info("resuming run %s from step %d of %d (checkpoint %s)", run_dir, step, job.schedule.steps,
                      directory / f"step-{step:08d}")
         extra = tuple(load_stage(directory, step, 0)["extra_cuts"]) if step else ()
-    job = dataclasses.replace(job, checkpoint=Checkpointing(str(directory), cfg.checkpoint_every, 2, step, extra))
+    # the last step's checkpoint: when asked, or when the run is long enough to checkpoint anyway
+    final = cfg.final_checkpoint or 0 < cfg.checkpoint_every <= cfg.steps
+    job = dataclasses.replace(job, checkpoint=Checkpointing(str(directory), cfg.checkpoint_every, 2, step, extra,
+                                                            final))
     if resume and step:  # every file is checked here, so a bad one fails before any process starts
         for s in range(n):
             job.read_checkpoint(s, job.stage_fn(s))

@@ -46,6 +46,18 @@ def test_report_draws_two_runs(two_runs, tmp_path):
     assert "| paci | paci | 2 | 2 | adamw | emulator | 4 |" in res.stdout
 
 
+def test_report_writes_into_the_run_folder_or_runs_by_default(two_runs, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    res = CliRunner().invoke(cli, ["report", str(two_runs[0])])
+    assert res.exit_code == 0, res.output
+    assert (two_runs[0] / "report" / "report.md").is_file()
+    res = CliRunner().invoke(cli, ["report", *map(str, two_runs)])
+    assert res.exit_code == 0, res.output
+    (made,) = (tmp_path / "runs").iterdir()
+    assert made.name.endswith("-report") and (made / "report.md").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["runs"]  # nothing else in the working folder
+
+
 def test_report_of_the_same_folder_twice_gets_distinct_labels(two_runs, tmp_path):
     res = CliRunner().invoke(cli, ["report", str(two_runs[0]), str(two_runs[0]), "--out", str(tmp_path)])
     assert res.exit_code == 0, res.output

@@ -222,6 +222,7 @@ def test_resume_continues_the_run_folder_bit_identically(tmp_path, cache_dir):
     cut = tmp_path / "cut"
     shutil.copytree(run, cut)
     shutil.rmtree(cut / "checkpoints" / "step-00000020")  # as if the machine died after step 10's checkpoint
+    (cut / "summary.json").unlink()
     said = _Messages("unbubble.train")
     try:
         res = CliRunner().invoke(cli, ["train", "--resume", str(cut), "--cache-dir", cache_dir])
@@ -249,6 +250,7 @@ def test_resume_continues_the_run_folder_bit_identically(tmp_path, cache_dir):
     fresh = tmp_path / "fresh"
     shutil.copytree(run, fresh)
     shutil.rmtree(fresh / "checkpoints")
+    (fresh / "summary.json").unlink()
     res = CliRunner().invoke(cli, ["-q", "train", "--resume", str(fresh), "--cache-dir", cache_dir])
     assert res.exit_code == 0, res.output
     lines = [json.loads(x) for x in (fresh / "metrics.jsonl").read_text().splitlines()]
@@ -257,3 +259,25 @@ def test_resume_continues_the_run_folder_bit_identically(tmp_path, cache_dir):
         a = load_stage(run / "checkpoints", 20, s)["executor"]["model"]
         b = load_stage(fresh / "checkpoints", 20, s)["executor"]["model"]
         assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_short_run_writes_no_checkpoint_unless_asked_and_a_finished_run_is_not_resumed(tmp_path, cache_dir):
+    """Fewer steps than --checkpoint-every: no checkpoint (a stop still writes one); with
+    --final-checkpoint the last step's; at least --checkpoint-every steps: the periodic ones and
+    the last step's. A finished run refuses --resume even without a checkpoint at its last step."""
+    from unbubble.runtime.checkpoint import complete_steps
+
+    base = ["-q", "train", "--engine", "emulator", "--stages", "2", "--a", "2", "--seq-len", "32", "--eval-interval",
+            "0", "--eval-batches", "1", "--no-tensorboard", "--cache-dir", cache_dir]
+    written = {}
+    for name, extra in (("short", ["--steps", "6"]), ("asked", ["--steps", "6", "--final-checkpoint"]),
+                        ("long", ["--steps", "7", "--checkpoint-every", "3"])):
+        res = CliRunner().invoke(cli, [*base, *extra, "--run-dir", str(tmp_path / name)])
+        assert res.exit_code == 0, res.output
+        written[name] = complete_steps(tmp_path / name / "checkpoints", 2)
+    assert written == {"short": [], "asked": [6], "long": [6, 7]}
+    res = CliRunner().invoke(cli, ["-q", "train", "--resume", str(tmp_path / "short"), "--cache-dir", cache_dir])
+    assert res.exit_code == 2
+    assert res.stderr.strip().splitlines()[-1] == (
+        f"error: run '{tmp_path / 'short'}' already finished: its summary.json has all 6 steps (start a new run to "
+        "train longer)")

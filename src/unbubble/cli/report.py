@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -279,14 +280,18 @@ def write_report(run_dirs: list[str | Path], out: str | Path) -> Path:
 
 @click.command(context_settings={"show_default": True})
 @click.argument("run_dirs", nargs=-1, required=True, type=click.Path())
-@click.option("--out", default="report", type=click.Path(), help="Folder for the PNGs and report.md (created).")
-def report(run_dirs: tuple[str, ...], out: str) -> None:
+@click.option("--out", default=None, type=click.Path(), help="Folder for the PNGs and report.md (created) "
+              "[default: RUN/report for one run folder, runs/<time>-report for several].")
+def report(run_dirs: tuple[str, ...], out: str | None) -> None:
     """Plot and summarise finished runs: loss against tokens and wall time, drift, utilization.
 
     RUN_DIRS are folders written by `unbubble train`; the first is the baseline of the speed-up
     column. Writes loss_vs_tokens.png, loss_vs_time.png, drift.png, utilization.png and report.md
     into --out, and prints the table.
     """
+    if out is None:
+        out = str(Path(run_dirs[0]) / "report") if len(run_dirs) == 1 else \
+            f"runs/{time.strftime('%Y%m%d-%H%M%S')}-report"
     md = write_report(list(run_dirs), out)
     text = md.read_text()
     click.echo(text.split("\n\nTrain loss (last 10 %)")[0].split("\n", 2)[2])

@@ -197,6 +197,13 @@ def simulate(**o) -> None:
     memory split into weights, gradients, optimizer state, activations and stashed versions),
     drift.csv (histogram of Δ per stage), and per schedule a timeline PNG and a Chrome trace
     (open in chrome://tracing or ui.perfetto.dev).
+
+    The defaults differ from `unbubble train`'s on purpose: they describe the PACI paper's GPU
+    setting (gpt2-medium on 8 H200s, a = m = 8, 16 sequences of the model's block size), which a
+    CPU cannot train, while train's describe its CPU demo (tiny, 4 stages, a = m = 4, 8 × 128
+    tokens). For train's model and batch on --hardware, give its flags (--model tiny --stages 4
+    --a 4 --m 4 --micro-batch-size 8 --seq-len 128 --vocab-size 257); for a train run on its own
+    machine, calibrate with --costs-from RUN.
     """
     from unbubble.schedules.registry import SCHEDULES
     from unbubble.sim import report

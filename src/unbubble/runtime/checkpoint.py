@@ -2,8 +2,8 @@
 
 [Note: the checkpoint cut]
 A checkpoint is taken at a *cut*: the boundary after update V where no micro-batch is in flight
-on any stage. V is a multiple of the checkpoint interval K, the last step, or the step T at which
-a stop (SIGINT/SIGTERM) was placed. Flushed schedules (GPipe, 1F1B, interleaved, ZB) reach a cut
+on any stage. V is a multiple of the checkpoint interval K, the last step (``Checkpointing.final``),
+or the step T at which a stop (SIGINT/SIGTERM) was placed. Flushed schedules (GPipe, 1F1B, interleaved, ZB) reach a cut
 after every update. Asynchronous ones (PACI, PipeDream, 2BW, PipeMare) never flush, so at a cut
 stage 0 holds back the forward of micro-batch V·mb_per_step until its own update V is applied
 (``schedules.policy.CutPolicy``): the pipeline drains once per K steps, a cool-down and warm-up of
@@ -53,6 +53,8 @@ class Checkpointing:
         keep: complete checkpoints kept (each stage deletes its older files), ≥ 2.
         resume_step: start from the complete checkpoint of this step (``None``: from scratch).
         extra_cuts: steps where an earlier run stopped (replayed so the schedule is the same).
+        final: also write the last step's checkpoint (``unbubble train``: with
+            ``--final-checkpoint``, or when the run has at least ``every`` steps).
     """
 
     directory: str
@@ -60,6 +62,7 @@ class Checkpointing:
     keep: int = 2
     resume_step: int | None = None
     extra_cuts: tuple[int, ...] = ()
+    final: bool = True
 
 
 class CutWriter:
@@ -77,8 +80,10 @@ class CutWriter:
         self._saved: set[tuple[int, int]] = set()
 
     def after_update(self, ex) -> None:
-        """Stage ``ex`` just applied an update: save if its version is a cut or the last step."""
-        if self.cuts.is_cut(ex.version) or ex.version == self.job.schedule.steps:
+        """Stage ``ex`` just applied an update: save if its version is a cut, or the last step
+        with ``checkpoint.final``."""
+        last = ex.version == self.job.schedule.steps and self.enabled and self.job.checkpoint.final
+        if self.cuts.is_cut(ex.version) or last:
             self._save(ex)
 
     def at_stop(self, executors) -> None:
