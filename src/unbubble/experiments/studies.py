@@ -31,12 +31,14 @@ from unbubble.experiments.sweep import SweepData, SweepSpec, read_tables, run_sw
 STUDIES = ("paci-study", "br-study")
 
 
-def _train_or_read(spec_dict: dict[str, Any], out: Path, analyze: Path | None, workers: int) -> SweepData:
+def _train_or_read(spec_dict: dict[str, Any], seeds: list[int] | None, out: Path, analyze: Path | None,
+                   workers: int) -> tuple[dict[str, Any], SweepData]:
+    """(the spec with ``seeds`` if given, its runs): trained into ``out``, or read from ``analyze``."""
+    if seeds:
+        spec_dict = {**spec_dict, "seeds": list(seeds)}
     if analyze is None:
-        spec = SweepSpec.from_dict(spec_dict)
-        run_sweep(spec, out, workers=workers, progress=print)
-        return read_tables(out)
-    return read_tables(analyze)
+        run_sweep(SweepSpec.from_dict(spec_dict), out, workers=workers, progress=print)
+    return spec_dict, read_tables(out if analyze is None else analyze)
 
 
 class Study:
@@ -253,10 +255,7 @@ def paci_study(out: Path, size: str = "default", seeds: list[int] | None = None,
                workers: int = 2) -> ExperimentOutput:
     """PACI's Q1/Q2 at N = 8 (N = 2 in ``tiny``); see the module docstring."""
     t0 = time.perf_counter()
-    spec = paci_spec(size)
-    if seeds:
-        spec["seeds"] = list(seeds)
-    data = _train_or_read(spec, out, analyze, workers)
+    spec, data = _train_or_read(paci_spec(size), seeds, out, analyze, workers)
     study = Study(data)
     n = max(spec["stages"])
     tables = paci_tables(study, n)
@@ -379,10 +378,7 @@ def br_study(out: Path, size: str = "default", seeds: list[int] | None = None, a
              workers: int = 2) -> ExperimentOutput:
     """Basis Rotation's slowdown P = 1 → 32 and ablation; see the module docstring."""
     t0 = time.perf_counter()
-    spec = br_spec(size)
-    if seeds:
-        spec["seeds"] = list(seeds)
-    data = _train_or_read(spec, out, analyze, workers)
+    spec, data = _train_or_read(br_spec(size), seeds, out, analyze, workers)
     study = Study(data)
     target, plateau, tables = br_tables(study)
     files = [write_csv(out / f"br_study_{k}.csv", rows) for k, rows in tables.items() if rows]

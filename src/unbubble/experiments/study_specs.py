@@ -18,7 +18,7 @@ def paci_spec(size: str) -> dict[str, Any]:
     if size == "tiny":
         return {
             "name": "paci-study", "micro_batches": 16, "stages": [2], "lrs": [1e-3, 3e-3], "seeds": [0, 1],
-            "evals": 2, "base": {"model": "tiny", "seq_len": 32, "micro_batch_size": 4, "warmup_frac": 0.1,
+            "evals": 2, "extend_grid": 0, "base": {"model": "tiny", "seq_len": 32, "micro_batch_size": 4, "warmup_frac": 0.1,
                                  "warmup_min": 0, "eval_batches": 2},
             "methods": [
                 {"label": "1f1b-flush m=2", "schedule": "1f1b-flush", "m": 2},
