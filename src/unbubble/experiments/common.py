@@ -64,10 +64,15 @@ def base_config(out_dir: Path, tag: str, **overrides: Any) -> TrainConfig:
     return TrainConfig(**defaults)
 
 
+def _columns(rows: list[dict[str, Any]]) -> list[str]:
+    """Every key of ``rows`` in first-seen order (a row may lack a column: "—" in tables)."""
+    return list(dict.fromkeys(k for r in rows for k in r))
+
+
 def write_csv(path: Path, rows: list[dict[str, Any]]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer = csv.DictWriter(f, fieldnames=_columns(rows))
         writer.writeheader()
         writer.writerows(rows)
     return path
@@ -93,9 +98,9 @@ def md_table(rows: list[dict[str, Any]]) -> str:
     def fmt(v):
         return f"{v:.4g}" if isinstance(v, float) else ("—" if v is None else str(v))
 
-    head = list(rows[0])
+    head = _columns(rows)
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    lines += ["| " + " | ".join(fmt(r[h]) for h in head) + " |" for r in rows]
+    lines += ["| " + " | ".join(fmt(r.get(h)) for h in head) + " |" for r in rows]
     return "\n".join(lines)
 
 

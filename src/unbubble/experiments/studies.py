@@ -165,6 +165,12 @@ def paci_tables(study: Study, n: int = 8) -> dict[str, list[dict[str, Any]]]:
             row["time-to-target speed-up vs flush m=a"] = (f"{t_base / t_method:.2f}" if t_method and t_base
                                                            else "not reached")
             row["vs fastest flush"] = f"{fastest / t_method:.2f}" if t_method and fastest else "not reached"
+            # a looser target every method of the study reaches: flush's loss at half its tokens
+            half = loss_at(study.curve(base, n), 0.5 * base_tokens)
+            t_half = time_to_target(_time_curve(study, method, n, times), half) if half is not None else None
+            t_base_half = time_to_target(_time_curve(study, base, n, times), half) if half is not None else None
+            row["speed-up to flush's loss at 50 %"] = (f"{t_base_half / t_half:.2f}" if t_half and t_base_half
+                                                      else "not reached")
         main.append(row)
         tune = {r["lr"]: r["final_val_loss"] for r in study.by_key[(method, n)] if r["phase"] == "tune"}
         if len(tune) > 1:
