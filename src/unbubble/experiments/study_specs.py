@@ -30,6 +30,7 @@ def paci_spec(size: str) -> dict[str, Any]:
     scan = {"lrs": LRS, "extra_seeds": False}
     return {
         "name": "paci-study", "micro_batches": 2400, "stages": [8], "lrs": LRS, "seeds": [0, 1, 2], "evals": 12,
+        "extend_grid": 2,
         "seed_stages": [8],
         "base": {"model": "deep-cpu", "seq_len": 64, "micro_batch_size": 8, "warmup_frac": 0.1, "warmup_min": 0,
                  "min_lr_ratio": 0.1, "eval_batches": 8},
@@ -100,6 +101,7 @@ def br_spec(size: str) -> dict[str, Any]:
                         "stages": [32], "extra_seeds": False, "lr_from": "basis-rotation (2nd, bilateral)"})
     return {
         "name": "br-study", "micro_batches": 800, "stages": tuned, "lrs": [3e-3, 1e-2, 3e-2], "seeds": [0, 1],
+        "extend_grid": 2,
         "evals": 8, "seed_stages": tuned, "keep_train_curve": True,
         "base": {"model": "deep32-cpu", "seq_len": 32, "micro_batch_size": 8, "warmup_frac": 0.1, "warmup_min": 0,
                  "min_lr_ratio": 0.1, "eval_batches": 8},
