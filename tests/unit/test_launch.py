@@ -45,3 +45,22 @@ def test_a_script_without_main_guard_stops_at_once_with_one_line(tmp_path):
         f"unbubble.errors.ConfigError: run_processes was called from a script without an `if __name__ == "
         f"\"__main__\":` guard ({script}, line 24): each stage process starts by importing that script and would "
         "run it again; move the call under the guard")
+
+
+def test_stage_processes_of_the_console_script_do_not_re_import_the_cli(tmp_path):
+    # spawn re-imports the __main__ script in every stage process; for the `unbubble` console
+    # script that was the whole CLI (click, rich, every command), which no stage uses
+    script = tmp_path / "unbubble"
+    script.write_text(textwrap.dedent('''
+        import multiprocessing.spawn, sys
+        from unbubble.cli import spawn_without_the_cli
+        spawn_without_the_cli()
+        data = multiprocessing.spawn.get_preparation_data("stage")
+        print(data.get("init_main_from_path"), data.get("init_main_from_name"))
+    '''))
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert out.stdout.split() == ["None", "unbubble.__main__"], out.stderr  # multiprocessing skips *.__main__
+    other = tmp_path / "train.py"  # a user's script is still re-imported (its functions may be in the job)
+    other.write_text(script.read_text())
+    out = subprocess.run([sys.executable, str(other)], capture_output=True, text=True, timeout=120)
+    assert out.stdout.split() == [str(other), "None"], out.stderr

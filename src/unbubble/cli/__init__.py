@@ -103,6 +103,22 @@ cli.add_command(__import__("unbubble.cli.experiment", fromlist=["experiment"]).e
 cli.add_command(__import__("unbubble.cli.sweep", fromlist=["sweep"]).sweep)
 
 
+def spawn_without_the_cli() -> None:
+    """Keeps the CLI out of the stage processes. Python's ``spawn`` re-imports the ``__main__``
+    script in every child, and for the ``unbubble`` console script that is this package (click,
+    rich, every command's module), which no stage uses (≈ 140 modules). ``multiprocessing`` does
+    not re-import a ``__main__`` that is a package's ``__main__`` module, so the script is named
+    one; a stage imports only what unpickling its job needs (torch and the runtime)."""
+    import importlib.machinery
+    import os
+
+    script = sys.modules.get("__main__")
+    if script is not None and getattr(script, "__spec__", None) is None and \
+            os.path.basename(getattr(script, "__file__", "") or "") == "unbubble":
+        script.__spec__ = importlib.machinery.ModuleSpec("unbubble.__main__", None)
+
+
 def main() -> None:
     survive_closed_pipes()
+    spawn_without_the_cli()
     cli(prog_name="unbubble")
