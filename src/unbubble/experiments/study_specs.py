@@ -44,6 +44,11 @@ def paci_spec(size: str) -> dict[str, Any]:
             {"label": "paci a=4 + basis-rotation", "schedule": "paci", "a": 4, "optimizer": "basis-rotation"},
             {"label": "paci a=4 + muon", "schedule": "paci", "a": 4, "optimizer": "muon"},
             {"label": "paci a=4 + staleness-lr", "schedule": "paci", "a": 4, "optimizer": "staleness-lr"},
+            # the same optimizers without delay: is a remedy closing the gap, or just a better optimizer?
+            {"label": "1f1b-flush m=4 + basis-rotation", "schedule": "1f1b-flush", "m": 4,
+             "optimizer": "basis-rotation", "lr_from": "paci a=4 + basis-rotation"},
+            {"label": "1f1b-flush m=4 + muon", "schedule": "1f1b-flush", "m": 4, "optimizer": "muon",
+             "lr_from": "paci a=4 + muon"},
             # the two matrix-aware remedies at a = 8 too, at their a = 4 lr (three seeds)
             {"label": "paci a=8 + basis-rotation", "schedule": "paci", "a": 8, "optimizer": "basis-rotation",
              "lr_from": "paci a=4 + basis-rotation"},
