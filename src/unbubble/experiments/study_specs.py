@@ -55,7 +55,7 @@ def paci_spec(size: str) -> dict[str, Any]:
              "lr_from": "paci a=4 + basis-rotation", "extra_seeds": False},
             {"label": "paci a=8 + muon", "schedule": "paci", "a": 8, "optimizer": "muon", "lr_from": "paci a=4 + muon",
              "extra_seeds": False},
-            # one seed for the baselines that did not beat PACI a=4 by more than seed noise in tuning
+            # one seed (the budget): single-seed rows are marked by their seed count
             {"label": "pipemare", "schedule": "pipemare", "extra_seeds": False},
             {"label": "pipedream", "schedule": "pipedream", "extra_seeds": False},
             {"label": "1f1b-flush m=2", "schedule": "1f1b-flush", "m": 2, **scan},
