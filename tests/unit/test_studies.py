@@ -147,7 +147,9 @@ def test_br_study_tiny_values(tmp_path):
         ("adamw", "True"), ("adamw", "False"), ("basis-rotation (2nd, bilateral)", "True")}
     for r in scaling:
         if r["P=1"] and r["P=4"]:
-            assert float(r["slowdown P=1→4"]) == pytest.approx(float(r["P=4"]) / float(r["P=1"]))
+            assert r["slowdown P=1→4"] == f"{float(r['P=4']) / float(r['P=1']):.2f}"
+        elif r["P=1"]:  # never reached at P = 4: the lower bound, all 12 updates ÷ the updates at P = 1
+            assert r["slowdown P=1→4"] == f"> {12 / float(r['P=1']):.2f}"
     tuned = _csv(tmp_path / "br_study_tuned.csv")
     assert {r["seeds"] for r in tuned if r["P"] == "1"} == {"2"}
 

@@ -317,6 +317,13 @@ WINDOW = 10  # updates of smoothing before a training loss counts as reaching th
 TARGET_FRACTION = 0.5
 
 
+def _slowdown_text(p1: float | None, pn: float | None, updates: int) -> str | None:
+    """The slowdown, or its lower bound "> updates/p1" when depth P never reached the target."""
+    if p1 and pn:
+        return f"{slowdown({1: p1, 2: pn})[2]:.2f}"
+    return f"> {updates / p1:.2f}" if p1 else None
+
+
 def br_tables(study: Study) -> tuple[float, float, dict[str, list[dict[str, Any]]]]:
     """(target, plateau, tables): the target is AdamW's smoothed training loss at half of its
     P = 1 run (mean over seeds); steps to target are means over the seeds that ran."""
@@ -335,6 +342,7 @@ def br_tables(study: Study) -> tuple[float, float, dict[str, list[dict[str, Any]
         return None
 
     depths = sorted({d for (_, d) in study.by_key})
+    updates = study.data.runs[0]["steps"]
     opts = [m for m in ("adamw", "pipedream-lr", "nesterov", "basis-rotation (2nd, bilateral)", "muon")
             if any(k[0] == m for k in study.by_key)]
     scaling = []
@@ -347,7 +355,7 @@ def br_tables(study: Study) -> tuple[float, float, dict[str, list[dict[str, Any]
             for p in depths:
                 row[f"P={p}"] = steps(opt, 1) if p == 1 else steps(label, p)
             last = depths[-1]
-            row[f"slowdown P=1→{last}"] = slowdown({1: row["P=1"], last: row[f"P={last}"]})[last]
+            row[f"slowdown P=1→{last}"] = _slowdown_text(row["P=1"], row[f"P={last}"], updates)
             scaling.append(row)
     tuned = []
     for opt in opts:
@@ -361,7 +369,7 @@ def br_tables(study: Study) -> tuple[float, float, dict[str, list[dict[str, Any]
                               and "no stashing" not in m and not m.endswith(("stage-aware", "inverse"))]:
         s1, sp = steps(label, 1), steps(label, depths[-1])
         ablation.append({"variant": label, "P=1 steps": s1, f"P={depths[-1]} steps": sp,
-                         "slowdown": slowdown({1: s1, depths[-1]: sp})[depths[-1]],
+                         "slowdown": _slowdown_text(s1, sp, updates),
                          f"P={depths[-1]} final val loss": _fmt_ms(study.losses(label, depths[-1]))
                          if study.has(label, depths[-1]) else None})
     alloc = []
