@@ -31,6 +31,16 @@ from unbubble.experiments.sweep import SweepData, SweepSpec, read_tables, run_sw
 STUDIES = ("paci-study", "br-study")
 
 
+def _study_provenance(name: str, size: str, spec: dict[str, Any], data: SweepData, wall: float,
+                      analyze: Path | None, workers: int) -> str:
+    """The provenance line; analysed from CSVs, the wall time is the runs' total ÷ ``workers``."""
+    run_wall = sum(r["wall_s"] for r in data.runs)
+    engine = (f"emulator, {len(data.runs)} runs, {workers} at a time on 1 torch thread each, "
+              f"{run_wall / 3600:.2f} run-hours" + ("" if analyze is None else f"; wall time = run-hours ÷ {workers}"))
+    return provenance(f"unbubble experiment {name} --size {size}", spec["seeds"],
+                      wall if analyze is None else run_wall / workers, engine=engine)
+
+
 def _train_or_read(spec_dict: dict[str, Any], seeds: list[int] | None, out: Path, analyze: Path | None,
                    workers: int) -> tuple[dict[str, Any], SweepData]:
     """(the spec with ``seeds`` if given, its runs): trained into ``out``, or read from ``analyze``."""
@@ -286,7 +296,6 @@ def paci_study(out: Path, size: str = "default", seeds: list[int] | None = None,
     files = [write_csv(out / f"paci_study_{k}.csv", rows) for k, rows in tables.items() if rows]
     files += paci_plots(study, out, n)
     wall = time.perf_counter() - t0
-    run_wall = sum(r["wall_s"] for r in data.runs)
     b = spec["base"]
     tokens = spec["micro_batches"] * b["micro_batch_size"] * b["seq_len"]
     md = (f"## paci-study (PACI Q1/Q2 and remedies), N={n}\n\n"
@@ -303,11 +312,7 @@ def paci_study(out: Path, size: str = "default", seeds: list[int] | None = None,
           + ("Gap vs training length (mean over seeds):\n\n" + md_table(tables["length"]) + "\n\n" if tables["length"] else "")
           + "![loss](paci_study_loss.png)\n\n![gap vs lr](paci_study_gap_lr.png)\n\n"
             "![time to target](paci_study_time_to_target.png)\n\n"
-          + provenance(f"unbubble experiment paci-study --size {size}", spec["seeds"],
-                       wall if analyze is None else run_wall / workers,
-                       engine=f"emulator, {len(data.runs)} runs, {workers} at a time on 1 torch thread each, "
-                              f"{run_wall / 3600:.2f} run-hours" + ("" if analyze is None else
-                                                                     f"; wall time = run-hours ÷ {workers}")))
+          + _study_provenance("paci-study", size, spec, data, wall, analyze, workers))
     return ExperimentOutput("paci-study", md, files, wall)
 
 
@@ -418,7 +423,6 @@ def br_study(out: Path, size: str = "default", seeds: list[int] | None = None, a
     files = [write_csv(out / f"br_study_{k}.csv", rows) for k, rows in tables.items() if rows]
     files += br_plots(study, tables, target, out)
     wall = time.perf_counter() - t0
-    run_wall = sum(r["wall_s"] for r in data.runs)
     b = spec["base"]
     md = (f"## br-study (Basis Rotation delay scaling and ablation)\n\n"
           f"Setup: {b['model']}, byte-level KJV, {spec['micro_batches']} updates of one {b['micro_batch_size']}×"
@@ -431,9 +435,5 @@ def br_study(out: Path, size: str = "default", seeds: list[int] | None = None, a
           + md_table(tables["scaling"]) + "\n\n" + md_table(tables["tuned"]) + "\n\n"
           + md_table(tables["ablation"]) + "\n\n" + (md_table(tables["allocation"]) + "\n\n" if tables["allocation"] else "")
           + "![scaling](br_study_scaling.png)\n\n![ablation](br_study_ablation.png)\n\n"
-          + provenance(f"unbubble experiment br-study --size {size}", spec["seeds"],
-                       wall if analyze is None else run_wall / workers,
-                       engine=f"emulator, {len(data.runs)} runs, {workers} at a time on 1 torch thread each, "
-                              f"{run_wall / 3600:.2f} run-hours" + ("" if analyze is None else
-                                                                     f"; wall time = run-hours ÷ {workers}")))
+          + _study_provenance("br-study", size, spec, data, wall, analyze, workers))
     return ExperimentOutput("br-study", md, files, wall)
