@@ -93,8 +93,9 @@ def moe_delay(out: Path, size: str = "default", seeds: list[int] | None = None) 
     wall = time.perf_counter() - t0
     md = (f"## moe-delay (Basis Rotation on a mixture of experts), N = 1 vs {deep}\n\n"
           f"Final validation loss (nats/token, byte-level KJV), mean ± sample std over seeds at each method's tuned "
-          f"lr ({', '.join(f'{x:g}' for x in spec.lrs)} tried on seed {spec.seeds[0]}); {spec.micro_batches} "
-          f"micro-batches of {spec.base['micro_batch_size']} × {spec.base['seq_len']} tokens per run; schedule "
+          f"lr ({', '.join(f'{x:g}' for x in spec.lrs)} tried on seed {spec.seeds[0]}, one step beyond when the best was at "
+          f"the edge); {spec.micro_batches} micro-batches of {spec.base['micro_batch_size']} × {spec.base['seq_len']} "
+          f"tokens per run, warm-up {spec.base['warmup_frac']:.0%}, cosine to {spec.base['min_lr_ratio']:.0%}; schedule "
           f"pipedream (stashed weights, τ_s = N − 1 − s). Models: `moe-deep-cpu` (8 blocks, 4 experts, top-2, "
           "capacity factor 1.25, load-balancing coefficient 0.01) and `llama-deep-cpu` (the same decoder, one "
           f"SwiGLU of equal parameters). Delay penalty = mean at N = {deep} − mean at N = 1. Router statistics: "
