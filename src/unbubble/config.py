@@ -14,6 +14,9 @@ ENGINES = ("emulator", "processes")
 TOKENIZERS = ("byte", "gpt2")
 #: What a stage does with a non-finite micro-batch ([Note: non-finite guard] in runtime/executor.py).
 NAN_POLICIES = ("skip", "lower-lr", "abort", "off")
+#: Weight prediction modes and the schedules it applies to (current-weights backward with delay).
+PREDICT_MODES = ("none", "bound", "measured")
+PREDICT_SCHEDULES = ("paci", "async-1f1b")
 OPTIMIZERS = ("adamw", "basis-rotation", "nesterov", "nadam", "pipedream-lr", "staleness-lr", "muon")
 
 
@@ -37,6 +40,8 @@ class TrainConfig:
     beta1: float = field(default=0.9, metadata={"help": "AdamW β1 (PACI paper: 0.9)."})
     beta2: float = field(default=0.95, metadata={"help": "AdamW β2 (PACI paper: 0.95)."})
     weight_decay: float = field(default=0.1, metadata={"help": 'AdamW decoupled weight decay, applied to matrices only (β and wd as in the PACI paper).'})
+    muon_momentum: float = field(default=0.95, metadata={"help": "Muon's momentum μ on hidden matrices (Nesterov form, torch.optim.Muon; 0.95 as in Jordan et al. 2024). Higher momentum is a delay remedy (Zmushko et al. 2026, arXiv 2606.30634)."})
+    predict_weights: Literal["none", "bound", "measured"] = field(default="none", metadata={"help": "Weight prediction for paci and async-1f1b (SpecTrain arXiv 1809.02839, PipeOptim arXiv 2312.00839): each forward on stage i runs on W + s_i·(W − W_prev), the last applied update extrapolated s_i updates ahead; s_i = the stage's drift bound ⌈(N−i)/a⌉ (bound) or its mean measured drift so far (measured). The backward keeps the current weights; one weight-sized buffer per stage."})
     optimizer: Literal["adamw", "basis-rotation", "nesterov", "nadam", "pipedream-lr", "staleness-lr", "muon"] = field(
         default="adamw", metadata={"help": "adamw; basis-rotation (Adam in a rotated eigenbasis, arXiv 2602.03515); "
                                            "nesterov (PipeNAG delay correction); nadam; pipedream-lr (AdamW with the "
@@ -115,6 +120,9 @@ class TrainConfig:
             if not (isinstance(v, (int, float)) and 0 <= v < 1 + (name == "min_lr_ratio")):
                 rng = "[0, 1]" if name == "min_lr_ratio" else "[0, 1)"
                 raise ConfigError(f"{name}={v!r} is invalid: must be in {rng} (set --{_flag(name)})")
+        if isinstance(self.muon_momentum, bool) or not (isinstance(self.muon_momentum, (int, float))
+                                                         and 0 <= self.muon_momentum < 1):
+            raise ConfigError(f"muon_momentum={self.muon_momentum!r} is invalid: must be in [0, 1) (set --muon-momentum)")
         if not (isinstance(self.weight_decay, (int, float)) and self.weight_decay >= 0):
             raise ConfigError(f"weight_decay={self.weight_decay!r} is invalid: must be ≥ 0 (set --weight-decay)")
         if self.clip_grad_norm is not None and not self.clip_grad_norm > 0:
@@ -130,6 +138,18 @@ class TrainConfig:
         from unbubble.runtime.precision import check_modes  # imports torch: only when validating
 
         check_modes(self.precision, self.recompute)
+        if self.predict_weights not in PREDICT_MODES:
+            raise ConfigError(f"predict_weights={self.predict_weights!r} is invalid: must be one of "
+                              f"{', '.join(PREDICT_MODES)} (set --predict-weights)")
+        if self.predict_weights != "none":
+            if self.schedule not in PREDICT_SCHEDULES:
+                raise ConfigError(f"predict_weights={self.predict_weights!r} needs a schedule whose backward runs on "
+                                  f"newer weights than its forward ({', '.join(PREDICT_SCHEDULES)}): schedule="
+                                  f"{self.schedule!r} has no delay to predict across (set --predict-weights none)")
+            if self.recompute != "none":
+                raise ConfigError(f"predict_weights={self.predict_weights!r} is invalid with recompute="
+                                  f"{self.recompute!r}: a recomputed forward runs on the backward's weights, so the "
+                                  "predicted forward would not be the one differentiated (set --recompute none)")
         if self.tokenizer not in TOKENIZERS:
             raise ConfigError(f"tokenizer={self.tokenizer!r} is unknown: valid tokenizers are "
                               f"{', '.join(TOKENIZERS)} (set --tokenizer)")

@@ -124,7 +124,7 @@ def build_job(cfg: TrainConfig, tokens: TokenData) -> tuple[PipelineJob, ModelCo
             stage_optimizer, "adamw" if cfg.optimizer in ("pipedream-lr", "staleness-lr") else cfg.optimizer, cfg.lr,
             (cfg.beta1, cfg.beta2), cfg.weight_decay, tuple(schedule.delay_bound(s) for s in range(schedule.n_stages)),
             (("br_source", cfg.br_source), ("br_geometry", cfg.br_geometry), ("br_freq", cfg.br_freq),
-             ("br_allocation", cfg.br_allocation))),
+             ("br_allocation", cfg.br_allocation), ("muon_momentum", cfg.muon_momentum))),
         schedule=schedule,
         lr_lambda=functools.partial(warmup_cosine, total=cfg.steps, warmup=warmup, min_ratio=cfg.min_lr_ratio),
         val_fn=functools.partial(gpt_val, data),
@@ -138,6 +138,7 @@ def build_job(cfg: TrainConfig, tokens: TokenData) -> tuple[PipelineJob, ModelCo
         seed=cfg.seed,
         precision=cfg.precision,
         recompute=cfg.recompute,
+        predict_weights=cfg.predict_weights,
     )
     return job, model
 

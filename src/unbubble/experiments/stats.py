@@ -143,3 +143,32 @@ def loss_at(curve: Curve, x: float) -> float | None:
             return py + (cy - py) * (x - px) / (cx - px)
         prev = (cx, cy)
     return None
+
+
+def budget_overhead(points: dict[float, float], target: float) -> tuple[float, str]:
+    """Token budget (a multiple of the method's tokens) at which a method's *final* loss meets
+    ``target``, interpolated linearly in log budget between the two budgets that bracket it
+    (DESIGN §9: each budget is its own full warm-up + cosine run).
+
+    Args:
+        points: final loss per budget trained (1.0 = the method's own run; inf = diverged).
+        target: the baseline's final loss.
+
+    Returns:
+        ``(budget, relation)``: ``"="`` interpolated between two budgets; ``"≤"`` the smallest
+        budget trained already reaches the target; ``">"`` none reaches it (``budget`` is the largest).
+
+    Raises:
+        ValueError: no points.
+    """
+    if not points:
+        raise ValueError("budget_overhead needs at least one budget")
+    pts = sorted(points.items())
+    if pts[0][1] <= target:
+        return pts[0][0], "≤"
+    for (b0, l0), (b1, l1) in zip(pts, pts[1:]):
+        if l1 <= target < l0:
+            if not math.isfinite(l0):
+                return b1, "≤"
+            return b0 * math.exp((l0 - target) / (l0 - l1) * math.log(b1 / b0)), "="
+    return pts[-1][0], ">"

@@ -28,7 +28,7 @@ from unbubble.experiments.sweep import SweepData, SweepSpec, read_tables, run_sw
 
 
 #: Experiments that are resumable sweeps (``--analyze`` rebuilds them from their CSVs).
-STUDIES = ("paci-study", "br-study")
+STUDIES = ("paci-study", "br-study", "overhead-study")
 
 
 def _study_provenance(name: str, size: str, spec: dict[str, Any], data: SweepData, wall: float,
@@ -58,8 +58,11 @@ class Study:
         self.data = data
         self.best = tuned_lrs(data.runs)
         self.by_key: dict[tuple[str, int], list[dict[str, Any]]] = {}
+        #: token-budget runs (budget ≠ 1) per (method, N), kept apart from the method's own runs
+        self.budgets: dict[tuple[str, int], list[dict[str, Any]]] = {}
         for r in data.runs:
-            self.by_key.setdefault((r["method"], r["stages"]), []).append(r)
+            into = self.by_key if r.get("budget", 1.0) == 1.0 else self.budgets
+            into.setdefault((r["method"], r["stages"]), []).append(r)
 
     def has(self, method: str, n: int) -> bool:
         return (method, n) in self.by_key

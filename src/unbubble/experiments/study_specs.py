@@ -116,3 +116,97 @@ def br_spec(size: str) -> dict[str, Any]:
                  "min_lr_ratio": 0.1, "eval_batches": 8},
         "methods": methods,
     }
+
+
+#: AdamW (β1, β2) of the momentum scan: β2 = 0.999 with β1 ≥ 0.98, as the high-momentum sources use
+#: (Ajanthan et al. 2025's NAdam runs, PluralisResearch/AsyncPP run.bash: β = (0.99, 0.999)).
+MOMENTA = {0.9: 0.95, 0.95: 0.95, 0.98: 0.999, 0.99: 0.999}
+
+
+def overhead_spec(size: str) -> dict[str, Any]:
+    """``overhead-study`` at the paci-study horizon: PACI (a = 4) against 1F1B-flush (m = 4) with the
+    *same* optimizer settings, each side tuned; the asynchronous side also trains at 1.5×, 2× and
+    3× the tokens (``budgets``), so its token overhead is a number.
+
+    Rows tuned in paci-study on the same configuration and seed (AdamW β = (0.9, 0.95) for both
+    schedules, PACI + Muon) keep that study's tuned lr as a one-point grid; the other rows tune on
+    a two-point grid extended by one round. Exploratory rows (AdamW β1 0.95 and 0.98) borrow the lr
+    of the nearest tuned momentum and run one seed."""
+    if size == "tiny":
+        flush, paci = {"schedule": "1f1b-flush", "m": 2}, {"schedule": "paci", "a": 2}
+        return {
+            "name": "overhead-study", "micro_batches": 16, "stages": [2], "lrs": [3e-3], "seeds": [0, 1], "evals": 2,
+            "extend_grid": 0, "budgets": [0.5, 1.5, 2],
+            "base": {"model": "tiny", "seq_len": 32, "micro_batch_size": 4, "warmup_frac": 0.1, "warmup_min": 0,
+                     "eval_batches": 2},
+            "methods": [
+                {"label": "1f1b-flush m=2", **flush},
+                {"label": "paci a=2", **paci, "baseline": "1f1b-flush m=2"},
+                {"label": "paci a=2 + prediction", **paci, "predict_weights": "bound", "baseline": "1f1b-flush m=2"},
+            ],
+        }
+    flush, paci = {"schedule": "1f1b-flush", "m": 4}, {"schedule": "paci", "a": 4}
+    hi = {"beta1": 0.99, "beta2": 0.999}
+    nadam = {"optimizer": "nadam", **hi}
+    muon = {"optimizer": "muon"}
+    methods: list[dict[str, Any]] = [
+        # tuned in paci-study (same configuration, seed 0): 1e-2 of [3e-3, 1e-2, 3e-2] and 1e-3 of [3e-4, 1e-3, 3e-3]
+        {"label": "1f1b-flush m=4", **flush, "lrs": [1e-2]},
+        {"label": "paci a=4", **paci, "lrs": [1e-3], "baseline": "1f1b-flush m=4"},
+        {"label": "1f1b-flush m=4 + adamw β=(0.99, 0.999)", **flush, **hi, "lrs": [3e-3, 1e-2]},
+        {"label": "paci a=4 + adamw β=(0.99, 0.999)", **paci, **hi, "lrs": [3e-4, 1e-3],
+         "baseline": "1f1b-flush m=4 + adamw β=(0.99, 0.999)"},
+        {"label": "1f1b-flush m=4 + nadam β=(0.99, 0.999)", **flush, **nadam, "lrs": [3e-3, 1e-2]},
+        {"label": "paci a=4 + nadam β=(0.99, 0.999)", **paci, **nadam, "lrs": [3e-4, 1e-3],
+         "baseline": "1f1b-flush m=4 + nadam β=(0.99, 0.999)"},
+        {"label": "1f1b-flush m=4 + muon", **flush, **muon, "lrs": [1e-2, 3e-2]},
+        # tuned in paci-study: 1e-2 of [3e-4 … 3e-2]
+        {"label": "paci a=4 + muon", **paci, **muon, "lrs": [1e-2], "baseline": "1f1b-flush m=4 + muon"},
+        {"label": "paci a=4 + muon + prediction", **paci, **muon, "predict_weights": "bound", "lrs": [3e-3, 1e-2],
+         "baseline": "1f1b-flush m=4 + muon"},
+        {"label": "paci a=4 + muon + prediction (measured s)", **paci, **muon, "predict_weights": "measured",
+         "lr_from": "paci a=4 + muon + prediction", "extra_seeds": False, "baseline": "1f1b-flush m=4 + muon",
+         "budgets": []},
+        # Muon μ = 0.98 at μ = 0.95's tuned lrs (the orthogonalised step's size does not depend on μ)
+        {"label": "1f1b-flush m=4 + muon μ=0.98", **flush, **muon, "muon_momentum": 0.98,
+         "lr_from": "1f1b-flush m=4 + muon"},
+        {"label": "paci a=4 + muon μ=0.98", **paci, **muon, "muon_momentum": 0.98, "lr_from": "paci a=4 + muon",
+         "baseline": "1f1b-flush m=4 + muon μ=0.98"},
+    ]
+    for b1, source in ((0.95, ""), (0.98, " + adamw β=(0.99, 0.999)")):  # exploratory: one seed, borrowed lr
+        betas = {"beta1": b1, "beta2": MOMENTA[b1]}
+        name = f" + adamw β=({b1}, {MOMENTA[b1]})"
+        methods += [{"label": f"1f1b-flush m=4{name}", **flush, **betas, "lr_from": f"1f1b-flush m=4{source}",
+                     "extra_seeds": False},
+                    {"label": f"paci a=4{name}", **paci, **betas, "lr_from": f"paci a=4{source}", "extra_seeds": False,
+                     "baseline": f"1f1b-flush m=4{name}", "budgets": []}]
+    return {
+        "name": "overhead-study", "micro_batches": 2400, "stages": [8], "lrs": LRS, "seeds": [0, 1], "evals": 12,
+        "extend_grid": 1, "budgets": [1.5, 2, 3],
+        "base": {"model": "deep-cpu", "seq_len": 64, "micro_batch_size": 8, "warmup_frac": 0.1, "warmup_min": 0,
+                 "min_lr_ratio": 0.1, "eval_batches": 8},
+        "methods": methods,
+    }
+
+
+def horizon_spec(h1: dict[str, Any], tuned: dict[str, float], pairs: list[tuple[str, str]],
+                 horizon: float, one_seed: list[tuple[str, str]] = ()) -> dict[str, Any]:
+    """The longer-horizon sweep of ``overhead-study``: each (asynchronous, synchronous) pair of
+    ``h1`` (labels) at ``horizon`` × its tokens, at the lr tuned at 1× (``tuned``: label → lr;
+    not re-tuned), with every seed (the first only for the pairs in ``one_seed``) and no budgets."""
+    by_label = {m["label"]: m for m in h1["methods"]}
+    keep = ("label", "lrs", "lr_from", "extra_seeds", "baseline", "budgets", "stages")
+    methods = []
+    for pair in pairs:
+        for label in pair:
+            if any(m["label"] == f"{label} @{horizon:g}×" for m in methods):
+                continue
+            m = {k: v for k, v in by_label[label].items() if k not in keep}
+            m.update(label=f"{label} @{horizon:g}×", lrs=[tuned[label]], horizon=horizon)
+            if pair in one_seed and not any(pair != p and label in p for p in pairs if p not in one_seed):
+                m["extra_seeds"] = False
+            if label == pair[0]:
+                m["baseline"] = f"{pair[1]} @{horizon:g}×"
+                m["budgets"] = []
+            methods.append(m)
+    return {**h1, "name": f"{h1['name']}-{horizon:g}x", "methods": methods, "extend_grid": 0, "budgets": []}

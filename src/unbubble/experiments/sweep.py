@@ -11,6 +11,15 @@ it is tried too (``extend_grid`` rounds); the lr with the lowest final validatio
 method's tuned lr; the other seeds then run at the tuned lr only (``seed_stages`` limits them to
 some depths). With ``tune=False`` every lr runs with every seed.
 
+Token overhead as a number (DESIGN §9): a method that names a synchronous ``baseline`` and
+``budgets`` (multiples of its tokens, e.g. 1.5, 2, 3) then trains each seed at those budgets, each
+run a full warm-up + cosine schedule at the tuned lr: larger budgets in increasing order while the
+seed's final validation loss is still above the baseline's (mean over seeds), smaller ones (< 1) in
+decreasing order while it is below. A larger budget is skipped when the line through the seed's last
+two budgets (log tokens, loss) reaches the target only beyond :data:`SKIP_FACTOR` × that budget, or
+not at all. :func:`unbubble.experiments.stats.budget_overhead` interpolates the tokens at which the final
+loss meets the target.
+
 Each finished run leaves ``OUT/results/<run id>.json``; a second invocation skips those, so a
 stopped sweep continues where it stopped. ``OUT/runs.csv`` (one row per run) and
 ``OUT/curves.csv`` (validation loss per evaluation, training loss per update where kept) are
@@ -37,8 +46,12 @@ from unbubble.errors import ConfigError, PipelineFailure
 
 log = logging.getLogger(__name__)
 
+#: A larger budget is skipped when the seed's last two budgets extrapolate (log-linearly) to the
+#: baseline's loss only beyond this multiple of it.
+SKIP_FACTOR = 2.0
+
 #: Columns of runs.csv, in order.
-RUN_COLUMNS = ("run_id", "method", "stages", "lr", "seed", "phase", "schedule", "a", "m", "optimizer", "steps",
+RUN_COLUMNS = ("run_id", "method", "stages", "lr", "seed", "phase", "budget", "schedule", "a", "m", "optimizer", "steps",
                "micro_batches", "tokens", "final_val_loss", "min_val_loss", "final_train_loss", "max_drift",
                "wall_s", "f_s", "b_s", "u_s")
 
@@ -56,6 +69,12 @@ class Method:
             tuned depth closest to N (on a log scale; ties to the deeper one) — for depths or
             variants the budget cannot tune.
         extra_seeds: run the spec's other seeds too (False: the first seed only, e.g. a scan).
+        horizon: its tokens as a multiple of the spec's ``micro_batches`` (a longer horizon, e.g.
+            4; usually with ``lr_from`` the same method at horizon 1).
+        baseline: the label of the synchronous method whose final loss it is measured against
+            (token overhead; the budgets below).
+        budgets: token budgets beyond its own, as multiples of them (default: the spec's
+            ``budgets`` when a baseline is named); see the module docstring.
     """
 
     label: str
@@ -64,6 +83,9 @@ class Method:
     lrs: tuple[float, ...] | None = None
     lr_from: str | None = None
     extra_seeds: bool = True
+    horizon: float = 1.0
+    baseline: str | None = None
+    budgets: tuple[float, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -75,12 +97,13 @@ class RunSpec:
     stages: int
     lr: float
     seed: int
-    phase: str  # "tune" (the lr grid) or "seeds" (the tuned lr, other seeds)
+    phase: str  # "tune" (the lr grid), "seeds" (the tuned lr, other seeds), "transfer" (lr_from), "budget"
+    budget: float = 1.0  # tokens as a multiple of the method's (token-overhead budgets)
 
     @property
     def run_id(self) -> str:
         slug = re.sub(r"[^A-Za-z0-9]+", "-", self.method).strip("-").lower()
-        return f"{slug}-N{self.stages}-lr{self.lr:g}-s{self.seed}"
+        return f"{slug}-N{self.stages}-lr{self.lr:g}-s{self.seed}" + ("" if self.budget == 1 else f"-b{self.budget:g}")
 
 
 @dataclass
@@ -102,6 +125,8 @@ class SweepSpec:
         extend_grid: rounds of grid extension: a (method, N) whose best lr is the largest (or
             smallest) it tried also tries the next lr beyond it (:func:`next_lr`), so no method
             is reported at the edge of its grid; 0 turns it off.
+        budgets: default token budgets of the methods that name a ``baseline`` (multiples of
+            their tokens, e.g. [1.5, 2, 3]; values < 1 bracket a method that beats its baseline).
     """
 
     name: str
@@ -116,6 +141,7 @@ class SweepSpec:
     seed_stages: list[int] | None = None
     keep_train_curve: bool = False
     extend_grid: int = 1
+    budgets: list[float] = field(default_factory=list)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "SweepSpec":
@@ -141,13 +167,16 @@ class SweepSpec:
             m = dict(m)
             label = m.pop("label")
             st, lrs = m.pop("stages", None), m.pop("lrs", None)
+            budgets = m.pop("budgets", None)
             methods.append(Method(label, m, tuple(st) if st else None, tuple(float(x) for x in lrs) if lrs else None,
-                                  m.pop("lr_from", None), bool(m.pop("extra_seeds", True))))
+                                  m.pop("lr_from", None), bool(m.pop("extra_seeds", True)),
+                                  float(m.pop("horizon", 1.0)), m.pop("baseline", None),
+                                  None if budgets is None else tuple(float(x) for x in budgets)))
         spec = cls(name=d["name"], base=dict(d.get("base", {})), methods=methods, stages=list(d["stages"]),
                    lrs=[float(x) for x in d["lrs"]], seeds=[int(s) for s in d["seeds"]],
                    micro_batches=int(d["micro_batches"]), evals=int(d.get("evals", 12)), tune=bool(d.get("tune", True)),
                    seed_stages=d.get("seed_stages"), keep_train_curve=bool(d.get("keep_train_curve", False)),
-                   extend_grid=int(d.get("extend_grid", 1)))
+                   extend_grid=int(d.get("extend_grid", 1)), budgets=[float(x) for x in d.get("budgets", [])])
         spec.validate()
         return spec
 
@@ -167,6 +196,17 @@ class SweepSpec:
         for m in self.methods:
             if m.lr_from is not None and (m.lr_from not in labels or self._method(m.lr_from).lr_from is not None):
                 raise ConfigError(f"method {m.label!r}: lr_from={m.lr_from!r} must name a tuned method of this sweep")
+        for m in self.methods:
+            if m.baseline is not None and (m.baseline not in labels or m.baseline == m.label):
+                raise ConfigError(f"method {m.label!r}: baseline={m.baseline!r} must name another method of this "
+                                  f"sweep (one of {', '.join(x for x in labels if x != m.label)})")
+            if not m.horizon > 0:
+                raise ConfigError(f"method {m.label!r}: horizon={m.horizon!r} is invalid: must be > 0 (a multiple "
+                                  "of micro_batches)")
+            bad = [b for b in self.method_budgets(m) if not b > 0 or b == 1]
+            if bad:
+                raise ConfigError(f"method {m.label!r}: budget {bad[0]!r} is invalid: budgets are multiples of the "
+                                  "method's tokens, > 0 and ≠ 1 (1 is the method's own run)")
         if self.extend_grid < 0:
             raise ConfigError(f"extend_grid={self.extend_grid} is invalid: give 0 (off) or more rounds")
         if self.micro_batches < 1 or self.evals < 1:
@@ -179,16 +219,27 @@ class SweepSpec:
                 except (ConfigError, TypeError) as exc:
                     raise ConfigError(f"method {m.label!r} at N={n}: {exc}") from None
 
+    def method_budgets(self, m: Method) -> tuple[float, ...]:
+        """The token budgets of ``m`` (none without a baseline)."""
+        if m.baseline is None:
+            return ()
+        return tuple(self.budgets) if m.budgets is None else m.budgets
+
+    def micro_batches_of(self, run: RunSpec) -> int:
+        """Micro-batches of one run: the spec's × the method's horizon × the run's budget."""
+        horizon = self._method(run.method).horizon if run.method in {m.label for m in self.methods} else 1.0
+        return round(self.micro_batches * horizon * run.budget)
+
     def config(self, run: RunSpec, out: Path):
-        """The TrainConfig of one run (equal micro-batches for every method)."""
+        """The TrainConfig of one run (equal micro-batches for every method of one horizon and budget)."""
         from unbubble.config import TrainConfig
 
         fields = {"engine": "emulator", "checkpoints": False, "tensorboard": False, "eval_batches": 8,
                   **self.base, **run.overrides, "stages": run.stages, "lr": run.lr, "seed": run.seed}
         probe = TrainConfig(**{**fields, "steps": 1, "run_dir": None})
-        steps = self.micro_batches // probe.mb_per_step
+        steps = self.micro_batches_of(run) // probe.mb_per_step
         if steps < 1:
-            raise ConfigError(f"micro_batches={self.micro_batches} is fewer than one update of "
+            raise ConfigError(f"micro_batches={self.micro_batches_of(run)} is fewer than one update of "
                               f"{probe.mb_per_step} micro-batches")
         return TrainConfig(**{**fields, "steps": steps, "eval_interval": max(steps // self.evals, 1),
                               "run_dir": str(out / "runs" / run.run_id)})
@@ -252,6 +303,80 @@ class SweepSpec:
                 runs += [RunSpec(m.label, m.overrides, n, lr, s, "seeds" if m.lr_from is None else "transfer")
                          for s in seeds]
         return runs
+
+
+    def budget_runs(self, records: list[dict[str, Any]]) -> list[RunSpec]:
+        """The next round of token-budget runs (module docstring), given every record so far: for
+        each seed of each method with budgets, the next budget that seed still needs."""
+        if not self.tune:
+            return []
+        best = tuned_lrs(records)
+        runs = []
+        for m in self.methods:
+            budgets = self.method_budgets(m)
+            if not budgets:
+                continue
+            base = self._method(m.baseline)
+            for n in m.stages or self.stages:
+                lr, base_lr = self.lr_for(m, n, best), self.lr_for(base, n, best)
+                if lr is None or base_lr is None:
+                    continue
+                base_runs = [r for r in records if r["method"] == base.label and int(r["stages"]) == n
+                             and r["lr"] == base_lr and r.get("budget", 1.0) == 1.0]
+                if not base_runs:
+                    continue
+                target = statistics.fmean(_loss(r) for r in base_runs)
+                mine = [r for r in records if r["method"] == m.label and int(r["stages"]) == n and r["lr"] == lr]
+                for seed in sorted({int(r["seed"]) for r in mine if r.get("budget", 1.0) == 1.0}):
+                    done = {float(r.get("budget", 1.0)): _loss(r) for r in mine if int(r["seed"]) == seed}
+                    nxt = next_budget(budgets, done, target)
+                    if nxt is not None:
+                        runs.append(RunSpec(m.label, m.overrides, n, lr, seed, "budget", nxt))
+        return runs
+
+
+def _loss(record: dict[str, Any]) -> float:
+    """A record's final validation loss (inf when it diverged)."""
+    return record["final_val_loss"] if record["final_val_loss"] is not None else math.inf
+
+
+def next_budget(budgets: tuple[float, ...] | list[float], done: dict[float, float], target: float) -> float | None:
+    """The next token budget one seed needs, or None.
+
+    Args:
+        budgets: the budgets to choose from (multiples of the method's tokens; 1 is its own run).
+        done: final loss per budget already trained (must hold 1.0).
+        target: the baseline's final loss.
+
+    Returns:
+        Above 1: the smallest budget larger than every one trained, while every trained budget ≥ 1
+        ended above ``target`` and the line through the last two (log budget, loss) does not put the
+        target beyond ``SKIP_FACTOR`` × that budget. Below 1: the largest budget smaller than every
+        one trained, while the smallest trained one reached ``target``.
+    """
+    if 1.0 not in done:
+        return None
+    if done[1.0] <= target:
+        lo = min(done)
+        if done[lo] > target:  # bracketed from below
+            return None
+        smaller = [b for b in budgets if b < lo]
+        return max(smaller) if smaller else None
+    hi = max(done)
+    if done[hi] <= target:
+        return None
+    larger = sorted(b for b in budgets if b > hi)
+    if not larger:
+        return None
+    tried = sorted(b for b in done if b >= 1.0)
+    if len(tried) >= 2:
+        (b0, l0), (b1, l1) = [(b, done[b]) for b in tried[-2:]]
+        if not (math.isfinite(l0) and math.isfinite(l1)) or l1 >= l0:
+            return None  # no improvement with more tokens: the target is out of reach
+        needed = b1 * math.exp((l1 - target) / (l0 - l1) * math.log(b1 / b0))
+        if needed > SKIP_FACTOR * larger[0]:
+            return None
+    return larger[0]
 
 
 def next_lr(lrs: list[float], up: bool = True) -> float:
@@ -320,7 +445,7 @@ def execute(run: RunSpec, spec: SweepSpec, out: Path) -> dict[str, Any]:
     tokens_per_update = mb_per_update * cfg.micro_batch_size * cfg.seq_len
     record = {
         "run_id": run.run_id, "method": run.method, "stages": run.stages, "lr": run.lr, "seed": run.seed,
-        "phase": run.phase, "schedule": cfg.schedule, "a": cfg.a, "m": cfg.m, "optimizer": cfg.optimizer,
+        "phase": run.phase, "budget": run.budget, "schedule": cfg.schedule, "a": cfg.a, "m": cfg.m, "optimizer": cfg.optimizer,
         "steps": cfg.steps, "micro_batches": cfg.steps * mb_per_update, "tokens": cfg.steps * tokens_per_update,
         "final_val_loss": _finite(vals[-1][1]) if vals else None,
         "min_val_loss": min((_finite(v) for _, v in vals if math.isfinite(v)), default=None),
@@ -384,6 +509,11 @@ def run_sweep(spec: SweepSpec, out: Path, workers: int = 2,
             break
         records += _run_all(edges, spec, out, workers, say)
     records += _run_all(spec.seed_runs(tuned_lrs(records)), spec, out, workers, say)
+    while True:  # token budgets: each round decides from the finished ones
+        more = spec.budget_runs(records)
+        if not more:
+            break
+        records += _run_all(more, spec, out, workers, say)
     write_tables(records, out)
     return records
 
@@ -457,10 +587,11 @@ def read_tables(folder: str | Path) -> SweepData:
         if not (folder / name).is_file():
             raise ConfigError(f"{folder / name} is missing: run the sweep first (or give the folder that holds it)")
     num = {"stages": int, "seed": int, "a": int, "m": int, "steps": int, "micro_batches": int, "tokens": int,
-           "max_drift": int, "lr": float, "wall_s": float}
+           "max_drift": int, "lr": float, "wall_s": float, "budget": float}
     runs = []
     with open(folder / "runs.csv") as f:
         for row in csv.DictReader(f):
+            row.setdefault("budget", "1.0")  # sweeps written before token budgets
             for k, conv in num.items():
                 row[k] = conv(row[k])
             for k in ("final_val_loss", "min_val_loss", "final_train_loss"):

@@ -35,6 +35,7 @@ _DEFAULTS: dict[str, Any] = {
     "momentum_decay": 4e-3,
     "nag_beta1": 0.99,
     "nag_adaptive": False,
+    "muon_momentum": 0.95,
 }
 OPTIONS = tuple(_DEFAULTS)
 
@@ -82,7 +83,8 @@ def build_optimizer(
             ``stage_refresh_intervals(br_stage_delays, br_freq, br_allocation)[stage]`` steps),
             ``br_unrotated`` (name substrings kept unrotated); NAdam / PipeNAG: ``momentum_decay``
             (0.004); PipeNAG: ``nag_beta1`` (0.99, the paper's momentum, used instead of beta1) and
-            ``nag_adaptive`` (False; True uses ``pipenag_beta1(beta1, delay, N, nag_beta1)``).
+            ``nag_adaptive`` (False; True uses ``pipenag_beta1(beta1, delay, N, nag_beta1)``); Muon:
+            ``muon_momentum`` (μ, 0.95; in [0, 1)).
             Options of other optimizers are accepted and ignored, so a CLI can pass all of them.
 
     Returns:
@@ -125,7 +127,9 @@ def build_optimizer(
     if name == "muon":  # the matrices Basis Rotation would rotate are the ones Muon orthogonalises
         groups = _groups(params, weight_decay, tuple(opts["br_unrotated"]), mark_rotation=True)
         groups = [{**{k: v for k, v in g.items() if k != "rotate"}, "muon": g.get("rotate", True)} for g in groups]
-        return MuonAdamW(groups, lr=lr, betas=betas, eps=opts["eps"], weight_decay=weight_decay)
+        check_unit("muon_momentum", opts["muon_momentum"], "set --muon-momentum")
+        return MuonAdamW(groups, lr=lr, betas=betas, eps=opts["eps"], weight_decay=weight_decay,
+                         momentum=float(opts["muon_momentum"]))
     groups = _groups(params, weight_decay, (), mark_rotation=False)
     if name == "adamw":
         return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=opts["eps"], weight_decay=weight_decay)

@@ -73,6 +73,12 @@ class StageExecutor:
             (``precision.to_bf16``). Gradients accumulate in their ``.grad`` (fp32).
         recompute: ``"none"`` or ``"full"``: keep only the stage's input and RNG state per
             in-flight micro-batch and re-run the forward right before its backward.
+        predict_weights: ``"none"``, ``"bound"`` or ``"measured"``: each forward runs on the
+            predicted weights Ŵ = W + s·(W − W_prev), the last applied update extrapolated s
+            updates ahead, with s = ``predict_bound`` (the stage's drift bound ⌈(N−i)/a⌉) or the
+            mean drift Δ this stage has measured so far; the backward still uses the current
+            weights with the forward-time activations ([Note: weight prediction]).
+        predict_bound: s under ``"bound"`` (updates, ≥ 0).
 
     Memory is measured, not estimated (:meth:`memory_bytes`): the bytes autograd saves in a
     forward (``precision.SavedBytes``, once per input shape and dtype), split into activations
@@ -88,8 +94,14 @@ class StageExecutor:
                  clip_grad_norm: float | None = None, backward_weights: str = "current",
                  velocity_decay: float = 0.9, grad_sync: Callable[[list, float | None], float | None] | None = None,
                  device: torch.device | None = None, nan_policy: str = "skip", nan_lr_factor: float = 0.5,
-                 precision: str = "fp32", masters: list[nn.Parameter] | None = None, recompute: str = "none"):
+                 precision: str = "fp32", masters: list[nn.Parameter] | None = None, recompute: str = "none",
+                 predict_weights: str = "none", predict_bound: int = 0):
         check_modes(precision, recompute, device)
+        if predict_weights not in ("none", "bound", "measured"):
+            raise ValueError(f"predict_weights={predict_weights!r} is invalid: must be none, bound or measured")
+        if predict_weights != "none" and (backward_weights != "current" or recompute != "none"):
+            raise ValueError(f"predict_weights={predict_weights!r} needs backward_weights='current' and "
+                             f"recompute='none' (got {backward_weights!r}, {recompute!r})")
         if (precision == "bf16") != (masters is not None):
             raise ValueError(f"precision={precision!r} {'needs' if precision == 'bf16' else 'takes no'} fp32 master "
                              "copies (masters=precision.to_bf16(module))")
@@ -130,6 +142,12 @@ class StageExecutor:
         self._kept_since_update = self._all_dropped_updates = 0  # for the divergence stop
         self.n_dropped = 0  # micro-batches dropped by the guard so far
         self._tainted = False  # a non-finite gradient of this stage is in the accumulated sum
+        self.predict_weights, self.predict_bound = predict_weights, predict_bound
+        # weight prediction: the last applied update W − W_prev, and room for the live weights
+        # during a predicted forward (both weight-sized, allocated once)
+        self.last_update = [torch.zeros_like(p) for p in self.params] if predict_weights != "none" else None
+        self._scratch = [torch.empty_like(p) for p in self.params] if predict_weights != "none" else None
+        self.drift_sum = self.drift_count = 0  # backwards' Δ on this stage (for predict_weights="measured")
 
     @property
     def is_first(self) -> bool:
@@ -166,7 +184,7 @@ class StageExecutor:
             self.store[k] = (inp, None)
             self._hold(k, (x.untyped_storage().nbytes(), 0, 0), "input")  # a view keeps its whole storage
         else:
-            with self._measured("forward", x) as sizes:
+            with self._measured("forward", x) as sizes, self._predicted():
                 out, loss = self._compute(k, x)
             self.store[k] = (inp, out)
             self._hold(k, (sizes[0], sizes[1], 0), "forward")
@@ -254,7 +272,9 @@ class StageExecutor:
             micro-batches keep from F to their backward: saved activations, or only the inputs
             under recomputation), ``activation_bytes`` (peak of that plus the activations of a
             micro-batch recomputed for its backward), ``weight_copy_bytes`` (peak of the weight
-            copies forwards saved: autocast's bf16 casts); ``per_micro_batch`` (one micro-batch's
+            copies forwards saved: autocast's bf16 casts); ``prediction_bytes`` (weight prediction's
+            two weight-sized buffers: the last applied update and the live weights during a
+            predicted forward; 0 without prediction); ``per_micro_batch`` (one micro-batch's
             bytes: ``forward`` saved by a forward, ``input`` the stage's input (what recomputation keeps),
             ``recomputed`` saved by a recomputed forward, ``weight_copies`` the weight-copy part).
         """
@@ -267,6 +287,7 @@ class StageExecutor:
                 "optimizer_state_bytes": optimizer_state_bytes(self.optimizer)["state_bytes"],
                 "stored_activation_bytes": self.peak_bytes[0], "activation_bytes": self.peak_bytes[2],
                 "weight_copy_bytes": self.peak_bytes[1],
+                "prediction_bytes": tensor_bytes((self.last_update or []) + (self._scratch or [])),
                 "per_micro_batch": dict(self.mb_bytes)}
 
     def _on_device(self, t):
@@ -441,26 +462,57 @@ class StageExecutor:
             return contextlib.nullcontext()
         return self._corrected(drift)
 
-    @contextlib.contextmanager
     def _corrected(self, drift: int):
-        # PipeMare T2 (arXiv 1910.05124 §3.2): backward on w − Δ·δ; the live weights are
-        # restored exactly afterwards from a temporary copy (never swapped, see versions.py).
-        saved = [p.detach().clone() for p in self.params]
+        # PipeMare T2 (arXiv 1910.05124 §3.2): backward on w − Δ·δ
+        return self._moved(self.velocity, -float(drift), [p.detach().clone() for p in self.params])
+
+    @property
+    def predict_steps(self) -> float:
+        """s of weight prediction: the stage's drift bound, or its mean measured drift so far
+        (0 before its first backward); 0 when prediction is off."""
+        if self.predict_weights == "bound":
+            return float(self.predict_bound)
+        if self.predict_weights == "measured" and self.drift_count:
+            return self.drift_sum / self.drift_count
+        return 0.0
+
+    def _predicted(self):
+        """Context of a forward under weight prediction: the live weights are W + s·(W − W_prev).
+
+        [Note: weight prediction] SpecTrain (arXiv 1809.02839 §4) and PipeOptim (arXiv 2312.00839)
+        run a forward on the weights it expects its backward to meet; here the extrapolated step is
+        the update the optimizer last *applied* (for Muon the orthogonalised step), not the raw
+        momentum. The weights are moved in place and restored exactly, so the autograd graph
+        saves the parameters by reference as in PACI: the backward's input gradient uses the
+        current weights and its weight gradient the activations of the predicted forward.
+        """
+        s = self.predict_steps
+        if self.last_update is None or s == 0 or self.version == 0:
+            return contextlib.nullcontext()
+        return self._moved(self.last_update, s, self._scratch)
+
+    @contextlib.contextmanager
+    def _moved(self, deltas: list[torch.Tensor], alpha: float, saved: list[torch.Tensor]):
+        """Runs the block on the live weights moved by ``alpha · deltas`` (in place, versions kept),
+        then restores them exactly from ``saved`` (filled here; never a parameter swap, see versions.py)."""
         with keep_version_counters(self.params), torch.no_grad():
-            for p, v in zip(self.params, self.velocity):
-                p.sub_(v, alpha=float(drift))
+            for p, d, c in zip(self.params, deltas, saved):
+                c.copy_(p)
+                p.add_(d, alpha=alpha)
         try:
             yield
         finally:
             with keep_version_counters(self.params), torch.no_grad():
-                for p, s in zip(self.params, saved):
-                    p.copy_(s)
+                for p, c in zip(self.params, saved):
+                    p.copy_(c)
 
     def _finish(self, k: int) -> None:
         """After the backward of ``k``: move stashed-version gradients to the live parameters."""
         self._kept_since_update += 1
         self._unhold(k)
         version = self.fwd_version.pop(k)
+        self.drift_sum += self.version - version
+        self.drift_count += 1
         if self.is_last:
             self._step_losses.append(self.losses.pop(k))
         if self.backward_weights == "stashed":
@@ -512,6 +564,8 @@ class StageExecutor:
             "lr_factor": self.lr_factor,
             "last_step_loss": self.last_step_loss,
             "masters": None if self.masters is None else [m.detach() for m in self.masters],
+            "last_update": self.last_update,
+            "drift_stats": (self.drift_sum, self.drift_count),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -530,6 +584,10 @@ class StageExecutor:
         if self.velocity is not None and state["velocity"] is not None:
             for v, saved in zip(self.velocity, state["velocity"]):
                 v.copy_(saved)
+        if self.last_update is not None and state.get("last_update") is not None:
+            for d, saved in zip(self.last_update, state["last_update"]):
+                d.copy_(saved)
+        self.drift_sum, self.drift_count = state.get("drift_stats", (0, 0))
         self.version = state["version"]
         self.lr_factor = state["lr_factor"]
         self.last_step_loss = state["last_step_loss"]
@@ -561,10 +619,18 @@ class StageExecutor:
             torch.nn.utils.clip_grad_norm_(self.grad_params, self.clip_grad_norm)
         self.peak_grad_bytes = max(self.peak_grad_bytes, tensor_bytes([p.grad for p in self.grad_params]))
         before = [p.detach().clone() for p in self.params] if self.velocity is not None else None
+        if self.last_update is not None:
+            with torch.no_grad():
+                for d, p in zip(self.last_update, self.params):
+                    d.copy_(p)
         with keep_version_counters(self.params):
             self.optimizer.step()
             if self.masters is not None:  # bf16 parameters ← rounded fp32 masters, in place
                 copy_masters(self.params, self.masters)
+        if self.last_update is not None:  # the applied update W − W_prev, as the weights hold it
+            with torch.no_grad():
+                for d, p in zip(self.last_update, self.params):
+                    d.neg_().add_(p)
         self.optimizer.zero_grad(set_to_none=True)
         if before is not None:  # PipeMare T2 velocity: δ ← γ δ + (1 − γ)(w_new − w_old)
             with torch.no_grad():

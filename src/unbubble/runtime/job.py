@@ -70,6 +70,9 @@ class PipelineJob:
             masters); [Note: precision and version semantics] in ``runtime/precision.py``.
         recompute: ``"none"`` or ``"full"`` (each stage keeps only its input per in-flight
             micro-batch and re-runs its forward, on the backward's weights, before the backward).
+        predict_weights: ``"none"``, ``"bound"`` or ``"measured"``: forwards run on the last applied
+            update extrapolated s_i updates ahead (s_i: the stage's drift bound ⌈(N−i)/a⌉, or its mean
+            measured drift); [Note: weight prediction] in ``runtime/executor.py``.
     """
 
     stage_fn: StageFn
@@ -91,6 +94,7 @@ class PipelineJob:
     seed: int = 0
     precision: str = "fp32"
     recompute: str = "none"
+    predict_weights: str = "none"
 
     def build_executor(self, stage: int, module: nn.Module | None = None, replica: int = 0,
                        grad_sync=None, device: torch.device | None = None) -> StageExecutor:
@@ -128,6 +132,7 @@ class PipelineJob:
             backward_weights=self.schedule.backward_weights, grad_sync=grad_sync, device=device,
             nan_policy=self.nan_policy, nan_lr_factor=self.nan_lr_factor,
             precision=self.precision, masters=masters, recompute=self.recompute,
+            predict_weights=self.predict_weights, predict_bound=self.schedule.delay_bound(stage),
         )
 
     # -- checkpoints ([Note: the checkpoint cut]) --------------------------------------------------

@@ -187,7 +187,8 @@ def zb_layers_per_stage(n_layer: int, n_stages: int) -> list[int]:
 def analytic_model(config: "ModelConfig", n_stages: int, hardware: Hardware, micro_batch_size: int,
                    seq_len: int | None = None, *, virtual: int = 1, layers_per_stage: Sequence[int] | None = None,
                    precision: Precision = Precision(), flash_attention: bool = False, jitter: float = 0.0,
-                   seed: int = 0, stragglers: Sequence[Straggler] = (), recompute: bool = False) -> AnalyticModel:
+                   seed: int = 0, stragglers: Sequence[Straggler] = (), recompute: bool = False,
+                   predict_weights: bool = False) -> AnalyticModel:
     """Builds the per-stage costs and memory sizes of ``config`` split over ``n_stages · virtual`` stages.
 
     Args:
@@ -206,6 +207,8 @@ def analytic_model(config: "ModelConfig", n_stages: int, hardware: Hardware, mic
         recompute: full activation recomputation: a stage keeps its input per micro-batch (token ids,
             8 bytes each, on the first stage; s·b·h activations otherwise) and every backward
             re-runs the forward first (``PipelineCosts.with_recompute``, ``MemorySpec.with_recompute``).
+        predict_weights: weight prediction (``--predict-weights``): two weight-sized buffers per stage
+            (the last applied update and the live weights during a predicted forward) as ``extra_bytes``.
 
     Returns:
         The :class:`AnalyticModel`.
@@ -285,6 +288,7 @@ def analytic_model(config: "ModelConfig", n_stages: int, hardware: Hardware, mic
                           latency_s=tuple(lat) if n > 1 else 0.0, jitter=jitter, seed=seed,
                           stragglers=tuple(stragglers))
     memory = MemorySpec(tuple(mem["w"]), tuple(mem["g"]), tuple(mem["o"]), tuple(mem["a"]), tuple(mem["aw"]),
+                        extra_bytes=tuple(2.0 * w for w in mem["w"]) if predict_weights else (),
                         capacity_bytes=hardware.memory_bytes)
     if recompute:
         inputs = tuple(float(tokens * 8 if j == 0 else sbh * p.activation_bytes) for j in range(n))

@@ -186,7 +186,7 @@ def measured_memory(run: MeasuredRun, recompute: bool | None = None) -> "MemoryS
     as a :class:`~unbubble.sim.memory.MemorySpec` for ``peak_memory``.
 
     Weights are the parameters plus the fp32 masters (``bf16``), gradients the largest accumulated
-    gradient, the optimizer its state. One micro-batch holds what its forward saved (activations and
+    gradient, the optimizer its state, extra bytes weight prediction's buffers. One micro-batch holds what its forward saved (activations and
     autocast's weight copies): ``per_micro_batch.forward``, or, from a run that recomputed,
     ``recomputed + input``; with ``recompute`` it keeps only ``input`` and re-creates the rest at
     its backward (``MemorySpec.with_recompute``).
@@ -212,5 +212,6 @@ def measured_memory(run: MeasuredRun, recompute: bool | None = None) -> "MemoryS
         inputs.append(float(pm["input"]))
     spec = MemorySpec(tuple(float(m["param_bytes"] + m["master_bytes"]) for m in stages),
                       tuple(float(m["grad_bytes"]) for m in stages),
-                      tuple(float(m["optimizer_state_bytes"]) for m in stages), tuple(total))
+                      tuple(float(m["optimizer_state_bytes"]) for m in stages), tuple(total),
+                      extra_bytes=tuple(float(m.get("prediction_bytes", 0)) for m in stages))
     return spec.with_recompute(tuple(inputs)) if recompute else spec

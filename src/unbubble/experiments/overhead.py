@@ -1,0 +1,354 @@
+"""``overhead-study``: when does asynchrony pay? Token overhead and time-to-target of PACI with
+delay remedies against 1F1B-flush with the same optimizer (DESIGN §9).
+
+Two resumable sweeps (:func:`unbubble.experiments.sweep.run_sweep`):
+
+1. the paci-study horizon (:func:`~unbubble.experiments.study_specs.overhead_spec`): each
+   (PACI, flush) pair with identical optimizer settings, both tuned; PACI also trains at 1.5×, 2×
+   and 3× the tokens, each budget a full warm-up + cosine run at its tuned lr;
+2. a longer horizon (:func:`~unbubble.experiments.study_specs.horizon_spec`, 4× the tokens) for
+   Muon, the best remedy and the best AdamW setting with their flush twins, at the 1× tuned lrs.
+
+Metrics, from ``runs.csv`` and ``curves.csv`` only:
+
+* **token overhead**: per seed, the budget at which PACI's *final* validation loss meets the flush
+  twin's (mean over seeds), interpolated in log tokens (:func:`~unbubble.experiments.stats.budget_overhead`);
+  mean ± sample std over seeds, "> b" when the largest budget trained does not reach it;
+* **time-to-target** on the simulated clock of N devices with the per-stage F, B and U durations
+  measured in these runs: PACI's time to train the interpolated budget, against (a) its flush twin's
+  full run on the fastest synchronous schedule (1F1B-flush, ZB-H1, ZB-H2, and interleaved 1F1B
+  where m is a multiple of N: they compute flush's updates, only their clock differs), and (b) the
+  fastest synchronous (schedule, optimizer) of the study to reach the same loss (read on its
+  validation curve: a shorter full schedule would get there sooner still, so (b) favours PACI);
+* **break-even**: asynchrony pays when its token overhead is below the throughput ratio it buys
+  over the fastest synchronous schedule (:func:`break_even_rows`).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+from unbubble.experiments.common import ExperimentOutput, experiment, figure, md_table, provenance, save_figure, write_csv
+from unbubble.experiments.stats import budget_overhead, iso_loss_overhead, mean_std, time_to_target
+from unbubble.experiments.studies import Study
+from unbubble.experiments.study_specs import horizon_spec, overhead_spec
+from unbubble.experiments.sweep import SweepData, SweepSpec, read_tables, run_sweep, write_tables
+
+#: Synchronous schedules that compute 1F1B-flush's updates (same loss curve, another clock).
+SYNCHRONOUS = ("1f1b-flush", "zb-h1", "zb-h2", "interleaved-1f1b")
+#: The longer horizon, a multiple of the paci-study tokens.
+HORIZON = 4.0
+
+
+class Clock:
+    """The simulated clock of N devices for a study's runs: per-stage F and B durations are the
+    medians over every run at depth N (one clock for all methods), U the median of the method's own
+    runs (Muon's update costs more than AdamW's)."""
+
+    def __init__(self, study: Study, n: int):
+        self.study, self.n = study, n
+        at_n = [r for rs in study.by_key.values() for r in rs if r["stages"] == n]
+        self.f = [statistics.median(r["f_s"][s] for r in at_n) for s in range(n)]
+        self.b = [statistics.median(r["b_s"][s] for r in at_n) for s in range(n)]
+        self._cache: dict[tuple, float] = {}
+
+    def _costs(self, method: str):
+        from unbubble.sim.costs import PipelineCosts, StageCosts
+
+        own = self.study.by_key[(method, self.n)]
+        u = [statistics.median(r["u_s"][s] for r in own) for s in range(self.n)]
+        return PipelineCosts(tuple(StageCosts.from_fb(self.f[s], self.b[s], u[s]) for s in range(self.n)))
+
+    def makespan(self, method: str, schedule: str, steps: int, a: int = 1, m: int = 1, v: int = 2) -> float:
+        """Simulated seconds for ``steps`` updates of ``schedule`` with ``method``'s update cost."""
+        from unbubble.schedules.registry import get_schedule
+        from unbubble.sim.engine import run_policies
+
+        key = (method, schedule, steps, a, m, v)
+        if key not in self._cache:
+            costs = self._costs(method)
+            if schedule == "interleaved-1f1b":  # v chunks per device, each half of the stage's work
+                from unbubble.sim.costs import PipelineCosts, StageCosts
+
+                chunks = [costs.stages[j % self.n] for j in range(self.n * v)]
+                costs = PipelineCosts(tuple(StageCosts(c.f_s / v, c.b_s / v, c.i_s / v, c.w_s / v, c.u_s / v) for c in chunks))
+            sched = get_schedule(schedule, self.n, steps, a=a, m=m, v=v)
+            self._cache[key] = run_policies(sched, costs).makespan
+        return self._cache[key]
+
+    def sync_step(self, method: str, m: int) -> tuple[float, str]:
+        """(seconds per update, schedule) of the fastest synchronous schedule for ``method``'s
+        updates at m micro-batches per update (flushed schedules repeat the same step)."""
+        options = []
+        for name in SYNCHRONOUS:
+            if name == "interleaved-1f1b" and m % self.n:
+                continue  # Megatron's order needs m to be a multiple of N
+            options.append((self.makespan(method, name, 4, m=m) / 4, name))
+        return min(options)
+
+    def async_time(self, method: str, steps: float) -> float:
+        """Simulated seconds for ``steps`` updates of ``method``'s asynchronous schedule (rounded up)."""
+        run = self.study.by_key[(method, self.n)][0]
+        return self.makespan(method, run["schedule"], max(math.ceil(steps), 1), a=run["a"], m=run["m"])
+
+
+def _settings(run: dict[str, Any], overrides: dict[str, Any]) -> str:
+    opt = run["optimizer"]
+    if opt == "muon":
+        return f"muon μ={overrides.get('muon_momentum', 0.95)}"
+    return f"{opt} β=({overrides.get('beta1', 0.9)}, {overrides.get('beta2', 0.95)})"
+
+
+def overhead_rows(study: Study, spec: dict[str, Any], n: int) -> tuple[list[dict[str, Any]], dict[str, dict]]:
+    """The main table (one row per asynchronous method with a baseline) and, per method, the
+    numbers the text and the horizon sweep use (``overhead``, ``relation``, ``speedup``…)."""
+    methods = {m["label"]: m for m in spec["methods"]}
+    clock = Clock(study, n)
+    sync_labels = [lbl for lbl, m in methods.items() if "baseline" not in m and study.has(lbl, n)]
+    rows, facts = [], {}
+    for label, m in methods.items():
+        base = m.get("baseline")
+        if base is None or not study.has(label, n) or not study.has(base, n):
+            continue
+        runs = study.final(label, n)
+        target = study.curve(base, n)[-1][1]  # the baseline's mean final loss as its curve holds it
+        steps1 = runs[0]["steps"]
+        per_seed, relations, times = [], [], []
+        budgets_trained = set()
+        for r in runs:
+            points = {1.0: r["final_val_loss"] if r["final_val_loss"] is not None else math.inf}
+            for b in study.budgets.get((label, n), []):
+                if b["seed"] == r["seed"] and b["lr"] == r["lr"]:
+                    points[b["budget"]] = b["final_val_loss"] if b["final_val_loss"] is not None else math.inf
+                    budgets_trained.add(b["budget"])
+            value, rel = budget_overhead(points, target)
+            per_seed.append(value)
+            relations.append(rel)
+            times.append(clock.async_time(label, value * steps1))
+        base_run = study.final(base, n)[0]
+        step_same, sched_same = clock.sync_step(base, base_run["m"])
+        t_same = step_same * base_run["steps"]
+        # the fastest synchronous (schedule, optimizer) of the study to reach the same loss
+        fastest = None
+        for s in sync_labels:
+            sr = study.final(s, n)[0]
+            step, sched = clock.sync_step(s, sr["m"])
+            v = time_to_target(study.updates_curve(s, n), target)
+            if v is not None and (fastest is None or v * step < fastest[0]):
+                fastest = (v * step, s, sched)
+        losses = study.losses(label, n)
+        t_mean = statistics.fmean(times)
+        if ">" in relations:
+            overhead_txt, speed_txt, fast_txt = f"> {max(per_seed):.2f}", f"< {t_same / t_mean:.2f}", \
+                (f"< {fastest[0] / t_mean:.2f}" if fastest else "—")
+        else:
+            mu, sd = mean_std(per_seed)
+            prefix = "≤ " if "≤" in relations else ""
+            overhead_txt = f"{prefix}{mu:.2f} ± {sd:.2f}" if len(per_seed) > 1 else f"{prefix}{mu:.2f}"
+            speed_txt = f"{t_same / t_mean:.2f}"
+            fast_txt = f"{fastest[0] / t_mean:.2f}" if fastest else "—"
+        rows.append({
+            "method": label, "optimizer": _settings(runs[0], m), "tuned lr": study.lr_label(label, n),
+            "seeds": len(runs), "final val loss": _fmt(losses), "flush twin": f"{_fmt(study.losses(base, n))} "
+            f"(lr {study.lr(base, n):g})", "gap": statistics.fmean(losses) - statistics.fmean(study.losses(base, n)),
+            "budgets trained": ", ".join(f"{b:g}" for b in sorted(budgets_trained)) or "1",
+            "token overhead ÷ flush": overhead_txt,
+            "time-to-target (s)": f"{'> ' if '>' in relations else ''}{t_mean:.3g}",
+            "speed-up vs twin": f"{speed_txt} ({sched_same})",
+            "vs fastest synchronous": fast_txt + (f" ({fastest[1].split(' + ')[-1] if ' + ' in fastest[1] else 'adamw'}"
+                                                  f", {fastest[2]})" if fastest else ""),
+        })
+        facts[label] = {"overhead": statistics.fmean(per_seed), "relation": ">" if ">" in relations else "=",
+                        "speedup": t_same / t_mean, "fastest": None if fastest is None else fastest[0] / t_mean,
+                        "baseline": base, "seeds": len(runs), "gap": rows[-1]["gap"],
+                        "sync_schedule": sched_same}
+    return rows, facts
+
+
+def horizon_rows(study: Study, h4: dict[str, Any], n: int) -> list[dict[str, Any]]:
+    """Gap and curve-read iso-loss tokens at the longer horizon beside the same pair at 1×."""
+    rows = []
+    for m in h4["methods"]:
+        base = m.get("baseline")
+        if base is None or not study.has(m["label"], n) or not study.has(base, n):
+            continue
+        short, short_base = m["label"].rsplit(" @", 1)[0], base.rsplit(" @", 1)[0]
+        losses, bl = study.losses(m["label"], n), study.losses(base, n)
+        target = study.curve(base, n)[-1][1]
+        ratio, reached = iso_loss_overhead(study.curve(m["label"], n), target, study.final(base, n)[0]["tokens"])
+        row = {"method": short, "horizon": m["label"].rsplit("@", 1)[1], "seeds": len(losses),
+               "final val loss": _fmt(losses), "flush twin": _fmt(bl),
+               "gap": statistics.fmean(losses) - statistics.fmean(bl),
+               "gap at 1×": (statistics.fmean(study.losses(short, n)) - statistics.fmean(study.losses(short_base, n))
+                             if study.has(short, n) and study.has(short_base, n) else None),
+               "tokens to twin's loss, read on the curve": f"{ratio:.2f}" if reached else f"> {ratio:.2f}"}
+        rows.append(row)
+    return rows
+
+
+def break_even_rows(ns=(4, 8, 16), ms=(4, 8, 16, 32)) -> list[dict[str, Any]]:
+    """The throughput ratio PACI (a = m) buys over the fastest synchronous schedule at m
+    micro-batches per update, from the simulator: GPT-2 Medium on H200s (16 × 1024 tokens per
+    micro-batch, the analytic cost model) and unit costs (F = 1, B = 2: a balanced CPU pipeline).
+    Asynchrony pays when its token overhead is below this ratio."""
+    from unbubble.schedules.registry import get_schedule
+    from unbubble.sim.analytic import analytic_model, make_model
+    from unbubble.sim.costs import UniformCosts
+    from unbubble.sim.hardware import get_hardware
+    from unbubble.sim.result import simulate
+
+    rows = []
+    cfg = make_model("gpt2-medium")
+    hw = get_hardware("h200")
+    for setup in ("gpt2-medium, H200", "unit costs (F = 1, B = 2)"):
+        for n in ns:
+            am = analytic_model(cfg, n, hw, 16) if setup.startswith("gpt2") else None
+            costs = am.costs if am is not None else UniformCosts(f=1.0, b=2.0)
+            row: dict[str, Any] = {"setup": setup, "N": n}
+            for m in ms:
+                paci = simulate(get_schedule("paci", n, steps=max(16, 256 // m), a=m), costs).steady_samples_per_s
+                best, name = 0.0, ""
+                for s in SYNCHRONOUS:
+                    if s == "interleaved-1f1b":
+                        if m % n or (am is not None and cfg.n_layer < 2 * n):
+                            continue
+                        c = analytic_model(cfg, n, hw, 16, virtual=2).costs if am is not None else costs
+                        sched = get_schedule(s, n, steps=4, m=m, v=2)
+                    else:
+                        c, sched = costs, get_schedule(s, n, steps=4, m=m)
+                    rate = simulate(sched, c).steady_samples_per_s
+                    if rate > best:
+                        best, name = rate, s
+                row[f"m={m}"] = f"{paci / best:.2f} ({name})"
+            rows.append(row)
+    return rows
+
+
+def _fmt(values: list[float]) -> str:
+    if any(not math.isfinite(v) for v in values):
+        return "diverged"
+    mu, sd = mean_std(values)
+    return f"{mu:.3f} ± {sd:.3f}" if len(values) > 1 else f"{mu:.3f}"
+
+
+def _pairs_for_horizon(facts: dict[str, dict], spec: dict[str, Any]) -> list[tuple[str, str]]:
+    """Muon, the best remedy (lowest token overhead of the multi-seed rows other than Muon's) and
+    the best AdamW setting, each with its flush twin (the AdamW pair runs one seed: the budget)."""
+    methods = {m["label"]: m for m in spec["methods"]}
+    multi = {k: v for k, v in facts.items() if v["seeds"] > 1}
+    order = sorted(multi, key=lambda k: (multi[k]["relation"] == ">", multi[k]["overhead"], multi[k]["gap"]))
+
+    def plain(k: str, optimizer: str) -> bool:
+        m = methods[k]
+        return (m.get("optimizer", "adamw") == optimizer and m.get("predict_weights", "none") == "none"
+                and m.get("muon_momentum", 0.95) == 0.95)
+
+    muon = next((k for k in order if plain(k, "muon")), None)
+    remedy = next((k for k in order if k != muon), None)
+    adamw = next((k for k in order if plain(k, "adamw")), None)
+    pairs = []
+    for k in (muon, remedy, adamw):
+        if k is not None and (k, facts[k]["baseline"]) not in pairs:
+            pairs.append((k, facts[k]["baseline"]))
+    return pairs
+
+
+def _plots(study: Study, spec: dict[str, Any], facts: dict[str, dict], n: int, out: Path) -> list[Path]:
+    plt = figure()
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    methods = {m["label"]: m for m in spec["methods"]}
+    for label, f in facts.items():
+        base = methods[label]["baseline"]
+        budgets = sorted({1.0} | {b["budget"] for b in study.budgets.get((label, n), [])})
+        ys = []
+        for bud in budgets:
+            vals = [r["final_val_loss"] for r in (study.final(label, n) if bud == 1.0 else study.budgets[(label, n)])
+                    if (bud == 1.0 or r["budget"] == bud) and r["final_val_loss"] is not None]
+            ys.append(statistics.fmean(vals) if vals else math.nan)
+        line, = ax.plot(budgets, ys, "o-", lw=1.2, label=label)
+        ax.axhline(study.curve(base, n)[-1][1], color=line.get_color(), ls=":", lw=0.8)
+    ax.set(xscale="log", xlabel="tokens ÷ the flush twin's (each budget a full warm-up + cosine run)",
+           ylabel="final validation loss (mean over seeds)",
+           title=f"Token budgets of PACI, N={n}; dotted: the flush twin's final loss")
+    files = [save_figure(fig, ax, out / "overhead_study_budgets.png")]
+    return files
+
+
+@experiment("overhead-study", "token overhead and time-to-target of PACI with delay remedies (momentum, NAdam, "
+                              "Muon, weight prediction) against flush with the same optimizer; 4× horizon")
+def overhead_study(out: Path, size: str = "default", seeds: list[int] | None = None, analyze: Path | None = None,
+                   workers: int = 2) -> ExperimentOutput:
+    """When does asynchrony pay? See the module docstring."""
+    t0 = time.perf_counter()
+    h1 = overhead_spec(size)
+    if seeds:
+        h1 = {**h1, "seeds": list(seeds)}
+    n = max(h1["stages"])
+    if analyze is None:
+        records = run_sweep(SweepSpec.from_dict(h1), out / "h1", workers=workers, progress=print)
+        write_tables(records, out)
+        study = Study(read_tables(out))
+        _, facts = overhead_rows(study, h1, n)
+        tuned = {m["label"]: study.lr(m["label"], n) for m in h1["methods"] if study.has(m["label"], n)}
+        horizon = HORIZON if size == "default" else 2.0
+        pairs = _pairs_for_horizon(facts, h1)
+        h4 = horizon_spec(h1, tuned, pairs, horizon, one_seed=pairs[2:])
+        if h4["methods"]:
+            records += run_sweep(SweepSpec.from_dict(h4), out / "h4", workers=workers, progress=print)
+        write_tables(records, out)
+    data = read_tables(out if analyze is None else analyze)
+    study = Study(data)
+    rows, facts = overhead_rows(study, h1, n)
+    h4_methods = _horizon_methods(study, h1)
+    longer = horizon_rows(study, {"methods": h4_methods}, n)
+    breakeven = break_even_rows()
+    files = [write_csv(out / "overhead_study_main.csv", rows)]
+    if longer:
+        files.append(write_csv(out / "overhead_study_horizon.csv", longer))
+    files.append(write_csv(out / "overhead_study_break_even.csv", breakeven))
+    files += _plots(study, h1, facts, n, out)
+    wall = time.perf_counter() - t0
+    b = h1["base"]
+    tokens = h1["micro_batches"] * b["micro_batch_size"] * b["seq_len"]
+    run_wall = sum(r["wall_s"] for r in data.runs)
+    md = (f"## overhead-study (when asynchrony pays), N={n}\n\n"
+          f"Setup: {b['model']}, byte-level KJV, PACI a = {h1['methods'][1].get('a', 4)} against 1F1B-flush with "
+          f"m = a and the *same* optimizer settings; {h1['micro_batches']:,} micro-batches of "
+          f"{b['micro_batch_size']}×{b['seq_len']} tokens ({tokens:,} tokens) per 1× run, warm-up "
+          f"{b['warmup_frac']:.0%}, cosine to 10 %, weight decay 0.1; each method's lr tuned on seed "
+          f"{h1['seeds'][0]} (rows marked (borrowed) take a tuned row's lr), then seeds {h1['seeds'][1:]}. PACI also "
+          f"trains at budgets {h1['budgets']} × the tokens, each a full warm-up + cosine run, while its final loss "
+          "is above its twin's. Token overhead: the budget at which PACI's final loss meets its twin's, "
+          "interpolated in log tokens, mean ± std over seeds. Times: the simulated clock of N devices with the "
+          "F/B/U durations measured in these runs; the twin runs on the fastest synchronous schedule (1F1B-flush, "
+          "ZB-H1, ZB-H2; interleaved needs m to be a multiple of N), which computes flush's updates.\n\n"
+          + md_table(rows) + "\n\n"
+          + (f"Longer horizon (the 1× tuned lr, budgets not trained; 'read on the curve' reads the intermediate "
+             "point of PACI's own cosine run, which favours the baseline):\n\n" + md_table(longer) + "\n\n"
+             if longer else "")
+          + "Break-even: the throughput ratio PACI (a = m) buys over the fastest synchronous schedule (simulator, "
+            "steady state; in brackets the schedule). Asynchrony pays when its token overhead is below it.\n\n"
+          + md_table(breakeven) + "\n\n"
+          + "![budgets](overhead_study_budgets.png)\n\n"
+          + provenance(f"unbubble experiment overhead-study --size {size}", h1["seeds"],
+                       wall if analyze is None else run_wall / workers,
+                       engine=f"emulator, {len(data.runs)} runs, {workers} at a time on 1 torch thread each, "
+                              f"{run_wall / 3600:.2f} run-hours"))
+    return ExperimentOutput("overhead-study", md, files, wall)
+
+
+def _horizon_methods(study: Study, h1: dict[str, Any]) -> list[dict[str, Any]]:
+    """The longer-horizon methods present in the data (labels "… @4×"), with their baselines."""
+    by = {m["label"]: m for m in h1["methods"]}
+    out = []
+    for (label, _n) in study.by_key:
+        if " @" in label:
+            short = label.rsplit(" @", 1)[0]
+            base = by.get(short, {}).get("baseline")
+            suffix = label.rsplit(" @", 1)[1]
+            out.append({"label": label, **({"baseline": f"{base} @{suffix}"} if base else {})})
+    return out
