@@ -90,6 +90,31 @@ class ProgressListener:
             self.progress.stop()
 
 
+def _break_even_line(cfg: TrainConfig, result) -> str | None:
+    """For an asynchronous run: the throughput ratio it buys over the fastest synchronous schedule at
+    m = its micro-batches per update, simulated with this run's measured per-stage costs (the
+    break-even its token overhead must stay below); None for synchronous runs or tiny traces."""
+    from unbubble.errors import ConfigError
+    from unbubble.schedules.registry import get_schedule
+
+    if not get_schedule(cfg.schedule, cfg.stages, 1, a=cfg.a, m=cfg.m, v=cfg.v).asynchronous or cfg.dp > 1:
+        return None
+    from unbubble.sim.costs import PipelineCosts, StageCosts
+    from unbubble.sim.extrapolate import async_over_sync
+    from unbubble.sim.measured import kind_medians
+
+    m = cfg.mb_per_step
+    try:  # compute only (median F, B, U per stage): the emulator's wall-clock gaps are not link times
+        med = kind_medians(result.trace)
+        costs = PipelineCosts(tuple(StageCosts.from_fb(d["F"], d["B"], d.get("U", 0.0)) for d in med))
+        ratio, name = async_over_sync(costs, cfg.stages, m, a=m)
+    except (ConfigError, KeyError, ValueError, ZeroDivisionError):  # a stage that ran no F or B
+        return None
+    return (f"break-even: on these stages' measured costs this schedule is {ratio:.2f}× as fast as the fastest "
+            f"synchronous one at m = {m} ({name}); asynchrony pays while it needs fewer than {ratio:.2f}× their "
+            "tokens (docs/faq.md#when-does-asynchrony-pay)")
+
+
 def _given(kwargs: dict) -> dict:
     """The options given explicitly on the command line (not defaults)."""
     from click.core import ParameterSource
@@ -188,6 +213,9 @@ def train(print_config: bool, resume: str | None, **kwargs) -> None:
     kind = "simulated utilization" if result.sim_trace is not None else "utilization"
     click.echo(f"tokens/s {result.tokens_per_s:,.0f} | max Δ per stage {result.max_drift()} | "
                f"{kind} {' '.join(f'{u:.2f}' for u in util)}")
+    line = _break_even_line(cfg, result)
+    if line:
+        click.echo(line)
     if result.events:
         click.echo(f"non-finite guard ({cfg.nan_policy}): dropped {len(result.events)} micro-batch(es); see "
                    f"{run_dir}/metrics.jsonl")

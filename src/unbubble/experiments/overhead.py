@@ -36,10 +36,9 @@ from unbubble.experiments.common import ExperimentOutput, experiment, figure, md
 from unbubble.experiments.stats import budget_overhead, iso_loss_overhead, mean_std, time_to_target
 from unbubble.experiments.studies import Study
 from unbubble.experiments.study_specs import horizon_spec, overhead_spec
-from unbubble.experiments.sweep import SweepData, SweepSpec, read_tables, run_sweep, write_tables
+from unbubble.experiments.sweep import SweepSpec, read_tables, run_sweep, write_tables
+from unbubble.sim.extrapolate import SYNCHRONOUS
 
-#: Synchronous schedules that compute 1F1B-flush's updates (same loss curve, another clock).
-SYNCHRONOUS = ("1f1b-flush", "zb-h1", "zb-h2", "interleaved-1f1b")
 #: The longer horizon, a multiple of the paci-study tokens.
 HORIZON = 4.0
 
@@ -192,40 +191,38 @@ def horizon_rows(study: Study, h4: dict[str, Any], n: int) -> list[dict[str, Any
 
 def break_even_rows(ns=(4, 8, 16), ms=(4, 8, 16, 32)) -> list[dict[str, Any]]:
     """The throughput ratio PACI (a = m) buys over the fastest synchronous schedule at m
-    micro-batches per update, from the simulator: GPT-2 Medium on H200s (16 × 1024 tokens per
-    micro-batch, the analytic cost model) and unit costs (F = 1, B = 2: a balanced CPU pipeline).
-    Asynchrony pays when its token overhead is below this ratio."""
-    from unbubble.schedules.registry import get_schedule
+    micro-batches per update (:func:`unbubble.sim.extrapolate.async_over_sync`): GPT-2 Medium on
+    H200s (16 × 1024 tokens per micro-batch, the analytic cost model) and unit costs (F = 1, B = 2:
+    a balanced pipeline such as the CPU presets). Asynchrony pays when its token overhead is below it."""
     from unbubble.sim.analytic import analytic_model, make_model
     from unbubble.sim.costs import UniformCosts
+    from unbubble.sim.extrapolate import async_over_sync
     from unbubble.sim.hardware import get_hardware
-    from unbubble.sim.result import simulate
 
     rows = []
-    cfg = make_model("gpt2-medium")
-    hw = get_hardware("h200")
+    cfg, hw = make_model("gpt2-medium"), get_hardware("h200")
     for setup in ("gpt2-medium, H200", "unit costs (F = 1, B = 2)"):
         for n in ns:
-            am = analytic_model(cfg, n, hw, 16) if setup.startswith("gpt2") else None
-            costs = am.costs if am is not None else UniformCosts(f=1.0, b=2.0)
+            costs = analytic_model(cfg, n, hw, 16).costs if setup.startswith("gpt2") else UniformCosts(f=1.0, b=2.0)
             row: dict[str, Any] = {"setup": setup, "N": n}
             for m in ms:
-                paci = simulate(get_schedule("paci", n, steps=max(16, 256 // m), a=m), costs).steady_samples_per_s
-                best, name = 0.0, ""
-                for s in SYNCHRONOUS:
-                    if s == "interleaved-1f1b":
-                        if m % n or (am is not None and cfg.n_layer < 2 * n):
-                            continue
-                        c = analytic_model(cfg, n, hw, 16, virtual=2).costs if am is not None else costs
-                        sched = get_schedule(s, n, steps=4, m=m, v=2)
-                    else:
-                        c, sched = costs, get_schedule(s, n, steps=4, m=m)
-                    rate = simulate(sched, c).steady_samples_per_s
-                    if rate > best:
-                        best, name = rate, s
-                row[f"m={m}"] = f"{paci / best:.2f} ({name})"
+                ratio, name = async_over_sync(costs, n, m)
+                row[f"m={m}"] = f"{ratio:.2f} ({name})"
             rows.append(row)
     return rows
+
+
+def measured_break_even(study: Study, method: str, n: int, ms=(4, 8, 16, 32)) -> dict[str, Any]:
+    """The same ratio on this study's clock (per-stage F, B measured in its runs, ``method``'s U)."""
+    from unbubble.sim.extrapolate import async_over_sync
+
+    costs = Clock(study, n)._costs(method)
+    row: dict[str, Any] = {"setup": f"{study.by_key[(method, n)][0]['schedule']} runs of this study (measured "
+                                    f"F/B, {method}'s U)", "N": n}
+    for m in ms:
+        ratio, name = async_over_sync(costs, n, m)
+        row[f"m={m}"] = f"{ratio:.2f} ({name})"
+    return row
 
 
 def _fmt(values: list[float]) -> str:
@@ -236,8 +233,8 @@ def _fmt(values: list[float]) -> str:
 
 
 def _pairs_for_horizon(facts: dict[str, dict], spec: dict[str, Any]) -> list[tuple[str, str]]:
-    """Muon, the best remedy (lowest token overhead of the multi-seed rows other than Muon's) and
-    the best AdamW setting, each with its flush twin (the AdamW pair runs one seed: the budget)."""
+    """Muon and the best remedy (lowest token overhead of the multi-seed rows other than Muon's),
+    each with its flush twin; the best remedy runs one seed (the study's 2-hour budget)."""
     methods = {m["label"]: m for m in spec["methods"]}
     multi = {k: v for k, v in facts.items() if v["seeds"] > 1}
     order = sorted(multi, key=lambda k: (multi[k]["relation"] == ">", multi[k]["overhead"], multi[k]["gap"]))
@@ -249,9 +246,8 @@ def _pairs_for_horizon(facts: dict[str, dict], spec: dict[str, Any]) -> list[tup
 
     muon = next((k for k in order if plain(k, "muon")), None)
     remedy = next((k for k in order if k != muon), None)
-    adamw = next((k for k in order if plain(k, "adamw")), None)
     pairs = []
-    for k in (muon, remedy, adamw):
+    for k in (muon, remedy):
         if k is not None and (k, facts[k]["baseline"]) not in pairs:
             pairs.append((k, facts[k]["baseline"]))
     return pairs
@@ -296,7 +292,7 @@ def overhead_study(out: Path, size: str = "default", seeds: list[int] | None = N
         tuned = {m["label"]: study.lr(m["label"], n) for m in h1["methods"] if study.has(m["label"], n)}
         horizon = HORIZON if size == "default" else 2.0
         pairs = _pairs_for_horizon(facts, h1)
-        h4 = horizon_spec(h1, tuned, pairs, horizon, one_seed=pairs[2:])
+        h4 = horizon_spec(h1, tuned, pairs, horizon, one_seed=pairs[1:])
         if h4["methods"]:
             records += run_sweep(SweepSpec.from_dict(h4), out / "h4", workers=workers, progress=print)
         write_tables(records, out)
@@ -305,7 +301,7 @@ def overhead_study(out: Path, size: str = "default", seeds: list[int] | None = N
     rows, facts = overhead_rows(study, h1, n)
     h4_methods = _horizon_methods(study, h1)
     longer = horizon_rows(study, {"methods": h4_methods}, n)
-    breakeven = break_even_rows()
+    breakeven = break_even_rows() + [measured_break_even(study, h1["methods"][0]["label"], n)]
     files = [write_csv(out / "overhead_study_main.csv", rows)]
     if longer:
         files.append(write_csv(out / "overhead_study_horizon.csv", longer))

@@ -171,7 +171,7 @@ def overhead_spec(size: str) -> dict[str, Any]:
         {"label": "1f1b-flush m=4 + muon μ=0.98", **flush, **muon, "muon_momentum": 0.98,
          "lr_from": "1f1b-flush m=4 + muon"},
         {"label": "paci a=4 + muon μ=0.98", **paci, **muon, "muon_momentum": 0.98, "lr_from": "paci a=4 + muon",
-         "baseline": "1f1b-flush m=4 + muon μ=0.98"},
+         "baseline": "1f1b-flush m=4 + muon μ=0.98", "budgets": []},
     ]
     for b1, source in ((0.95, ""), (0.98, " + adamw β=(0.99, 0.999)")):  # exploratory: one seed, borrowed lr
         betas = {"beta1": b1, "beta2": MOMENTA[b1]}

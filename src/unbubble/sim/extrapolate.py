@@ -15,6 +15,7 @@ Also: :func:`speedups`, PACI's steady-state speed-up over 1F1B-flush at equal mi
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -174,6 +175,52 @@ def speedups(model: str, hardware: Hardware, n_stages: int = 8, ms: Sequence[int
         out.append(Speedup(m, paci.steady_samples_per_s / flush.steady_samples_per_s, (m + n_stages - 1) / m,
                            paci.summary()["mean_bubble"], flush.summary()["mean_bubble"]))
     return out
+
+
+#: Schedules that compute 1F1B-flush's updates (the same loss curve on another clock).
+SYNCHRONOUS = ("1f1b-flush", "zb-h1", "zb-h2", "interleaved-1f1b")
+
+
+def async_over_sync(costs, n_stages: int, m: int, interleaved_costs=None, a: int | None = None) -> tuple[float, str]:
+    """PACI's steady-state throughput over the fastest synchronous schedule's at m micro-batches per
+    update: the speed-up asynchrony buys, which its token overhead must stay below to pay (break-even).
+
+    Args:
+        costs: per-stage costs of the N stages (``PipelineCosts`` or ``UniformCosts``).
+        n_stages: N.
+        m: micro-batches per update of the synchronous schedules (PACI: a = m unless ``a`` is given).
+        interleaved_costs: costs of the N·2 chunks of interleaved 1F1B (v = 2); None uses ``costs``
+            for each chunk pair (``UniformCosts``) or halves them (``PipelineCosts``); interleaved
+            runs only where m is a multiple of N (Megatron's order).
+        a: PACI's accumulation factor (default m).
+
+    Returns:
+        ``(ratio, fastest synchronous schedule)``; ratios over 1 mean PACI is faster.
+    """
+    from unbubble.sim.costs import PipelineCosts, StageCosts
+
+    a = m if a is None else a
+    paci = simulate(get_schedule("paci", n_stages, steps=max(16, 256 // a), a=a), costs).steady_samples_per_s
+    best, name = 0.0, ""
+    for s in SYNCHRONOUS:
+        c = costs
+        if s == "interleaved-1f1b":
+            if m % n_stages:
+                continue
+            if interleaved_costs is not None:
+                c = interleaved_costs
+            elif isinstance(costs, PipelineCosts):  # device d holds two halves of stage d's work
+                halves = tuple(StageCosts(x.f_s / 2, x.b_s / 2, x.i_s / 2, x.w_s / 2, x.u_s / 2)
+                               for j in range(2 * n_stages) for x in [costs.stages[j % n_stages]])
+                try:
+                    c = dataclasses.replace(costs, stages=halves)
+                except ConfigError:  # per-boundary links do not fit 2N − 1 boundaries: free links
+                    c = PipelineCosts(halves)
+        sched = get_schedule(s, n_stages, steps=4, m=m, v=2)
+        rate = simulate(sched, c).steady_samples_per_s
+        if rate > best:
+            best, name = rate, s
+    return paci / best, name
 
 
 def _label(name: str) -> str:

@@ -1,0 +1,310 @@
+"""Asynchrony that pays: weight prediction, Muon's momentum, NAdam's settings, token budgets in
+sweeps and the overhead study in its tiny size."""
+
+import csv
+import math
+
+import pytest
+import torch
+from torch import nn
+from torch.func import functional_call
+
+from unbubble.config import TrainConfig
+from unbubble.errors import ConfigError
+from unbubble.experiments import get_experiment
+from unbubble.experiments import sweep as sweep_mod
+from unbubble.experiments.stats import budget_overhead
+from unbubble.experiments.sweep import SweepSpec, next_budget, run_sweep
+from unbubble.optim import build_optimizer
+from unbubble.runtime.executor import StageExecutor
+
+
+# -- weight prediction ([Note: weight prediction]) ---------------------------------------------------
+
+def _executor(module, predict="bound", bound=2, lr=0.1, stage=0, n_stages=2):
+    torch.manual_seed(0)
+    xs = {k: torch.randn(3, 4) for k in range(8)}
+    opt = torch.optim.SGD(module.parameters(), lr=lr)
+    return StageExecutor(stage, n_stages, module, None, lambda k: (xs[k], None), opt, 1.0, predict_weights=predict,
+                         predict_bound=bound), xs
+
+
+def _step(ex, k, grad):
+    ex.forward(k)
+    ex.backward(k, grad)
+    ex.update()
+
+
+def test_a_predicted_forward_equals_the_module_at_the_extrapolated_weights_exactly():
+    torch.manual_seed(1)
+    module = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3))
+    ex, xs = _executor(module, bound=2)
+    g = torch.randn(3, 3)
+    before = {n: p.detach().clone() for n, p in module.named_parameters()}
+    _step(ex, 0, g)
+    after = {n: p.detach().clone() for n, p in module.named_parameters()}
+    out = ex.forward(1)
+    # independent reference: Ŵ = W + s (W − W_prev), s = 2, evaluated functionally
+    w_hat = {n: torch.add(after[n], after[n] - before[n], alpha=2.0) for n in after}
+    assert torch.equal(out, functional_call(module, w_hat, (xs[1],)).detach())
+    assert not torch.equal(out, module(xs[1]).detach())  # the live weights give another output
+    for n, p in module.named_parameters():  # and are restored exactly
+        assert torch.equal(p.detach(), after[n])
+
+
+def test_the_backward_of_a_predicted_forward_uses_the_current_weights():
+    """A linear stage: y = x Ŵᵀ; after an update to W2 the input gradient is g W2 (current weights)
+    and the weight gradient gᵀ x (forward-time activations), as in PACI without prediction."""
+    torch.manual_seed(2)
+    lin = nn.Linear(4, 3, bias=False)
+    ex, _ = _executor(lin, bound=1, stage=1, n_stages=3)  # a middle stage: it receives its input
+    ex.forward(0, torch.randn(3, 4))
+    ex.backward(0, torch.randn(3, 3))
+    ex.update()
+    x1 = torch.randn(3, 4)
+    ex.forward(1, x1)
+    g = torch.randn(3, 3)
+    ex.forward(2, torch.randn(3, 4))
+    ex.backward(2, torch.randn(3, 3))
+    ex.update()  # W changes while micro-batch 1 is in flight
+    w2 = lin.weight.detach().clone()
+    grad_in = ex.backward(1, g)
+    assert torch.equal(grad_in, g @ w2)
+    assert torch.allclose(lin.weight.grad, g.t() @ x1, rtol=0, atol=1e-6)
+
+
+def test_prediction_with_zero_steps_is_paci_bit_for_bit():
+    def run(predict):
+        torch.manual_seed(3)
+        module = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
+        ex, _ = _executor(module, predict=predict, bound=0)
+        outs = []
+        for k in range(5):
+            outs.append(ex.forward(k))
+            ex.backward(k, torch.ones(3, 2))
+            ex.update()
+        return outs, [p.detach() for p in module.parameters()]
+
+    (o1, w1), (o2, w2) = run("none"), run("bound")
+    assert all(torch.equal(a, b) for a, b in zip(o1 + w1, o2 + w2))
+
+
+def test_measured_prediction_uses_the_mean_drift_so_far():
+    module = nn.Linear(4, 2)
+    ex, _ = _executor(module, predict="measured")
+    assert ex.predict_steps == 0.0  # no backward yet
+    ex.forward(0)
+    ex.forward(1)
+    ex.backward(0, torch.ones(3, 2))  # Δ = 0
+    ex.update()
+    ex.backward(1, torch.ones(3, 2))  # Δ = 1 (one update since its forward)
+    assert ex.predict_steps == 0.5
+    assert ex.memory_bytes()["prediction_bytes"] == 2 * sum(p.numel() * 4 for p in module.parameters())
+
+
+def _pipeline_job(predict):
+    import functools
+
+    from unbubble.pipeline import torch_optimizer
+    from unbubble.runtime.job import PipelineJob
+    from unbubble.schedules import get_schedule
+
+    return PipelineJob(functools.partial(_stage), _mse, _batch, torch_optimizer(torch.optim.AdamW, lr=1e-2),
+                       get_schedule("paci", n_stages=4, steps=6, a=2), predict_weights=predict)
+
+
+def _stage(i):
+    torch.manual_seed(i)
+    return nn.Sequential(nn.Linear(6, 6), nn.Tanh())
+
+
+def _batch(k):
+    g = torch.Generator().manual_seed(k)
+    return torch.randn(4, 6, generator=g), torch.randn(4, 6, generator=g)
+
+
+def _mse(out, y):
+    return nn.functional.mse_loss(out, y)
+
+
+def test_prediction_keeps_the_schedule_and_its_drift_but_changes_the_losses():
+    from unbubble.runtime.emulator import run_emulator
+
+    plain, predicted = run_emulator(_pipeline_job("none")), run_emulator(_pipeline_job("bound"))
+    assert predicted.max_drift() == plain.max_drift() == [2, 1, 1, 0]  # ⌈(N−i)/a⌉, attained
+    rows = lambda r: [(s, k, mb, v, wv) for s, k, mb, _, _, v, wv in r.trace.rows()]  # noqa: E731
+    assert rows(predicted) == rows(plain)  # same actions and weight versions, so the same Δ
+    assert predicted.step_losses[0] == plain.step_losses[0]  # nothing to extrapolate before the first updates
+    assert predicted.step_losses[-1] != plain.step_losses[-1]
+
+
+@pytest.mark.parametrize("fields,message", [
+    ({"schedule": "1f1b-flush", "predict_weights": "bound"}, "predict_weights='bound' needs a schedule whose backward"),
+    ({"schedule": "pipedream", "predict_weights": "measured"}, "predict_weights='measured' needs a schedule"),
+    ({"predict_weights": "bound", "recompute": "full"}, "predict_weights='bound' is invalid with recompute='full'"),
+    ({"predict_weights": "ahead"}, "predict_weights='ahead' is invalid: must be one of none, bound, measured"),
+    ({"muon_momentum": 1.0}, "muon_momentum=1.0 is invalid: must be in [0, 1)"),
+])
+def test_bad_prediction_and_momentum_settings_are_refused_in_one_line(fields, message):
+    with pytest.raises(ConfigError) as info:
+        TrainConfig(**fields)
+    assert str(info.value).startswith(message) and "\n" not in str(info.value)
+
+
+def test_predicted_memory_in_the_simulator():
+    from unbubble.sim.analytic import analytic_model, make_model
+    from unbubble.sim.hardware import get_hardware
+
+    cfg, hw = make_model("gpt2-medium"), get_hardware("h200")
+    plain, pred = analytic_model(cfg, 8, hw, 4), analytic_model(cfg, 8, hw, 4, predict_weights=True)
+    assert pred.memory.extra_bytes == tuple(2 * w for w in plain.memory.weights_bytes)
+
+
+# -- momentum remedies ----------------------------------------------------------------------------
+
+def test_muon_momentum_update_rule_against_a_hand_computation():
+    """torch.optim.Muon with μ: buffer B ← μB + (1−μ)g; Nesterov update (1−μ)g + μB, orthogonalised.
+    Two steps with weight decay 0: B₂ = μ(1−μ)g₁ + (1−μ)g₂, and the step points along the polar
+    factor UVᵀ of (1−μ)g₂ + μB₂ (Newton–Schulz approximates it: cosine > 0.95)."""
+    torch.manual_seed(4)
+    w = nn.Parameter(torch.randn(6, 4))
+    mu, lr = 0.98, 0.01
+    opt = build_optimizer("muon", [("h.weight", w)], 0, 1, 0, lr, (0.9, 0.95), 0.0, muon_momentum=mu)
+    g1, g2 = torch.randn(6, 4), torch.randn(6, 4)
+    for g in (g1, g2):
+        before = w.detach().clone()
+        w.grad = g.clone()
+        opt.step()
+    buf = opt.state[w]["momentum_buffer"]
+    assert torch.allclose(buf, mu * (1 - mu) * g1 + (1 - mu) * g2, rtol=1e-5, atol=1e-7)
+    u, _, vh = torch.linalg.svd((1 - mu) * g2 + mu * buf, full_matrices=False)
+    step = before - w.detach()
+    cos = float((step * (u @ vh)).sum() / (step.norm() * (u @ vh).norm()))
+    assert cos > 0.95
+    assert math.isclose(float(step.norm()), lr * 0.2 * math.sqrt(6) * float((u @ vh).norm()), rel_tol=0.25)
+    with pytest.raises(ConfigError, match=r"muon_momentum=1.5 is invalid: must be in \[0, 1\)"):
+        build_optimizer("muon", [("h.weight", w)], 0, 1, 0, lr, (0.9, 0.95), 0.0, muon_momentum=1.5)
+
+
+def test_nadam_with_the_asyncpp_settings_against_a_hand_computation():
+    """NAdam β = (0.99, 0.999), ψ = 0.004, decoupled weight decay λ (PluralisResearch/AsyncPP:
+    torch.optim.NAdam, decoupled_weight_decay=True): two steps written out."""
+    torch.manual_seed(5)
+    w = nn.Parameter(torch.randn(3, 2))
+    lr, wd, (b1, b2), psi, eps = 1e-3, 0.1, (0.99, 0.999), 0.004, 1e-8
+    opt = build_optimizer("nadam", [w], 0, 1, 0, lr, (b1, b2), wd)
+    theta, m, v, prod = w.detach().clone().double(), 0.0, 0.0, 1.0
+    for t in (1, 2):
+        g = torch.randn(3, 2)
+        w.grad = g.clone()
+        opt.step()
+        gd = g.double()
+        theta = theta * (1 - lr * wd)
+        mu_t, mu_next = b1 * (1 - 0.5 * 0.96 ** (t * psi)), b1 * (1 - 0.5 * 0.96 ** ((t + 1) * psi))
+        prod *= mu_t
+        m = b1 * m + (1 - b1) * gd
+        v = b2 * v + (1 - b2) * gd * gd
+        denom = (v / (1 - b2 ** t)).sqrt() + eps
+        theta = theta - lr * (1 - mu_t) / (1 - prod) * gd / denom - lr * mu_next / (1 - prod * mu_next) * m / denom
+    assert torch.allclose(w.detach().double(), theta, rtol=1e-6, atol=1e-9)
+
+
+# -- token budgets --------------------------------------------------------------------------------
+
+def test_budget_overhead_interpolates_in_log_tokens():
+    # final loss 2.0 at 1×, 1.6 at 2×: the target 1.8 lies halfway in log tokens, at √2 ×
+    assert budget_overhead({1.0: 2.0, 2.0: 1.6}, 1.8) == (pytest.approx(math.sqrt(2)), "=")
+    assert budget_overhead({0.5: 1.9, 1.0: 1.5}, 1.7) == (pytest.approx(math.sqrt(0.5)), "=")
+    assert budget_overhead({1.0: 2.0, 1.5: 1.95}, 1.0) == (1.5, ">")
+    assert budget_overhead({0.5: 1.0, 1.0: 0.9}, 1.2) == (0.5, "≤")
+    assert budget_overhead({1.0: math.inf, 2.0: 1.0}, 1.5) == (2.0, "≤")
+
+
+def test_next_budget_climbs_until_reached_and_skips_what_cannot_be_reached():
+    budgets = (0.5, 1.5, 2, 3)
+    assert next_budget(budgets, {1.0: 2.0}, 1.5) == 1.5
+    assert next_budget(budgets, {1.0: 2.0, 1.5: 1.4}, 1.5) is None  # reached
+    # 1 → 1.5 improved 0.1 nats: the line reaches 1.5 nats at 1.5 × (1.5)^4 ≈ 7.6 > 2 × 2: skipped
+    assert next_budget(budgets, {1.0: 2.0, 1.5: 1.9}, 1.5) is None
+    assert next_budget(budgets, {1.0: 2.0, 1.5: 1.6}, 1.5) == 2  # ≈ 1.74 ≤ 4: worth training
+    assert next_budget(budgets, {1.0: 2.0, 1.5: 2.1}, 1.5) is None  # no gain with more tokens
+    assert next_budget(budgets, {1.0: 1.4}, 1.5) == 0.5  # ahead at 1×: bracket from below
+    assert next_budget(budgets, {1.0: 1.4, 0.5: 1.6}, 1.5) is None
+
+
+def _budget_spec(**kw):
+    d = {"name": "b", "micro_batches": 4, "stages": [2], "lrs": [1e-3], "seeds": [0, 1], "budgets": [1.5, 2],
+         "base": {"model": "tiny", "seq_len": 16, "micro_batch_size": 2, "eval_batches": 1, "warmup_min": 0},
+         "methods": [{"label": "flush", "schedule": "1f1b-flush", "m": 2},
+                     {"label": "paci", "schedule": "paci", "a": 2, "baseline": "flush"}]}
+    d.update(kw)
+    return d
+
+
+def test_a_sweep_trains_budgets_per_seed_until_the_baseline_is_reached(tmp_path, monkeypatch):
+    """A fake trainer: flush ends at 1.0; PACI's final loss falls with its tokens, seed 1 faster."""
+    def fake_execute(run, spec, out):
+        mb = spec.micro_batches_of(run)
+        loss = 1.0 if run.method == "flush" else 1.3 - 0.2 * (mb / 4 - 1) * (3 if run.seed else 1)
+        return {"run_id": run.run_id, "method": run.method, "stages": run.stages, "lr": run.lr, "seed": run.seed,
+                "phase": run.phase, "budget": run.budget, "final_val_loss": loss, "wall_s": 0.0, "micro_batches": mb}
+
+    monkeypatch.setattr(sweep_mod, "execute", fake_execute)
+    monkeypatch.setattr(sweep_mod, "write_tables", lambda records, out: None)
+    spec = SweepSpec.from_dict(_budget_spec())
+    assert [spec.micro_batches_of(r) for r in spec.budget_runs([])] == []
+    records = run_sweep(spec, tmp_path, workers=1)
+    budget = [(r["seed"], r["budget"], r["micro_batches"]) for r in records if r["phase"] == "budget"]
+    # seed 1 reaches 1.0 at 1.5×; seed 0 (1.3, 1.2: the line meets 1.0 at 3.4× ≤ 2 × 2) trains 2× (1.1),
+    # the largest budget
+    assert budget == [(0, 1.5, 6), (1, 1.5, 6), (0, 2.0, 8)]
+
+
+@pytest.mark.parametrize("method,message", [
+    ({"label": "paci", "schedule": "paci", "a": 2, "baseline": "nope"}, "method 'paci': baseline='nope' must name"),
+    ({"label": "paci", "schedule": "paci", "a": 2, "baseline": "flush", "budgets": [1]}, "method 'paci': budget 1.0"),
+    ({"label": "paci", "schedule": "paci", "a": 2, "horizon": 0}, "method 'paci': horizon=0.0 is invalid"),
+])
+def test_bad_budget_keys_name_the_method(method, message):
+    with pytest.raises(ConfigError) as info:
+        SweepSpec.from_dict(_budget_spec(methods=[{"label": "flush", "schedule": "1f1b-flush", "m": 2}, method]))
+    assert str(info.value).startswith(message)
+
+
+def test_overhead_study_tiny_values_and_analysis_from_the_csvs(tmp_path):
+    run = get_experiment("overhead-study")
+    out = run(tmp_path / "o", size="tiny", workers=1)
+    rows = {r["method"]: r for r in csv.DictReader(open(tmp_path / "o" / "overhead_study_main.csv"))}
+    runs = list(csv.DictReader(open(tmp_path / "o" / "runs.csv")))
+    for label, row in rows.items():
+        twin = float(row["flush twin"].split(" ± ")[0])
+        mine = [r for r in runs if r["method"] == label and r["lr"] == rows[label]["tuned lr"].split()[0]]
+        points = {}
+        for r in mine:
+            points.setdefault(int(r["seed"]), {})[float(r["budget"])] = float(r["final_val_loss"])
+        assert len(points) == 2 and all(len(p) >= 2 for p in points.values())  # a budget beyond 1× per seed
+        flush_runs = [float(r["final_val_loss"]) for r in runs if r["method"] == "1f1b-flush m=2"]
+        assert twin == pytest.approx(sum(flush_runs) / len(flush_runs), abs=1e-3)
+        assert row["token overhead ÷ flush"][0].isdigit() or row["token overhead ÷ flush"][0] in "≤>"
+    horizon = list(csv.DictReader(open(tmp_path / "o" / "overhead_study_horizon.csv")))
+    assert horizon and all(h["horizon"] == "2×" for h in horizon)
+    again = run(tmp_path / "a", size="tiny", analyze=tmp_path / "o")
+    assert again.markdown.split("Command:")[0] == out.markdown.split("Command:")[0]
+
+
+def test_train_prints_the_break_even_of_an_asynchronous_run():
+    """On unit costs (F = 1, B = 2) at N = 4, m = a = 4 PACI is 1.25× as fast as ZB-H1, the fastest
+    synchronous schedule there (the break-even table of docs/faq.md); a flushed run prints nothing."""
+    from types import SimpleNamespace
+
+    from unbubble.cli.train import _break_even_line
+    from unbubble.schedules.registry import get_schedule
+    from unbubble.sim.costs import UniformCosts
+    from unbubble.sim.engine import run_policies
+    from unbubble.sim.extrapolate import async_over_sync
+
+    trace = run_policies(get_schedule("paci", 4, 8, a=4), UniformCosts(f=1.0, b=2.0))
+    line = _break_even_line(TrainConfig(stages=4, a=4), SimpleNamespace(trace=trace))
+    assert async_over_sync(UniformCosts(f=1.0, b=2.0), 4, 4)[0] == pytest.approx(1.25, abs=0.01)
+    assert "is 1.25× as fast as the fastest synchronous one at m = 4 (zb-h1)" in line
+    assert _break_even_line(TrainConfig(schedule="1f1b-flush"), SimpleNamespace(trace=trace)) is None
