@@ -308,3 +308,18 @@ def test_train_prints_the_break_even_of_an_asynchronous_run():
     assert async_over_sync(UniformCosts(f=1.0, b=2.0), 4, 4)[0] == pytest.approx(1.25, abs=0.01)
     assert "is 1.25× as fast as the fastest synchronous one at m = 4 (zb-h1)" in line
     assert _break_even_line(TrainConfig(schedule="1f1b-flush"), SimpleNamespace(trace=trace)) is None
+
+
+def test_a_longer_horizon_and_a_budget_scale_the_micro_batches():
+    from pathlib import Path
+
+    from unbubble.experiments.sweep import RunSpec
+
+    spec = SweepSpec.from_dict(_budget_spec(methods=[
+        {"label": "flush", "schedule": "1f1b-flush", "m": 2},
+        {"label": "flush @4×", "schedule": "1f1b-flush", "m": 2, "horizon": 4, "lr_from": "flush"}]))
+    one, four = (spec.config(RunSpec(label, {"schedule": "1f1b-flush", "m": 2}, 2, 1e-3, 0, "tune"), Path("x"))
+                 for label in ("flush", "flush @4×"))
+    assert (one.steps, four.steps) == (2, 8)
+    budget = spec.config(RunSpec("flush", {"schedule": "1f1b-flush", "m": 2}, 2, 1e-3, 0, "budget", 1.5), Path("x"))
+    assert budget.steps == 3 and budget.run_dir.endswith("-b1.5")
