@@ -20,7 +20,7 @@ def _spec(**kw):
 
 
 @pytest.mark.parametrize("change,message", [
-    ({"lr": 1}, "sweep key 'lr' is unknown: valid keys are"),
+    ({"lr": 1}, "sweep key 'lr' is unknown (did you mean 'lrs'?): valid keys are"),
     ({"methods": [{"schedule": "paci"}]}, "methods[0]={'schedule': 'paci'} is invalid: each method needs a label"),
     ({"lrs": []}, "sweep lrs=[] is invalid: give at least one"),
     ({"methods": [{"label": "p", "schedule": "nope"}]}, "method 'p' at N=2: schedule='nope' is unknown"),
@@ -182,12 +182,52 @@ def test_sweep_cli_dry_run_and_a_bad_spec(tmp_path):
     (tmp_path / "s.yaml").write_text(yaml.safe_dump(spec))
     result = CliRunner().invoke(cli, ["sweep", str(tmp_path / "s.yaml"), "--dry-run"])
     assert result.exit_code == 0, result.output
-    assert result.output.splitlines() == ["flush-N2-lr0.001-s0", "flush-N2-lr0.003-s0",
-                                          "2 tuning runs; then 0 more seed(s) per tuned method"]
+    lines = result.output.splitlines()
+    assert lines[:3] == ["    will  flush-N2-lr0.001-s0  (4 micro-batches)", "    will  flush-N2-lr0.003-s0  (4 micro-batches)",
+                         " up to 1  flush N=2: grid extension beyond its best lr  (4 micro-batches)"]
+    summary = next(line for line in lines if line.startswith("2 runs will train, up to 1 more may; about "))
+    assert "calibration run of flush (2 updates, start-up included)" in summary
+    assert not (tmp_path / "runs").exists()  # the calibration run leaves nothing behind
     (tmp_path / "bad.yaml").write_text(yaml.safe_dump({**spec, "stages": []}))
     result = CliRunner().invoke(cli, ["sweep", str(tmp_path / "bad.yaml")])
     assert result.exit_code == 2 and result.output.strip().endswith("error: sweep stages=[] is invalid: give at least one")
     assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"methods": [{"label": "p", "schedule": "paci", "optimiser": "muon"}]},
+     "method 'p': key 'optimiser' is unknown (did you mean 'optimizer'?): a method takes label, stages"),
+    ({"methods": [{"label": "p", "schedule": "paci", "lr": 1}]}, "method 'p': key 'lr' is unknown (did you mean"),
+    ({"base": {"modle": "tiny"}}, "base: key 'modle' is unknown (did you mean 'model'?)"),
+    ({"method": []}, "sweep key 'method' is unknown (did you mean 'methods'?)"),
+    ({"methods": [{"label": "p", "schedule": "paci", "a": 0}]}, "method 'p' at N=2: a=0 is invalid: must be an integer ≥ 1 (key a)"),
+])
+def test_spec_errors_name_the_key_and_suggest_one(change, message):
+    with pytest.raises(ConfigError) as info:
+        SweepSpec.from_dict(_spec(**change))
+    assert str(info.value).startswith(message) and "__init__" not in str(info.value)
+
+
+def test_a_sweep_ends_with_its_tuned_lr_and_loss_table(tmp_path, monkeypatch):
+    from click.testing import CliRunner
+
+    import yaml
+
+    from unbubble.cli import cli
+
+    def fake_execute(run, spec, out):
+        return {"run_id": run.run_id, "method": run.method, "stages": run.stages, "lr": run.lr, "seed": run.seed,
+                "phase": run.phase, "budget": run.budget, "final_val_loss": 2.0 + run.seed + 100 * run.lr,
+                "wall_s": 0.0, "micro_batches": 4}
+
+    monkeypatch.setattr(sweep_mod, "execute", fake_execute)
+    monkeypatch.setattr(sweep_mod, "write_tables", lambda records, out: None)
+    (tmp_path / "s.yaml").write_text(yaml.safe_dump(_spec(lrs=[1e-3, 3e-3], seeds=[0, 1], extend_grid=0)))
+    result = CliRunner().invoke(cli, ["sweep", str(tmp_path / "s.yaml"), "--out", str(tmp_path / "o")])
+    assert result.exit_code == 0, result.output
+    row = next(line for line in result.output.splitlines() if "flush" in line and "±" in line)
+    # tuned lr 1e-3 (loss 2.1 < 2.3); seeds 0 and 1 there: 2.1, 3.1 -> 2.6000 ± 0.7071
+    assert "0.001" in row and "2.6000 ± 0.7071" in row and "│ 2 " in row
 
 
 def test_a_stopped_run_is_not_recorded_as_finished(tmp_path, monkeypatch):

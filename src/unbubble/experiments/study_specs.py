@@ -130,8 +130,8 @@ def overhead_spec(size: str) -> dict[str, Any]:
 
     Rows tuned in paci-study on the same configuration and seed (AdamW β = (0.9, 0.95) for both
     schedules, PACI + Muon) keep that study's tuned lr as a one-point grid; the other rows tune on
-    a two-point grid extended by one round. Exploratory rows (AdamW β1 0.95 and 0.98) borrow the lr
-    of the nearest tuned momentum and run one seed."""
+    a two-point grid extended by one round. Exploratory rows (AdamW β1 0.95 and 0.98, Muon μ = 0.98)
+    borrow the lr of the nearest tuned setting and run one seed (the 2-hour budget)."""
     if size == "tiny":
         flush, paci = {"schedule": "1f1b-flush", "m": 2}, {"schedule": "paci", "a": 2}
         return {
@@ -169,9 +169,9 @@ def overhead_spec(size: str) -> dict[str, Any]:
          "budgets": []},
         # Muon μ = 0.98 at μ = 0.95's tuned lrs (the orthogonalised step's size does not depend on μ)
         {"label": "1f1b-flush m=4 + muon μ=0.98", **flush, **muon, "muon_momentum": 0.98,
-         "lr_from": "1f1b-flush m=4 + muon"},
+         "lr_from": "1f1b-flush m=4 + muon", "extra_seeds": False},
         {"label": "paci a=4 + muon μ=0.98", **paci, **muon, "muon_momentum": 0.98, "lr_from": "paci a=4 + muon",
-         "baseline": "1f1b-flush m=4 + muon μ=0.98", "budgets": []},
+         "baseline": "1f1b-flush m=4 + muon μ=0.98", "budgets": [], "extra_seeds": False},
     ]
     for b1, source in ((0.95, ""), (0.98, " + adamw β=(0.99, 0.999)")):  # exploratory: one seed, borrowed lr
         betas = {"beta1": b1, "beta2": MOMENTA[b1]}

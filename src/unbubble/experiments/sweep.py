@@ -47,8 +47,8 @@ from unbubble.errors import ConfigError, PipelineFailure
 log = logging.getLogger(__name__)
 
 #: A larger budget is skipped when the seed's last two budgets extrapolate (log-linearly) to the
-#: baseline's loss only beyond this multiple of it.
-SKIP_FACTOR = 2.0
+#: baseline's loss only beyond this multiple of it (1: train it only where the line says it suffices).
+SKIP_FACTOR = 1.0
 
 #: Columns of runs.csv, in order.
 RUN_COLUMNS = ("run_id", "method", "stages", "lr", "seed", "phase", "budget", "schedule", "a", "m", "optimizer", "steps",
@@ -156,16 +156,26 @@ class SweepSpec:
         known = {f for f in cls.__dataclass_fields__}
         unknown = sorted(set(d) - known)
         if unknown:
-            raise ConfigError(f"sweep key {unknown[0]!r} is unknown: valid keys are {', '.join(sorted(known))}")
+            raise ConfigError(f"sweep key {unknown[0]!r} is unknown{_did_you_mean(unknown[0], known)}: valid keys "
+                              f"are {', '.join(sorted(known))}")
         for key in ("name", "methods", "stages", "lrs", "seeds", "micro_batches"):
             if key not in d:
                 raise ConfigError(f"sweep key {key!r} is missing")
+        bad_base = sorted(set(d.get("base") or {}) - _train_fields())
+        if bad_base:
+            raise ConfigError(f"base: key {bad_base[0]!r} is unknown{_did_you_mean(bad_base[0], _train_fields())}: "
+                              "base takes unbubble train options (with _ for -)")
         methods = []
         for i, m in enumerate(d["methods"]):
             if not isinstance(m, dict) or "label" not in m:
                 raise ConfigError(f"methods[{i}]={m!r} is invalid: each method needs a label and TrainConfig fields")
             m = dict(m)
             label = m.pop("label")
+            bad = sorted(set(m) - set(METHOD_KEYS) - _train_fields())
+            if bad:
+                raise ConfigError(f"method {label!r}: key {bad[0]!r} is unknown{_did_you_mean(bad[0], _method_keys())}: "
+                                  f"a method takes {', '.join(METHOD_KEYS)} and any unbubble train option "
+                                  "(docs/experiments.md)")
             st, lrs = m.pop("stages", None), m.pop("lrs", None)
             budgets = m.pop("budgets", None)
             methods.append(Method(label, m, tuple(st) if st else None, tuple(float(x) for x in lrs) if lrs else None,
@@ -217,7 +227,7 @@ class SweepSpec:
                     self.config(RunSpec(m.label, m.overrides, n, (m.lrs or self.lrs)[0], self.seeds[0], "tune"),
                                 Path("unused"))
                 except (ConfigError, TypeError) as exc:
-                    raise ConfigError(f"method {m.label!r} at N={n}: {exc}") from None
+                    raise ConfigError(f"method {m.label!r} at N={n}: {_spec_message(exc)}") from None
 
     def method_budgets(self, m: Method) -> tuple[float, ...]:
         """The token budgets of ``m`` (none without a baseline)."""
@@ -340,6 +350,34 @@ def _loss(record: dict[str, Any]) -> float:
     return record["final_val_loss"] if record["final_val_loss"] is not None else math.inf
 
 
+#: Keys of a method besides TrainConfig fields.
+METHOD_KEYS = ("label", "stages", "lrs", "lr_from", "extra_seeds", "horizon", "baseline", "budgets")
+
+
+def _train_fields() -> set[str]:
+    import dataclasses
+
+    from unbubble.config import TrainConfig
+
+    return {f.name for f in dataclasses.fields(TrainConfig)}
+
+
+def _method_keys() -> list[str]:
+    return sorted(set(METHOD_KEYS) | _train_fields())
+
+
+def _did_you_mean(word: str, valid) -> str:
+    import difflib
+
+    close = difflib.get_close_matches(str(word), list(valid), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _spec_message(exc: Exception) -> str:
+    """A TrainConfig error as a spec error: "(set --flag)" becomes "(key flag)"."""
+    return re.sub(r"\(set --([a-z0-9-]+)\)", lambda mt: f"(key {mt.group(1).replace('-', '_')})", str(exc))
+
+
 def next_budget(budgets: tuple[float, ...] | list[float], done: dict[float, float], target: float) -> float | None:
     """The next token budget one seed needs, or None.
 
@@ -377,6 +415,47 @@ def next_budget(budgets: tuple[float, ...] | list[float], done: dict[float, floa
         if needed > SKIP_FACTOR * larger[0]:
             return None
     return larger[0]
+
+
+def plan(spec: SweepSpec) -> list[tuple[str, int, str]]:
+    """Every run the sweep will or may train, before any has: ``(what, micro-batches, certainty)``
+    with certainty ``"will"`` (tuning, seeds, ``lr_from``) or ``"up to"`` (grid extensions and
+    token budgets, which depend on results); "what" is a run id or a description."""
+    out = [(r.run_id, spec.micro_batches_of(r), "will") for r in spec.tuning_runs()]
+    for m in spec.methods:
+        for n in m.stages or spec.stages:
+            probe = RunSpec(m.label, m.overrides, n, (m.lrs or spec.lrs)[0], spec.seeds[0], "tune")
+            mb = spec.micro_batches_of(probe)
+            if m.lr_from is None and spec.tune and spec.extend_grid and len(m.lrs or spec.lrs) > 1:
+                out.append((f"{m.label} N={n}: grid extension beyond its best lr", mb, f"up to {spec.extend_grid}"))
+            more = m.extra_seeds and (spec.seed_stages is None or n in spec.seed_stages)
+            seeds = (spec.seeds if m.lr_from else spec.seeds[1:]) if more else (spec.seeds[:1] if m.lr_from else [])
+            if spec.tune:
+                out += [(f"{m.label} N={n} seed {s} at the {'borrowed' if m.lr_from else 'tuned'} lr", mb, "will")
+                        for s in seeds]
+            budgets = spec.method_budgets(m)
+            if budgets and spec.tune:
+                n_seeds = len(spec.seeds if more else spec.seeds[:1])
+                out += [(f"{m.label} N={n} budget {b:g}× (each seed)", round(mb * b), f"up to {n_seeds}")
+                        for b in budgets]
+    return out
+
+
+def summary_rows(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per (method, N): the tuned lr (or the one it ran at), seeds, and the final validation loss
+    mean ± sample std over seeds at that lr, its own tokens (budget 1) only."""
+    best = tuned_lrs(records)
+    rows = []
+    for key in dict.fromkeys((r["method"], int(r["stages"])) for r in records):
+        mine = [r for r in records if (r["method"], int(r["stages"])) == key and r.get("budget", 1.0) == 1.0]
+        lr = best.get(key, mine[0]["lr"])
+        losses = [_loss(r) for r in mine if r["lr"] == lr]
+        mean = statistics.fmean(losses)
+        sd = statistics.stdev(losses) if len(losses) > 1 and math.isfinite(mean) else 0.0
+        rows.append({"method": key[0], "N": key[1], "lr": lr, "seeds": len(losses),
+                     "final val loss": "diverged" if not math.isfinite(mean) else
+                     (f"{mean:.4f} ± {sd:.4f}" if len(losses) > 1 else f"{mean:.4f}")})
+    return rows
 
 
 def next_lr(lrs: list[float], up: bool = True) -> float:
@@ -528,7 +607,9 @@ def _run_all(runs: list[RunSpec], spec: SweepSpec, out: Path, workers: int,
 
     def finished(i: int, rec: dict[str, Any]) -> None:
         done[rec["run_id"]] = rec
-        say(f"{spec.name}: {i}/{len(todo)} {rec['run_id']}: val loss {rec['final_val_loss']} "
+        loss = rec["final_val_loss"]
+        say(f"{spec.name}: {i}/{len(todo)} {rec['run_id']}: val loss "
+            f"{'diverged' if loss is None else format(loss, '.4f')} "
             f"({rec['wall_s']:.0f} s, {(time.perf_counter() - t0) / 60:.1f} min so far)")
 
     if len(todo) == 1 or (todo and workers == 1):  # in this process: no interpreter to start
