@@ -323,3 +323,16 @@ def test_a_longer_horizon_and_a_budget_scale_the_micro_batches():
     assert (one.steps, four.steps) == (2, 8)
     budget = spec.config(RunSpec("flush", {"schedule": "1f1b-flush", "m": 2}, 2, 1e-3, 0, "budget", 1.5), Path("x"))
     assert budget.steps == 3 and budget.run_dir.endswith("-b1.5")
+
+
+@pytest.mark.parametrize("n,m", [(4, 4), (8, 4), (8, 16)])
+def test_break_even_against_flush_is_the_analytic_bubble_ratio(n, m):
+    """With unit costs PACI over 1F1B-flush is (m + N − 1)/m (DESIGN §2); the fastest synchronous
+    schedule is never slower than flush."""
+    from unbubble.sim.costs import UniformCosts
+    from unbubble.sim.extrapolate import async_over_sync
+
+    costs = UniformCosts(f=1.0, b=2.0)
+    ratio, name = async_over_sync(costs, n, m, schedules=("1f1b-flush",))
+    assert name == "1f1b-flush" and ratio == pytest.approx((m + n - 1) / m, rel=1e-6)
+    assert async_over_sync(costs, n, m)[0] <= ratio + 1e-9

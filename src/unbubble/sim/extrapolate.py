@@ -181,7 +181,8 @@ def speedups(model: str, hardware: Hardware, n_stages: int = 8, ms: Sequence[int
 SYNCHRONOUS = ("1f1b-flush", "zb-h1", "zb-h2", "interleaved-1f1b")
 
 
-def async_over_sync(costs, n_stages: int, m: int, interleaved_costs=None, a: int | None = None) -> tuple[float, str]:
+def async_over_sync(costs, n_stages: int, m: int, interleaved_costs=None, a: int | None = None,
+                    schedules: Sequence[str] = SYNCHRONOUS) -> tuple[float, str]:
     """PACI's steady-state throughput over the fastest synchronous schedule's at m micro-batches per
     update: the speed-up asynchrony buys, which its token overhead must stay below to pay (break-even).
 
@@ -193,6 +194,9 @@ def async_over_sync(costs, n_stages: int, m: int, interleaved_costs=None, a: int
             for each chunk pair (``UniformCosts``) or halves them (``PipelineCosts``); interleaved
             runs only where m is a multiple of N (Megatron's order).
         a: PACI's accumulation factor (default m).
+        schedules: the synchronous schedules to compare with (default all four; ``("1f1b-flush",
+            "zb-h1")`` keeps to 1F1B-flush's activation memory, which PACI has: ZB-H2 holds 2N
+            micro-batches, interleaved more than 1F1B).
 
     Returns:
         ``(ratio, fastest synchronous schedule)``; ratios over 1 mean PACI is faster.
@@ -202,7 +206,7 @@ def async_over_sync(costs, n_stages: int, m: int, interleaved_costs=None, a: int
     a = m if a is None else a
     paci = simulate(get_schedule("paci", n_stages, steps=max(16, 256 // a), a=a), costs).steady_samples_per_s
     best, name = 0.0, ""
-    for s in SYNCHRONOUS:
+    for s in schedules:
         c = costs
         if s == "interleaved-1f1b":
             if m % n_stages:
