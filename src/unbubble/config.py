@@ -43,11 +43,10 @@ class TrainConfig:
     muon_momentum: float = field(default=0.95, metadata={"help": "Muon's momentum μ on hidden matrices (Nesterov form, torch.optim.Muon; 0.95 as in Jordan et al. 2024). Higher momentum is a delay remedy (Zmushko et al. 2026, arXiv 2606.30634)."})
     predict_weights: Literal["none", "bound", "measured"] = field(default="none", metadata={"help": "Weight prediction for paci and async-1f1b (SpecTrain arXiv 1809.02839, PipeOptim arXiv 2312.00839): each forward on stage i runs on W + s_i·(W − W_prev), the last applied update extrapolated s_i updates ahead; s_i = the stage's drift bound ⌈(N−i)/a⌉ (bound) or its mean measured drift so far (measured). The backward keeps the current weights; one weight-sized buffer per stage."})
     optimizer: Literal["adamw", "basis-rotation", "nesterov", "nadam", "pipedream-lr", "staleness-lr", "muon"] = field(
-        default="adamw", metadata={"help": "adamw; basis-rotation (Adam in a rotated eigenbasis, arXiv 2602.03515); "
+        default="muon", metadata={"help": "muon (the default: the optimizer overhead-study supports for PACI, docs/results.md#overhead-study; torch.optim.Muon on hidden matrices, AdamW on embeddings, head, norms and biases, arXiv 2502.16982); adamw; basis-rotation (Adam in a rotated eigenbasis, arXiv 2602.03515); "
                                            "nesterov (PipeNAG delay correction); nadam; pipedream-lr (AdamW with the "
                                            "stage's lr ÷ τ_s^(1−min(t/K,1))); staleness-lr (AdamW with the stage's lr ÷ "
-                                           "(1 + τ_s), staleness-aware SGD, arXiv 1511.05950); muon (torch.optim.Muon on "
-                                           "hidden matrices, AdamW on embeddings, head, norms and biases, arXiv 2502.16982)."})
+                                           "(1 + τ_s), staleness-aware SGD, arXiv 1511.05950)."})
     br_source: Literal["2nd", "1st"] = field(default="2nd", metadata={"help": "Basis Rotation: eigenbasis from EMA(GGᵀ), EMA(GᵀG) (2nd) or from the momentum (1st)."})
     br_geometry: Literal["bilateral", "unilateral"] = field(default="bilateral", metadata={"help": "Basis Rotation: rotate both sides of each matrix, or only the smaller one."})
     br_freq: int = field(default=10, metadata={"help": "Basis Rotation: refresh the bases every k steps (one power-iteration step + QR)."})

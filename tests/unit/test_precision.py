@@ -333,6 +333,7 @@ def test_cli_records_the_modes_and_measured_bytes_per_stage(tmp_path):
 
     run = tmp_path / "run"
     res = CliRunner().invoke(cli, ["-q", "train", "--engine", "emulator", "--steps", "3", "--stages", "2", "--a", "2",
+                                   "--optimizer", "adamw",
                                    "--precision", "bf16", "--recompute", "full", "--eval-interval", "0",
                                    "--eval-batches", "1", "--run-dir", str(run), "--cache-dir", str(tmp_path / "c")])
     assert res.exit_code == 0, res.output

@@ -42,7 +42,7 @@ def moe_delay_spec(size: str, seeds: list[int] | None = None) -> dict[str, Any]:
         "name": "moe-delay", "micro_batches": 8 if tiny else 480, "stages": [1, 8],
         "lrs": [3e-3, 1e-2] if not tiny else [1e-2], "seeds": seeds or ([0] if tiny else [0, 1, 2]),
         "evals": 2 if tiny else 4,
-        "base": {"schedule": "pipedream", "seq_len": 16 if tiny else 64, "micro_batch_size": 4 if tiny else 8,
+        "base": {"optimizer": "adamw", "schedule": "pipedream", "seq_len": 16 if tiny else 64, "micro_batch_size": 4 if tiny else 8,
                  "warmup_frac": 0.1, "warmup_min": 0, "min_lr_ratio": 0.1, "eval_batches": 2 if tiny else 8},
         "methods": methods,
     }

@@ -18,7 +18,7 @@ def paci_spec(size: str) -> dict[str, Any]:
     if size == "tiny":
         return {
             "name": "paci-study", "micro_batches": 16, "stages": [2], "lrs": [1e-3, 3e-3], "seeds": [0, 1],
-            "evals": 2, "extend_grid": 0, "base": {"model": "tiny", "seq_len": 32, "micro_batch_size": 4, "warmup_frac": 0.1,
+            "evals": 2, "extend_grid": 0, "base": {"optimizer": "adamw", "model": "tiny", "seq_len": 32, "micro_batch_size": 4, "warmup_frac": 0.1,
                                  "warmup_min": 0, "eval_batches": 2},
             "methods": [
                 {"label": "1f1b-flush m=2", "schedule": "1f1b-flush", "m": 2},
@@ -32,7 +32,7 @@ def paci_spec(size: str) -> dict[str, Any]:
         "name": "paci-study", "micro_batches": 2400, "stages": [8], "lrs": LRS, "seeds": [0, 1, 2], "evals": 12,
         "extend_grid": 2,
         "seed_stages": [8],
-        "base": {"model": "deep-cpu", "seq_len": 64, "micro_batch_size": 8, "warmup_frac": 0.1, "warmup_min": 0,
+        "base": {"optimizer": "adamw", "model": "deep-cpu", "seq_len": 64, "micro_batch_size": 8, "warmup_frac": 0.1, "warmup_min": 0,
                  "min_lr_ratio": 0.1, "eval_batches": 8},
         "methods": [
             # 1F1B-flush computes the same updates at every N (only its clock changes): run once, at N = 8
@@ -75,7 +75,7 @@ def br_spec(size: str) -> dict[str, Any]:
         return {
             "name": "br-study", "micro_batches": 12, "stages": [1, 4], "lrs": [1e-2], "seeds": [0, 1],
             "evals": 2, "keep_train_curve": True, "seed_stages": [1], "extend_grid": 0,
-            "base": {"model": "deep32-cpu", "seq_len": 16, "micro_batch_size": 4, "warmup_frac": 0.1,
+            "base": {"optimizer": "adamw", "model": "deep32-cpu", "seq_len": 16, "micro_batch_size": 4, "warmup_frac": 0.1,
                      "warmup_min": 0, "eval_batches": 2},
             "methods": [
                 {"label": "adamw", "schedule": "pipedream", "optimizer": "adamw", "lrs": [3e-3, 1e-2]},
@@ -112,7 +112,7 @@ def br_spec(size: str) -> dict[str, Any]:
         "name": "br-study", "micro_batches": 800, "stages": tuned, "lrs": [3e-3, 1e-2, 3e-2], "seeds": [0, 1],
         "extend_grid": 0,  # the budget: a tuned lr at the grid's edge is marked in the tables
         "evals": 8, "seed_stages": tuned, "keep_train_curve": True,
-        "base": {"model": "deep32-cpu", "seq_len": 32, "micro_batch_size": 8, "warmup_frac": 0.1, "warmup_min": 0,
+        "base": {"optimizer": "adamw", "model": "deep32-cpu", "seq_len": 32, "micro_batch_size": 8, "warmup_frac": 0.1, "warmup_min": 0,
                  "min_lr_ratio": 0.1, "eval_batches": 8},
         "methods": methods,
     }
@@ -137,7 +137,7 @@ def overhead_spec(size: str) -> dict[str, Any]:
         return {
             "name": "overhead-study", "micro_batches": 16, "stages": [2], "lrs": [3e-3], "seeds": [0, 1], "evals": 2,
             "extend_grid": 0, "budgets": [0.5, 1.5, 2],
-            "base": {"model": "tiny", "seq_len": 32, "micro_batch_size": 4, "warmup_frac": 0.1, "warmup_min": 0,
+            "base": {"optimizer": "adamw", "model": "tiny", "seq_len": 32, "micro_batch_size": 4, "warmup_frac": 0.1, "warmup_min": 0,
                      "eval_batches": 2},
             "methods": [
                 {"label": "1f1b-flush m=2", **flush},
@@ -183,7 +183,7 @@ def overhead_spec(size: str) -> dict[str, Any]:
     return {
         "name": "overhead-study", "micro_batches": 2400, "stages": [8], "lrs": LRS, "seeds": [0, 1], "evals": 12,
         "extend_grid": 1, "budgets": [1.5, 2, 3],
-        "base": {"model": "deep-cpu", "seq_len": 64, "micro_batch_size": 8, "warmup_frac": 0.1, "warmup_min": 0,
+        "base": {"optimizer": "adamw", "model": "deep-cpu", "seq_len": 64, "micro_batch_size": 8, "warmup_frac": 0.1, "warmup_min": 0,
                  "min_lr_ratio": 0.1, "eval_batches": 8},
         "methods": methods,
     }
