@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Literal
 
-from unbubble.errors import ConfigError
+from unbubble.errors import ConfigError, did_you_mean
 from unbubble.schedules.registry import SCHEDULES
 
 ENGINES = ("emulator", "processes")
@@ -90,7 +90,7 @@ class TrainConfig:
                 raise ConfigError(f"{name}={v!r} is invalid: must be an integer ≥ {lo} (set --{_flag(name)})")
 
         if self.schedule not in SCHEDULES:
-            raise ConfigError(f"schedule={self.schedule!r} is unknown: valid schedules are "
+            raise ConfigError(f"schedule={self.schedule!r} is unknown{did_you_mean(self.schedule, SCHEDULES)}: valid schedules are "
                               f"{', '.join(SCHEDULES)} (set --schedule)")
         if self.stage_aware:
             if self.br_allocation == "inverse":
@@ -103,7 +103,7 @@ class TrainConfig:
         pos_int("seed", 0)
         pos_int("checkpoint_every", 0)
         if self.nan_policy not in NAN_POLICIES:
-            raise ConfigError(f"nan_policy={self.nan_policy!r} is invalid: must be one of {', '.join(NAN_POLICIES)} "
+            raise ConfigError(f"nan_policy={self.nan_policy!r} is invalid{did_you_mean(self.nan_policy, NAN_POLICIES)}: must be one of {', '.join(NAN_POLICIES)} "
                               "(set --nan-policy)")
         if isinstance(self.nan_lr_factor, bool) or not (isinstance(self.nan_lr_factor, (int, float))
                                                         and 0 < self.nan_lr_factor <= 1):
@@ -127,18 +127,18 @@ class TrainConfig:
         if self.clip_grad_norm is not None and not self.clip_grad_norm > 0:
             raise ConfigError(f"clip_grad_norm={self.clip_grad_norm!r} is invalid: must be > 0 or unset")
         if self.engine not in ENGINES:
-            raise ConfigError(f"engine={self.engine!r} is unknown: valid engines are {', '.join(ENGINES)} (set --engine)")
+            raise ConfigError(f"engine={self.engine!r} is unknown{did_you_mean(self.engine, ENGINES)}: valid engines are {', '.join(ENGINES)} (set --engine)")
         for name, valid in (("optimizer", OPTIMIZERS), ("br_source", ("2nd", "1st")),
                             ("br_geometry", ("bilateral", "unilateral")),
                             ("br_allocation", ("uniform", "stage-aware", "inverse"))):
             if getattr(self, name) not in valid:
-                raise ConfigError(f"{name}={getattr(self, name)!r} is invalid: must be one of {', '.join(valid)} "
+                raise ConfigError(f"{name}={getattr(self, name)!r} is invalid{did_you_mean(getattr(self, name), valid)}: must be one of {', '.join(valid)} "
                                   f"(set --{_flag(name)})")
         from unbubble.runtime.precision import check_modes  # imports torch: only when validating
 
         check_modes(self.precision, self.recompute)
         if self.predict_weights not in PREDICT_MODES:
-            raise ConfigError(f"predict_weights={self.predict_weights!r} is invalid: must be one of "
+            raise ConfigError(f"predict_weights={self.predict_weights!r} is invalid{did_you_mean(self.predict_weights, PREDICT_MODES)}: must be one of "
                               f"{', '.join(PREDICT_MODES)} (set --predict-weights)")
         if self.predict_weights != "none":
             if self.schedule not in PREDICT_SCHEDULES:
@@ -150,7 +150,7 @@ class TrainConfig:
                                   f"{self.recompute!r}: a recomputed forward runs on the backward's weights, so the "
                                   "predicted forward would not be the one differentiated (set --recompute none)")
         if self.tokenizer not in TOKENIZERS:
-            raise ConfigError(f"tokenizer={self.tokenizer!r} is unknown: valid tokenizers are "
+            raise ConfigError(f"tokenizer={self.tokenizer!r} is unknown{did_you_mean(self.tokenizer, TOKENIZERS)}: valid tokenizers are "
                               f"{', '.join(TOKENIZERS)} (set --tokenizer)")
 
     @property
@@ -217,7 +217,7 @@ def check_field(name: str, value: object, where: str = "config") -> object:
         hint = next(a for a in args if a is not type(None))
     if typing.get_origin(hint) is typing.Literal:
         if value not in typing.get_args(hint):
-            raise ConfigError(f"{where}: {name}={value!r} is invalid: must be one of {', '.join(typing.get_args(hint))}")
+            raise ConfigError(f"{where}: {name}={value!r} is invalid{did_you_mean(value, typing.get_args(hint))}: must be one of {', '.join(typing.get_args(hint))}")
         return value
     ok = {bool: lambda v: isinstance(v, bool),
           int: lambda v: isinstance(v, int) and not isinstance(v, bool),
@@ -248,7 +248,6 @@ def config_from_dict(data: dict, overrides: dict | None = None, where: str = "co
         ConfigError: an unknown key (named, with the closest valid key and all valid keys), a
             wrong type, or any error of :meth:`TrainConfig.validate`.
     """
-    import difflib
 
     if not isinstance(data, dict):
         raise ConfigError(f"{where}: expected a mapping of option names to values (key: value lines), "
@@ -258,9 +257,7 @@ def config_from_dict(data: dict, overrides: dict | None = None, where: str = "co
     for key, value in data.items():
         name = str(key).replace("-", "_")
         if name not in valid:
-            close = difflib.get_close_matches(name, valid, n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise ConfigError(f"{where}: unknown key {key!r}{hint}: valid keys are {', '.join(valid)}")
+            raise ConfigError(f"{where}: unknown key {key!r}{did_you_mean(name, valid)}: valid keys are {', '.join(valid)}")
         if name in values:
             raise ConfigError(f"{where}: key {name!r} is given twice (as {name} and {name.replace('_', '-')})")
         values[name] = check_field(name, value, where)

@@ -27,3 +27,12 @@ class StartupInterrupted(PipelineFailure):
     """A stop signal (Ctrl-C, SIGTERM) arrived before the run's first step: every stage process
     has been ended at once, since there was nothing to save (the newest checkpoint, or step 0,
     is unchanged)."""
+
+
+def did_you_mean(word: object, valid) -> str:
+    """``" (did you mean 'x'?)"`` for the closest of ``valid`` to ``word`` (difflib's ratio ≥ 0.6),
+    or ``""`` when none is close: the hint every "unknown name" error ends with."""
+    import difflib
+
+    close = difflib.get_close_matches(str(word), [str(v) for v in valid], n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""

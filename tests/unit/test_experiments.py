@@ -18,7 +18,7 @@ def test_results_section_is_replaced_not_repeated(tmp_path):
 
 
 def test_experiments_are_listed_in_order():
-    assert list(EXPERIMENTS) == ["paci-study", "br-study", "throughput-memory", "moe-delay"]
+    assert list(EXPERIMENTS) == ["paci-study", "br-study", "overhead-study", "throughput-memory", "moe-delay"]
 
 
 def test_unknown_experiment():

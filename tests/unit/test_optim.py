@@ -506,9 +506,9 @@ ERRORS = [
     (lambda: build_optimizer("adamw", _params([(2, 2)]), 0, 2, 1, 1e-3, (0.9, 1.0), 0.1),
      "beta2=1.0 is invalid: must be in [0, 1) (set --beta2)"),
     (lambda: build_optimizer("adamw", _params([(2, 2)]), 0, 2, 1, 1e-3, (0.9, 0.95), 0.1, br_sorce="2nd"),
-     "option br_sorce='2nd' is invalid: build_optimizer accepts eps, br_source, br_geometry, br_freq, "
-     "br_start_step, br_max_precond_dim, br_factor_beta, br_allocation, br_stage_delays, br_unrotated, "
-     "momentum_decay, nag_beta1, nag_adaptive (check the spelling)"),
+     "option br_sorce='2nd' is invalid (did you mean 'br_source'?): build_optimizer accepts eps, br_source, "
+     "br_geometry, br_freq, br_start_step, br_max_precond_dim, br_factor_beta, br_allocation, br_stage_delays, "
+     "br_unrotated, momentum_decay, nag_beta1, nag_adaptive, muon_momentum"),
     (lambda: build_optimizer("basis-rotation", _params([(2, 2)]), 0, 2, 1, 1e-3, (0.9, 0.95), 0.1,
                              br_allocation="stage-aware"),
      "br_stage_delays=None is invalid: br_allocation='stage-aware' needs one delay per stage (2 values, stage 0 first)"),

@@ -43,7 +43,7 @@ def test_report_draws_two_runs(two_runs, tmp_path):
     assert len(rows) == 2 and "| 1.00× |" in rows[0]
     assert "[1, 0] ([1, 0])" in rows[0] and "[0, 0] ([0, 0])" in rows[1]  # max Δ beside the bound
     assert "![drift](drift.png)" in md
-    assert "| paci | paci | 2 | 2 | adamw | emulator | 4 |" in res.stdout
+    assert "| paci | paci | 2 | 2 | muon | emulator | 4 |" in res.stdout
 
 
 def test_report_writes_into_the_run_folder_or_runs_by_default(two_runs, tmp_path, monkeypatch):

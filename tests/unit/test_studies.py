@@ -197,8 +197,10 @@ def test_sweep_cli_dry_run_and_a_bad_spec(tmp_path):
 @pytest.mark.parametrize("change,message", [
     ({"methods": [{"label": "p", "schedule": "paci", "optimiser": "muon"}]},
      "method 'p': key 'optimiser' is unknown (did you mean 'optimizer'?): a method takes label, stages"),
-    ({"methods": [{"label": "p", "schedule": "paci", "lr": 1}]}, "method 'p': key 'lr' is unknown (did you mean"),
+    ({"methods": [{"label": "p", "schedule": "paci", "lr": 1}]},
+     "method 'p': key 'lr' is set by the sweep for every run: give lrs (or a method's lrs)"),
     ({"base": {"modle": "tiny"}}, "base: key 'modle' is unknown (did you mean 'model'?)"),
+    ({"base": {"seed": 3}}, "base: key 'seed' is set by the sweep for every run: give seeds"),
     ({"method": []}, "sweep key 'method' is unknown (did you mean 'methods'?)"),
     ({"methods": [{"label": "p", "schedule": "paci", "a": 0}]}, "method 'p' at N=2: a=0 is invalid: must be an integer ≥ 1 (key a)"),
 ])
@@ -223,7 +225,8 @@ def test_a_sweep_ends_with_its_tuned_lr_and_loss_table(tmp_path, monkeypatch):
     monkeypatch.setattr(sweep_mod, "execute", fake_execute)
     monkeypatch.setattr(sweep_mod, "write_tables", lambda records, out: None)
     (tmp_path / "s.yaml").write_text(yaml.safe_dump(_spec(lrs=[1e-3, 3e-3], seeds=[0, 1], extend_grid=0)))
-    result = CliRunner().invoke(cli, ["sweep", str(tmp_path / "s.yaml"), "--out", str(tmp_path / "o")])
+    result = CliRunner().invoke(cli, ["sweep", str(tmp_path / "s.yaml"), "--out", str(tmp_path / "o"),
+                                      "--workers", "1"])  # in-process: the patched execute is not picklable
     assert result.exit_code == 0, result.output
     row = next(line for line in result.output.splitlines() if "flush" in line and "±" in line)
     # tuned lr 1e-3 (loss 2.1 < 2.3); seeds 0 and 1 there: 2.1, 3.1 -> 2.6000 ± 0.7071

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import click
 
-from unbubble.errors import ConfigError
+from unbubble.errors import ConfigError, did_you_mean
 
 log = logging.getLogger("unbubble.simulate")
 
@@ -213,7 +213,7 @@ def simulate(**o) -> None:
     names = [o["schedule"]] + [s.strip() for s in o["compare"].split(",") if s.strip()]
     for name in names:
         if name not in SCHEDULES:
-            raise ConfigError(f"schedule={name!r} is unknown: valid schedules are {', '.join(SCHEDULES)} "
+            raise ConfigError(f"schedule={name!r} is unknown{did_you_mean(name, SCHEDULES)}: valid schedules are {', '.join(SCHEDULES)} "
                               "(set --schedule / --compare)")
     if o["uniform"] and o["costs_from"]:
         raise ConfigError("--uniform and --costs-from are exclusive: pick one cost model")

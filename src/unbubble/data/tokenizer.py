@@ -21,7 +21,7 @@ import logging
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-from unbubble.errors import ConfigError
+from unbubble.errors import ConfigError, did_you_mean
 
 logger = logging.getLogger(__name__)
 
@@ -293,6 +293,6 @@ def get_tokenizer(name: str) -> Tokenizer:
     """
     if name not in TOKENIZER_NAMES:
         raise ConfigError(
-            f"tokenizer={name!r} is unknown: must be one of {', '.join(TOKENIZER_NAMES)} (set --tokenizer)"
+            f"tokenizer={name!r} is unknown{did_you_mean(name, TOKENIZER_NAMES)}: must be one of {', '.join(TOKENIZER_NAMES)} (set --tokenizer)"
         )
     return _make_tokenizer(name)

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from unbubble.config import TrainConfig
-from unbubble.errors import ConfigError
+from unbubble.errors import ConfigError, did_you_mean
 from unbubble.runtime.telemetry import RunResult
 
 log = logging.getLogger(__name__)
@@ -44,7 +44,7 @@ def get_experiment(name: str) -> Callable[..., ExperimentOutput]:
     """Raises:
         ConfigError: unknown name (the message lists the valid ones)."""
     if name not in EXPERIMENTS:
-        raise ConfigError(f"experiment={name!r} is unknown: valid experiments are {', '.join(EXPERIMENTS)}")
+        raise ConfigError(f"experiment={name!r} is unknown{did_you_mean(name, EXPERIMENTS)}: valid experiments are {', '.join(EXPERIMENTS)}")
     return EXPERIMENTS[name][1]
 
 

@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from unbubble.errors import ConfigError, PipelineFailure
+from unbubble.errors import ConfigError, PipelineFailure, did_you_mean
 
 log = logging.getLogger(__name__)
 
@@ -156,26 +156,19 @@ class SweepSpec:
         known = {f for f in cls.__dataclass_fields__}
         unknown = sorted(set(d) - known)
         if unknown:
-            raise ConfigError(f"sweep key {unknown[0]!r} is unknown{_did_you_mean(unknown[0], known)}: valid keys "
+            raise ConfigError(f"sweep key {unknown[0]!r} is unknown{did_you_mean(unknown[0], known)}: valid keys "
                               f"are {', '.join(sorted(known))}")
         for key in ("name", "methods", "stages", "lrs", "seeds", "micro_batches"):
             if key not in d:
                 raise ConfigError(f"sweep key {key!r} is missing")
-        bad_base = sorted(set(d.get("base") or {}) - _train_fields())
-        if bad_base:
-            raise ConfigError(f"base: key {bad_base[0]!r} is unknown{_did_you_mean(bad_base[0], _train_fields())}: "
-                              "base takes unbubble train options (with _ for -)")
+        _check_keys("base", d.get("base") or {}, _train_fields())
         methods = []
         for i, m in enumerate(d["methods"]):
             if not isinstance(m, dict) or "label" not in m:
                 raise ConfigError(f"methods[{i}]={m!r} is invalid: each method needs a label and TrainConfig fields")
             m = dict(m)
             label = m.pop("label")
-            bad = sorted(set(m) - set(METHOD_KEYS) - _train_fields())
-            if bad:
-                raise ConfigError(f"method {label!r}: key {bad[0]!r} is unknown{_did_you_mean(bad[0], _method_keys())}: "
-                                  f"a method takes {', '.join(METHOD_KEYS)} and any unbubble train option "
-                                  "(docs/experiments.md)")
+            _check_keys(f"method {label!r}", m, set(_method_keys()))
             st, lrs = m.pop("stages", None), m.pop("lrs", None)
             budgets = m.pop("budgets", None)
             methods.append(Method(label, m, tuple(st) if st else None, tuple(float(x) for x in lrs) if lrs else None,
@@ -352,6 +345,23 @@ def _loss(record: dict[str, Any]) -> float:
 
 #: Keys of a method besides TrainConfig fields.
 METHOD_KEYS = ("label", "stages", "lrs", "lr_from", "extra_seeds", "horizon", "baseline", "budgets")
+# TrainConfig fields the sweep sets for every run (from lrs, seeds, micro_batches and evals): a
+# method or base that gave them would be overridden silently, so they are unknown keys there.
+SWEEP_SETS = {"lr": "lrs (or a method's lrs)", "seed": "seeds", "steps": "micro_batches (and a method's horizon)",
+              "eval_interval": "evals", "run_dir": "--out"}
+
+
+def _check_keys(where: str, keys, valid: set[str]) -> None:
+    """Raises ConfigError for the first key not in ``valid``, with the sweep key to use instead for
+    a field the sweep sets, else a did-you-mean."""
+    bad = sorted(set(keys) - valid)
+    if not bad:
+        return
+    if bad[0] in SWEEP_SETS:
+        raise ConfigError(f"{where}: key {bad[0]!r} is set by the sweep for every run: give {SWEEP_SETS[bad[0]]}")
+    raise ConfigError(f"{where}: key {bad[0]!r} is unknown{did_you_mean(bad[0], valid)}: "
+                      + ("base takes unbubble train options (with _ for -)" if where == "base" else
+                         f"a method takes {', '.join(METHOD_KEYS)} and any unbubble train option (docs/experiments.md)"))
 
 
 def _train_fields() -> set[str]:
@@ -359,18 +369,11 @@ def _train_fields() -> set[str]:
 
     from unbubble.config import TrainConfig
 
-    return {f.name for f in dataclasses.fields(TrainConfig)}
+    return {f.name for f in dataclasses.fields(TrainConfig)} - set(SWEEP_SETS)
 
 
 def _method_keys() -> list[str]:
     return sorted(set(METHOD_KEYS) | _train_fields())
-
-
-def _did_you_mean(word: str, valid) -> str:
-    import difflib
-
-    close = difflib.get_close_matches(str(word), list(valid), n=1)
-    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 def _spec_message(exc: Exception) -> str:

@@ -37,7 +37,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from unbubble.errors import ConfigError
+from unbubble.errors import ConfigError, did_you_mean
 
 logger = logging.getLogger(__name__)
 
@@ -193,7 +193,7 @@ def make_config(preset: str, vocab_size: int, block_size: int | None = None) -> 
     """
     if preset not in PRESETS:
         raise ConfigError(
-            f"model={preset!r} is invalid: must be one of {', '.join(PRESETS)} (set --model)"
+            f"model={preset!r} is invalid{did_you_mean(preset, PRESETS)}: must be one of {', '.join(PRESETS)} (set --model)"
         )
     kwargs = dict(PRESETS[preset])
     if block_size is not None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Union
 
-from unbubble.errors import ConfigError
+from unbubble.errors import ConfigError, did_you_mean
 from unbubble.models import gpt2, llama, moe
 from unbubble.models.gpt2 import GPTConfig, GPTStage
 from unbubble.models.llama import LlamaConfig, LlamaStage
@@ -40,7 +40,7 @@ def make_config(preset: str, vocab_size: int | None = None, block_size: int | No
         ConfigError: unknown preset (the message lists the valid names) or invalid sizes.
     """
     if preset not in PRESETS:
-        raise ConfigError(f"model={preset!r} is invalid: must be one of {', '.join(PRESETS)} (set --model)")
+        raise ConfigError(f"model={preset!r} is invalid{did_you_mean(preset, PRESETS)}: must be one of {', '.join(PRESETS)} (set --model)")
     cls = FAMILY_OF[preset]
     kwargs = dict(PRESETS[preset])
     if block_size is not None:

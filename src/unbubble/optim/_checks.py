@@ -9,7 +9,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from unbubble.errors import ConfigError
+from unbubble.errors import ConfigError, did_you_mean
 
 
 def _fail(name: str, value: Any, valid: str, fix: str) -> None:
@@ -19,7 +19,8 @@ def _fail(name: str, value: Any, valid: str, fix: str) -> None:
 def check_choice(name: str, value: Any, choices: Sequence[str], fix: str) -> None:
     """Raises ConfigError unless ``value`` is one of ``choices``."""
     if not isinstance(value, str) or value not in choices:
-        _fail(name, value, f"must be one of {', '.join(choices)}", fix)
+        hint = did_you_mean(value, choices) if isinstance(value, str) else ""
+        _fail(name, value, f"must be one of {', '.join(choices)}{hint}", fix)
 
 
 def check_int(name: str, value: Any, lo: int, fix: str, hi: int | None = None) -> None:

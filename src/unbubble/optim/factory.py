@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from unbubble.errors import ConfigError
+from unbubble.errors import ConfigError, did_you_mean
 from unbubble.optim._checks import (
     check_betas, check_choice, check_int, check_nonneg, check_unit,
 )
@@ -99,8 +99,8 @@ def build_optimizer(
     unknown = sorted(set(br_options) - set(OPTIONS))
     if unknown:
         raise ConfigError(
-            f"option {unknown[0]}={br_options[unknown[0]]!r} is invalid: build_optimizer accepts "
-            f"{', '.join(OPTIONS)} (check the spelling)"
+            f"option {unknown[0]}={br_options[unknown[0]]!r} is invalid{did_you_mean(unknown[0], OPTIONS)}: "
+            f"build_optimizer accepts {', '.join(OPTIONS)}"
         )
     opts = {**_DEFAULTS, **br_options}
     check_int("n_stages", n_stages, 1, "set --stages")

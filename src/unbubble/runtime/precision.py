@@ -45,7 +45,7 @@ from collections.abc import Iterator, Sequence
 import torch
 from torch import nn
 
-from unbubble.errors import ConfigError
+from unbubble.errors import ConfigError, did_you_mean
 
 #: ``--precision``: fp32; bf16 compute with fp32 weights (autocast); bf16 weights with an fp32 master copy.
 PRECISIONS = ("fp32", "bf16-autocast", "bf16")
@@ -65,10 +65,10 @@ def check_modes(precision: str, recompute: str, device: torch.device | None = No
         ConfigError: naming the value and what is valid.
     """
     if precision not in PRECISIONS:
-        raise ConfigError(f"precision={precision!r} is invalid: must be one of {', '.join(PRECISIONS)} "
+        raise ConfigError(f"precision={precision!r} is invalid{did_you_mean(precision, PRECISIONS)}: must be one of {', '.join(PRECISIONS)} "
                           "(set --precision)")
     if recompute not in RECOMPUTE:
-        raise ConfigError(f"recompute={recompute!r} is invalid: must be one of {', '.join(RECOMPUTE)} "
+        raise ConfigError(f"recompute={recompute!r} is invalid{did_you_mean(recompute, RECOMPUTE)}: must be one of {', '.join(RECOMPUTE)} "
                           "(set --recompute)")
     if precision != "fp32" and device is not None and device.type == "cuda" and not torch.cuda.is_bf16_supported():
         raise ConfigError(f"precision={precision!r} needs bf16, which {torch.cuda.get_device_name(device)} does not "

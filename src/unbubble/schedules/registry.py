@@ -10,7 +10,7 @@ import functools
 from dataclasses import dataclass
 from typing import Literal
 
-from unbubble.errors import ConfigError
+from unbubble.errors import ConfigError, did_you_mean
 from unbubble.schedules.actions import Action
 from unbubble.schedules.policy import ListPolicy, PaciPolicy, Policy
 from unbubble.schedules import static
@@ -151,7 +151,7 @@ def get_schedule(name: str, n_stages: int, steps: int, a: int | None = None, m: 
             message names the option to change).
     """
     if name not in SCHEDULES:
-        raise ConfigError(f"schedule={name!r} is unknown: valid schedules are {', '.join(SCHEDULES)} (set --schedule)")
+        raise ConfigError(f"schedule={name!r} is unknown{did_you_mean(name, SCHEDULES)}: valid schedules are {', '.join(SCHEDULES)} (set --schedule)")
     _check_int("stages", n_stages)
     _check_int("steps", steps)
     if name in ("async-1f1b", "pipedream", "pipemare"):

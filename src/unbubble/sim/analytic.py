@@ -36,7 +36,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from unbubble.errors import ConfigError
+from unbubble.errors import ConfigError, did_you_mean
 from unbubble.sim.costs import PipelineCosts, StageCosts, Straggler
 from unbubble.sim.hardware import Hardware
 from unbubble.sim.memory import MemorySpec
@@ -86,7 +86,7 @@ def make_model(name: str, vocab_size: int | None = None, seq_len: int | None = N
         return GPTConfig(n_layer=z["n_layer"], n_head=z["n_head"], n_embd=z["n_embd"],
                          block_size=seq_len or z["block_size"], vocab_size=vocab_size or ZB_VOCAB)
     if name not in PRESETS:
-        raise ConfigError(f"model={name!r} is unknown: valid models are {', '.join(model_names())} (set --model)")
+        raise ConfigError(f"model={name!r} is unknown{did_you_mean(name, model_names())}: valid models are {', '.join(model_names())} (set --model)")
     return make_config(name, vocab_size, seq_len)
 
 
@@ -138,7 +138,7 @@ def get_precision(name: str) -> Precision:
         ConfigError: unknown name (the message lists the modes).
     """
     if name not in PRECISIONS:
-        raise ConfigError(f"precision={name!r} is invalid: must be one of {', '.join(PRECISIONS)} (set --precision)")
+        raise ConfigError(f"precision={name!r} is invalid{did_you_mean(name, PRECISIONS)}: must be one of {', '.join(PRECISIONS)} (set --precision)")
     return PRECISIONS[name]
 
 

@@ -19,7 +19,7 @@ import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from unbubble.errors import ConfigError
+from unbubble.errors import ConfigError, did_you_mean
 from unbubble.schedules.registry import SCHEDULES, get_schedule
 from unbubble.sim.analytic import ZB_MODELS, analytic_model, make_model, zb_layers_per_stage
 from unbubble.sim.hardware import Hardware
@@ -111,7 +111,7 @@ def extrapolate(hardware: Hardware, schedules: Sequence[str] | None = None, mode
     names = [s for s, _ in COLUMNS if s in SCHEDULES] if schedules is None else list(schedules)
     for s in names:
         if s not in SCHEDULES:
-            raise ConfigError(f"schedule={s!r} is unknown: valid schedules are {', '.join(SCHEDULES)} (set --schedules)")
+            raise ConfigError(f"schedule={s!r} is unknown{did_you_mean(s, SCHEDULES)}: valid schedules are {', '.join(SCHEDULES)} (set --schedules)")
     models = list(ZB_MODELS) if models is None else list(models)
     for mdl in models:
         if mdl not in ZB_MODELS:

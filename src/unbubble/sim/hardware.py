@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from unbubble.errors import ConfigError
+from unbubble.errors import ConfigError, did_you_mean
 
 GB = 1e9  # data sheets use decimal units
 
@@ -107,6 +107,6 @@ def get_hardware(name: str, achievable: float | None = None) -> Hardware:
     """
     key = name.lower()
     if key not in HARDWARE:
-        raise ConfigError(f"hardware={name!r} is unknown: valid presets are {', '.join(HARDWARE)} (set --hardware)")
+        raise ConfigError(f"hardware={name!r} is unknown{did_you_mean(name, HARDWARE)}: valid presets are {', '.join(HARDWARE)} (set --hardware)")
     hw = HARDWARE[key]
     return hw if achievable is None else hw.with_(achievable=achievable)
