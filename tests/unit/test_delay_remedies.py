@@ -79,6 +79,28 @@ def test_muon_group_refuses_a_tensor_that_is_not_a_matrix():
         MuonAdamW([{"params": [torch.nn.Parameter(torch.zeros(3, 2, 2))], "muon": True}], lr=0.1)
 
 
+def test_muon_gives_stacked_expert_weights_to_adamw():
+    """Regression: ``unbubble train --model moe-tiny`` (Muon by default) stopped with "a Muon group
+    holds a tensor of shape (4, 96, 128)". Stacked expert weights now get AdamW, the stage's
+    matrices Muon, each exactly as torch's optimizers run apart."""
+    g = torch.Generator().manual_seed(0)
+    named = [("h.0.mlp.c_fc.weight", torch.randn(12, 8, generator=g)),
+             ("h.0.moe.w_in", torch.randn(3, 12, 8, generator=g))]
+    ours = [(n, torch.nn.Parameter(t.clone())) for n, t in named]
+    ref = [(n, torch.nn.Parameter(t.clone())) for n, t in named]
+    opt = build_optimizer("muon", ours, stage=0, n_stages=1, delay=0, lr=0.02, betas=(0.9, 0.95), weight_decay=0.1)
+    muon = torch.optim.Muon([ref[0][1]], lr=0.02, weight_decay=0.1, adjust_lr_fn="match_rms_adamw")
+    adamw = torch.optim.AdamW([ref[1][1]], lr=0.02, betas=(0.9, 0.95), weight_decay=0.1)
+    for step in range(3):
+        for ps in (ours, ref):
+            _grads(ps, step)
+        opt.step()
+        muon.step()
+        adamw.step()
+    for (name, p), (_, q) in zip(ours, ref):
+        assert torch.equal(p, q), name
+
+
 def test_staleness_lr_divides_by_one_plus_delay():
     base = functools.partial(warmup_cosine, total=100, warmup=10, min_ratio=0.1)
     for tau in (0, 1, 3):

@@ -66,7 +66,8 @@ def build_optimizer(
         name: "adamw" (``torch.optim.AdamW``), "basis-rotation" (``BasisRotation``), "nesterov"
             (``PipeNAG``), "nadam" (``torch.optim.NAdam``, momentum_decay 0.004, decoupled wd) or
             "muon" (``MuonAdamW``: ``torch.optim.Muon`` on the matrices Basis Rotation would rotate,
-            AdamW on ``br_unrotated`` matrices, norms and biases).
+            AdamW on ``br_unrotated`` matrices, norms, biases and stacked expert weights, which
+            are not 2-D).
         params: see above.
         stage: this stage's 0-based index s, in 0..n_stages-1.
         n_stages: pipeline depth N ≥ 1.
@@ -127,6 +128,7 @@ def build_optimizer(
     if name == "muon":  # the matrices Basis Rotation would rotate are the ones Muon orthogonalises
         groups = _groups(params, weight_decay, tuple(opts["br_unrotated"]), mark_rotation=True)
         groups = [{**{k: v for k, v in g.items() if k != "rotate"}, "muon": g.get("rotate", True)} for g in groups]
+        groups = [part for g in groups for part in _split_non_matrices(g)]
         check_unit("muon_momentum", opts["muon_momentum"], "set --muon-momentum")
         return MuonAdamW(groups, lr=lr, betas=betas, eps=opts["eps"], weight_decay=weight_decay,
                          momentum=float(opts["muon_momentum"]))
@@ -203,3 +205,15 @@ def _groups(
     if flat:
         groups.append({"params": flat, "weight_decay": 0.0, **({"rotate": False} if mark_rotation else {})})
     return groups
+
+
+def _split_non_matrices(group: dict) -> list[dict]:
+    """A Muon group as itself, or, when it holds tensors that are not 2-D (stacked expert weights
+    (E, out, in) of an MoE layer), as a Muon group of its matrices and an AdamW group of the rest:
+    ``torch.optim.Muon`` updates 2-D matrices only."""
+    params = list(group["params"])
+    if not group["muon"] or all(p.dim() == 2 for p in params):
+        return [group]
+    split = [({**group, "params": [p for p in params if p.dim() == 2]}),
+             ({**group, "params": [p for p in params if p.dim() != 2], "muon": False})]
+    return [g for g in split if g["params"]]
