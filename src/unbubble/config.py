@@ -20,6 +20,10 @@ PREDICT_SCHEDULES = ("paci", "async-1f1b")
 OPTIMIZERS = ("adamw", "basis-rotation", "nesterov", "nadam", "pipedream-lr", "staleness-lr", "muon")
 
 
+#: Options ``unbubble train --resume`` lets change: how the run executes, not what it computes.
+RESUME_OVERRIDES = ("engine", "threads_per_stage", "timeout_s", "cache_dir", "final_checkpoint")
+
+
 @dataclass(kw_only=True)
 class TrainConfig:
     """Everything that defines a training run (defaults: the CPU demo of the README)."""
@@ -137,6 +141,9 @@ class TrainConfig:
         from unbubble.runtime.precision import check_modes  # imports torch: only when validating
 
         check_modes(self.precision, self.recompute)
+        from unbubble.models.registry import check_preset
+
+        check_preset(self.model)  # before the corpus is read or a line is printed
         if self.predict_weights not in PREDICT_MODES:
             raise ConfigError(f"predict_weights={self.predict_weights!r} is invalid{did_you_mean(self.predict_weights, PREDICT_MODES)}: must be one of "
                               f"{', '.join(PREDICT_MODES)} (set --predict-weights)")

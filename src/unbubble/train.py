@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from unbubble.config import TrainConfig
+from unbubble.config import RESUME_OVERRIDES, TrainConfig
 from unbubble.data import MicroBatchSampler, prepare_tokens, val_batches
 from unbubble.data.memmap import TokenData
 from unbubble.data.sampler import check_split_sizes
@@ -30,7 +30,7 @@ from unbubble.loggers import check_loggers
 from unbubble.metrics import RunWriter
 from unbubble.models import ModelConfig, build_stages, count_params, gpt_loss, make_config, partition_layers
 from unbubble.optim import build_optimizer
-from unbubble.runtime.checkpoint import Checkpointing, complete_steps, load_stage
+from unbubble.runtime.checkpoint import Checkpointing, DamagedCheckpoint, complete_steps, load_stage
 from unbubble.runtime.emulator import run_emulator
 from unbubble.runtime.job import PipelineJob
 from unbubble.runtime.launch import install_stop_handlers, run_processes, run_torchrun, under_torchrun
@@ -143,8 +143,6 @@ def build_job(cfg: TrainConfig, tokens: TokenData) -> tuple[PipelineJob, ModelCo
     return job, model
 
 
-#: Options ``--resume`` lets change: how the run executes, not what it computes.
-RESUME_OVERRIDES = ("engine", "threads_per_stage", "timeout_s", "cache_dir", "final_checkpoint")
 
 
 def resume_config(run_dir: str | Path, overrides: dict | None = None) -> TrainConfig:
@@ -157,6 +155,8 @@ def resume_config(run_dir: str | Path, overrides: dict | None = None) -> TrainCo
     from unbubble.config import load_config
 
     path = Path(run_dir)
+    if not path.is_dir():
+        raise ConfigError(f"resume={str(path)!r} does not exist: give the folder of a previous unbubble train run")
     if not (path / "config.yaml").is_file():
         raise ConfigError(f"resume={str(path)!r} is not a run folder: {str(path / 'config.yaml')!r} is missing "
                           "(give the folder a previous unbubble train wrote)")
@@ -184,8 +184,9 @@ def attach_checkpoints(job: PipelineJob, cfg: TrainConfig, run_dir: Path, resume
     complete checkpoint and checks every stage's file against ``job`` before anything runs.
 
     Raises:
-        ConfigError: nothing to resume, the run already finished, or a file that is damaged
-            or was written by another configuration.
+        ConfigError: nothing to resume, the run already finished, a file written by another
+            configuration, or a damaged file in the oldest checkpoint left (a damaged newer one
+            is passed over for the previous checkpoint, with a warning).
     """
     if not cfg.checkpoints:
         if resume:
@@ -207,20 +208,30 @@ def attach_checkpoints(job: PipelineJob, cfg: TrainConfig, run_dir: Path, resume
             log.warning("run %s has no complete checkpoint in %s: it restarts from step 0", run_dir, directory)
             steps = [0]
         step = steps[-1]
-        if step >= job.schedule.steps:
-            raise ConfigError(f"run {str(run_dir)!r} already finished: its checkpoint is at the last step {step}")
-        if step:
-            log.info("resuming run %s from step %d of %d (checkpoint %s)", run_dir, step, job.schedule.steps,
-                     directory / f"step-{step:08d}")
-        extra = tuple(load_stage(directory, step, 0)["extra_cuts"]) if step else ()
     # the last step's checkpoint: when asked, or when the run is long enough to checkpoint anyway
     final = cfg.final_checkpoint or 0 < cfg.checkpoint_every <= cfg.steps
-    job = dataclasses.replace(job, checkpoint=Checkpointing(str(directory), cfg.checkpoint_every, 2, step, extra,
-                                                            final))
-    if resume and step:  # every file is checked here, so a bad one fails before any process starts
-        for s in range(n):
-            job.read_checkpoint(s, job.stage_fn(s))
-    return job
+    if not (resume and step):
+        return dataclasses.replace(job, checkpoint=Checkpointing(str(directory), cfg.checkpoint_every, 2, step, extra,
+                                                                 final))
+    older = [s for s in steps if s < step]
+    while True:  # every file is checked here, so a bad one fails before any process starts
+        try:
+            extra = tuple(load_stage(directory, step, 0)["extra_cuts"])
+            candidate = dataclasses.replace(job, checkpoint=Checkpointing(str(directory), cfg.checkpoint_every, 2,
+                                                                          step, extra, final))
+            for s in range(n):
+                candidate.read_checkpoint(s, job.stage_fn(s))
+        except DamagedCheckpoint as exc:
+            if not older:
+                raise
+            log.warning("%s; resuming from the previous checkpoint, step %d", exc, older[-1])
+            step = older.pop()
+            continue
+        if step >= job.schedule.steps:
+            raise ConfigError(f"run {str(run_dir)!r} already finished: its checkpoint is at the last step {step}")
+        log.info("resuming run %s from step %d of %d (checkpoint %s)", run_dir, step, job.schedule.steps,
+                 directory / f"step-{step:08d}")
+        return candidate
 
 
 def run_job(job: PipelineJob, engine: str, listener: Listener | None = None, threads_per_stage: int = 1,
@@ -295,6 +306,8 @@ def train(cfg: TrainConfig | None = None, listener_factory=None, resume: str | P
         run_dir = Path(cfg.run_dir)
     if run_dir is not None:
         job = attach_checkpoints(job, cfg, run_dir, resume is not None)
+    if rank0:  # only now: a bad model, corpus or checkpoint has already given its one error line
+        log.info("config: %s", ", ".join(f"{k}={v}" for k, v in cfg.to_dict().items()))
     writer = None
     try:
         writer = RunWriter(run_dir, cfg, job, resume_step=job.start_step if resume is not None else None) \

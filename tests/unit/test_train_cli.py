@@ -121,7 +121,9 @@ BAD = [
     (["--corpus", "{tmp}/bin-vocab"], "holds token id 300 (first bad id at position 1234) >= vocab_size=257"),
     (["--corpus", "{tmp}/bin-noval"], "bin-noval/val.bin' does not exist"),
     # resuming
-    (["--resume", "{tmp}/nowhere"], "resume='{tmp}/nowhere' is not a run folder"),
+    (["--resume", "{tmp}/nowhere"], "resume='{tmp}/nowhere' does not exist: give the folder of a previous"),
+    (["--resume", "{tmp}"], "resume='{tmp}' is not a run folder: '{tmp}/config.yaml' is missing"),
+    (["--schedule", "paci-stash"], "schedule='paci-stash' is unknown (did you mean 'paci-stashed'?)"),
     (["--resume", "{tmp}/emptydir"], "is not a run folder"),
     (["--resume", "{tmp}/run-edited"], "lr was edited in"),
     (["--run-dir", "{tmp}/empty.txt/run"], "cannot be created"),
@@ -130,6 +132,16 @@ BAD = [
     (["--resume", "{tmp}/run-2stages"], "was written with stages=2 but this run has stages=4"),
     (["--resume", "{tmp}/run-damaged"], "stage-000.pt' cannot be read"),
 ]
+
+
+@pytest.mark.parametrize("args", [["--model", "gpt2-mediun"], ["--seq-len", "4096"], ["--stages", "9"]])
+def test_bad_input_prints_no_configuration_before_its_error(args, cache_dir):
+    """Regression: a bad model, seq_len or stage count was found after the configuration line
+    (12 lines at 80 columns) had been printed; without -q the error is still the last and only
+    warning-free output about the run."""
+    res = CliRunner().invoke(cli, ["train", "--engine", "emulator", "--cache-dir", cache_dir, *args])
+    assert res.exit_code == 2, res.output
+    assert "config:" not in res.output and res.stderr.strip().splitlines()[-1].startswith("error: ")
 
 
 @pytest.mark.parametrize("args,message", BAD)
@@ -245,6 +257,26 @@ def test_resume_continues_the_run_folder_bit_identically(tmp_path, cache_dir):
         k: summary[k] for k in ("resumed_from_step", "tokens", "train_wall_s", "total_wall_s", "tokens_per_s",
                                 "utilization", "simulated_utilization")}}
     assert summary["tokens"] == 10 * 4 * 8 * 32 and summary["steps_done"] == 20
+
+    # a damaged newest checkpoint (a file cut short) is passed over for the previous one, saying so
+    torn = tmp_path / "torn"
+    shutil.copytree(run, torn)
+    newest = torn / "checkpoints" / "step-00000020" / "stage-002.pt"
+    newest.write_bytes(newest.read_bytes()[:1000])
+    (torn / "summary.json").unlink()
+    said = _Messages("unbubble.train")
+    try:
+        res = CliRunner().invoke(cli, ["train", "--resume", str(torn), "--cache-dir", cache_dir])
+    finally:
+        said.close()
+    assert res.exit_code == 0, res.output
+    assert any(f"checkpoint file '{newest}' cannot be read" in x and x.endswith("resuming from the previous "
+                                                                              "checkpoint, step 10") for x in said.lines)
+    assert f"resuming run {torn} from step 10 of 20 (checkpoint {torn}/checkpoints/step-00000010)" in said.lines
+    for s in range(4):
+        a = load_stage(run / "checkpoints", 20, s)["executor"]["model"]
+        b = load_stage(torn / "checkpoints", 20, s)["executor"]["model"]
+        assert all(torch.equal(a[k], b[k]) for k in a)
 
     # a run cut off before its first checkpoint restarts from step 0 in the same folder
     fresh = tmp_path / "fresh"

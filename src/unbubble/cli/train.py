@@ -12,7 +12,7 @@ import click
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from unbubble.cli import err_console
-from unbubble.config import TrainConfig
+from unbubble.config import RESUME_OVERRIDES, TrainConfig
 from unbubble.errors import ConfigError, StartupInterrupted
 
 log = logging.getLogger("unbubble.train")
@@ -141,7 +141,8 @@ def _effective_config(kwargs: dict) -> TrainConfig:
 @click.option("--print-config", is_flag=True, help="Print the effective configuration as YAML and exit.")
 @click.option("--resume", "resume", default=None, type=click.Path(file_okay=False),
               help="Continue the run in this folder from its newest complete checkpoint, with its own "
-                   "config.yaml (only --engine, --threads-per-stage, --timeout-s and --cache-dir may be given too).")
+                   "config.yaml (only " + ", ".join("--" + o.replace("_", "-") for o in RESUME_OVERRIDES)
+                   + " may be given too).")
 @_options
 def train(print_config: bool, resume: str | None, **kwargs) -> None:
     """Train a GPT-2-style model on real text across a pipeline of stages.
@@ -175,7 +176,6 @@ def train(print_config: bool, resume: str | None, **kwargs) -> None:
 
         click.echo(config_to_yaml(cfg), nl=False)
         return
-    log.info("config: %s", ", ".join(f"{k}={v}" for k, v in cfg.to_dict().items()))
     listeners = []
 
     def factory(writer, total):

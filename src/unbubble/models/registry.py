@@ -23,6 +23,13 @@ FAMILY_OF: dict[str, type] = {name: cls for cls, (_, presets, _) in _FAMILIES.it
 PRESETS: dict[str, dict] = {name: presets[name] for _, presets, _ in _FAMILIES.values() for name in presets}
 
 
+def check_preset(preset: str) -> None:
+    """Raises ConfigError unless ``preset`` names a model of ``PRESETS`` (with a did-you-mean)."""
+    if preset not in PRESETS:
+        raise ConfigError(f"model={preset!r} is invalid{did_you_mean(preset, PRESETS)}: must be one of "
+                          f"{', '.join(PRESETS)} (set --model)")
+
+
 def make_config(preset: str, vocab_size: int | None = None, block_size: int | None = None) -> ModelConfig:
     """The config of a named preset of any family.
 
@@ -39,8 +46,7 @@ def make_config(preset: str, vocab_size: int | None = None, block_size: int | No
     Raises:
         ConfigError: unknown preset (the message lists the valid names) or invalid sizes.
     """
-    if preset not in PRESETS:
-        raise ConfigError(f"model={preset!r} is invalid{did_you_mean(preset, PRESETS)}: must be one of {', '.join(PRESETS)} (set --model)")
+    check_preset(preset)
     cls = FAMILY_OF[preset]
     kwargs = dict(PRESETS[preset])
     if block_size is not None:

@@ -43,6 +43,11 @@ FORMAT = 1
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
 
 
+class DamagedCheckpoint(ConfigError):
+    """A stage file of a checkpoint is missing, unreadable or holds another step's weights: a
+    resume passes over that checkpoint for the previous one."""
+
+
 @dataclass(frozen=True)
 class Checkpointing:
     """Checkpoint settings of a job.
@@ -150,11 +155,11 @@ def load_stage(directory: str | Path, step: int, stage: int) -> dict[str, Any]:
     try:
         data = torch.load(path, map_location="cpu", weights_only=True, mmap=True)  # tensors read when used
     except FileNotFoundError:
-        raise ConfigError(f"checkpoint file {str(path)!r} is missing: the checkpoint of step {step} is incomplete") \
-            from None
+        raise DamagedCheckpoint(f"checkpoint file {str(path)!r} is missing: the checkpoint of step {step} is "
+                                "incomplete") from None
     except Exception as exc:  # noqa: BLE001 - any unpickling error means a damaged file
-        raise ConfigError(f"checkpoint file {str(path)!r} cannot be read ({type(exc).__name__}: {exc}); "
-                          "delete that step's folder to resume from the previous checkpoint") from None
+        raise DamagedCheckpoint(f"checkpoint file {str(path)!r} cannot be read ({type(exc).__name__}: {exc})") \
+            from None
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise ConfigError(f"checkpoint file {str(path)!r} is not an unbubble checkpoint of format {FORMAT}")
     return data

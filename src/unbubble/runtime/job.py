@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from unbubble.errors import ConfigError
-from unbubble.runtime.checkpoint import Checkpointing, check_fingerprint, fingerprint, load_stage, rng_state, \
+from unbubble.runtime.checkpoint import Checkpointing, DamagedCheckpoint, check_fingerprint, fingerprint, load_stage, rng_state, \
     save_stage, set_rng_state
 from unbubble.runtime.data_parallel import replica_batch
 from unbubble.runtime.executor import BatchFn, LossFn, StageExecutor
@@ -171,9 +171,9 @@ class PipelineJob:
                           f"{ck.directory}/step-{ck.resume_step:08d}")
         version = data["executor"]["version"]
         if version != ck.resume_step:
-            raise ConfigError(f"checkpoint file {ck.directory}/step-{ck.resume_step:08d}/stage-{stage:03d}.pt holds "
-                              f"weight version {version}, not {ck.resume_step}: it belongs to another step's folder "
-                              "(delete that step's folder to resume from the previous checkpoint)")
+            raise DamagedCheckpoint(f"checkpoint file {ck.directory}/step-{ck.resume_step:08d}/stage-{stage:03d}.pt "
+                                    f"holds weight version {version}, not {ck.resume_step}: it belongs to another "
+                                    "step's folder")
         return data
 
     def load_checkpoint(self, ex: StageExecutor, restore_rng: bool = True) -> None:
