@@ -270,7 +270,7 @@ def simulate(**o) -> None:
     (out / "stages.md").write_text(report.to_markdown(stages, stage_cols))
     (out / "drift.csv").write_text(report.to_csv(drift))
 
-    columns = shutil.get_terminal_size().columns
+    columns = max(shutil.get_terminal_size().columns, 40)  # $COLUMNS, else the terminal's, else 80
     width = None if o["wide"] else columns
     _print(report.render(summary, report.SUMMARY_COLUMNS, o["fmt"], title="schedules", width=width), o["fmt"], width)
     for res in results:
