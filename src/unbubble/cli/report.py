@@ -173,7 +173,7 @@ def _figure(width: float, height: float):
 def _describe(r: ReportRun) -> str:
     s = r.summary
     knob = "a" if r.run.schedule.asynchronous else "m"
-    return f"{s.get('schedule', '?')}, N={s.get('stages', '?')}, {knob}={s.get('mb_per_step', '?')}"
+    return f"{r.model}, {s.get('schedule', '?')}, N={s.get('stages', '?')}, {knob}={s.get('mb_per_step', '?')}"
 
 
 def plot_loss(runs: list[ReportRun], out: Path, x: str) -> Path:
