@@ -43,7 +43,46 @@ def test_report_draws_two_runs(two_runs, tmp_path):
     assert len(rows) == 2 and "| 1.00× |" in rows[0]
     assert "[1, 0] ([1, 0])" in rows[0] and "[0, 0] ([0, 0])" in rows[1]  # max Δ beside the bound
     assert "![drift](drift.png)" in md
-    assert "| paci | paci | 2 | 2 | muon | emulator | 4 |" in res.stdout
+    assert "| paci | tiny | paci | 2 | 2 | muon | emulator | 4/4 |" in res.stdout
+    assert "(step 4) |" in rows[0] and "Warning" not in md and "WARNING" not in res.stderr  # alike runs
+
+
+def _copy_run(src, dst, config=None, summary=None, last_step=None):
+    """A copy of run folder ``src``, its config.json and summary.json updated, metrics.jsonl cut after ``last_step``."""
+    dst.mkdir()
+    for name in ("config.json", "summary.json", "metrics.jsonl", "actions.jsonl"):
+        (dst / name).write_text((src / name).read_text())
+    for name, changes in (("config.json", config), ("summary.json", summary)):
+        if changes:
+            (dst / name).write_text(json.dumps({**json.loads((dst / name).read_text()), **changes}))
+    if last_step is not None:
+        lines = (dst / "metrics.jsonl").read_text().splitlines()
+        (dst / "metrics.jsonl").write_text("".join(f"{x}\n" for x in lines if json.loads(x)["step"] <= last_step))
+    return dst
+
+
+def test_report_of_a_stopped_run_shows_steps_done_of_planned_and_the_eval_step(two_runs, tmp_path):
+    # evaluated at steps 0 and 2 (eval_interval 2), stopped after step 3 of 4
+    stopped = _copy_run(two_runs[0], tmp_path / "stopped", last_step=3,
+                        summary=dict(steps_done=3, stopped_at_step=3, tokens=3 * 512))
+    res = CliRunner().invoke(cli, ["report", str(two_runs[0]), str(stopped), "--out", str(tmp_path / "out")])
+    assert res.exit_code == 0, res.output
+    (row,) = [line for line in res.stdout.splitlines() if line.startswith("| stopped |")]
+    assert "| emulator | 3/4 | 1,536 |" in row
+    val = dict(json.loads((two_runs[0] / "summary.json").read_text())["val_losses"])  # step -> validation loss
+    assert f"| {val[2]:.4f} (step 2) |" in row  # the stopped run's last evaluation, not its planned end
+    assert f"| {val[4]:.4f} (step 4) |" in res.stdout
+    assert "tokens trained (paci 2,048, stopped 1,536)" in (tmp_path / "out" / "report.md").read_text()
+
+
+def test_report_warns_when_runs_differ_in_model(two_runs, tmp_path):
+    llama = _copy_run(two_runs[1], tmp_path / "llama", config=dict(model="llama-tiny"))
+    res = CliRunner().invoke(cli, ["report", str(two_runs[0]), str(llama), "--out", str(tmp_path / "out")])
+    assert res.exit_code == 0, res.output
+    warning = "the runs differ in model (paci tiny, llama llama-tiny): their losses and speed-ups do not compare"
+    assert warning in " ".join(res.stderr.split())
+    assert f"**Warning:** {warning} like for like.\n" in (tmp_path / "out" / "report.md").read_text()
+    assert "| llama | llama-tiny | 1f1b-flush |" in res.stdout
 
 
 def test_report_writes_into_the_run_folder_or_runs_by_default(two_runs, tmp_path, monkeypatch):
@@ -69,6 +108,7 @@ def test_report_of_the_same_folder_twice_gets_distinct_labels(two_runs, tmp_path
     ("unfinished", "is not a finished run folder: summary.json, actions.jsonl missing"),
     ("malformed", "holds malformed JSON"),
     ("no-steps", "records no training step"),
+    ("bad-steps", "has steps_done='3': must be an integer ≥ 0"),
 ])
 def test_bad_run_folder_one_line_exit_2(two_runs, tmp_path, breakage, message):
     bad = tmp_path / "bad"
@@ -81,6 +121,9 @@ def test_bad_run_folder_one_line_exit_2(two_runs, tmp_path, breakage, message):
         (bad / "actions.jsonl").unlink()
     elif breakage == "malformed":
         (bad / "metrics.jsonl").write_text("{not json\n")
+    elif breakage == "bad-steps":
+        (bad / "summary.json").write_text(json.dumps({**json.loads((bad / "summary.json").read_text()),
+                                                      "steps_done": "3"}))
     elif breakage == "no-steps":
         (bad / "metrics.jsonl").write_text(json.dumps({"step": 0, "val_loss": 5.0}) + "\n")
     res = CliRunner().invoke(cli, ["report", str(two_runs[0]), str(bad), "--out", str(tmp_path / "out")])

@@ -328,6 +328,77 @@ def test_cli_simulate_analytic_model(tmp_path):
     assert "| interleaved-1f1b (m=4) | 4 |" in res.output and "stash GB" in res.output
 
 
+def test_cli_simulate_tables_fit_the_terminal_and_wide_shows_every_column(tmp_path, monkeypatch):
+    from click.testing import CliRunner
+
+    from unbubble.cli import cli
+    from unbubble.sim.report import STAGE_COLUMNS, SUMMARY_COLUMNS
+
+    monkeypatch.chdir(tmp_path)
+    args = ["-q", "simulate", "--compare", "1f1b-flush", "--micro-batches", "64", "--out", "s"]
+    narrow = CliRunner().invoke(cli, args, env={"COLUMNS": "80"})
+    assert narrow.exit_code == 0, narrow.output
+    assert max(map(len, narrow.stdout.splitlines())) <= 80
+    assert "hidden to fit 80 columns: devices, micro-batches" in " ".join(narrow.stdout.split())
+    assert "1,167,683" in narrow.stdout  # numbers are never cut
+    wide = CliRunner().invoke(cli, args + ["--wide"], env={"COLUMNS": "80"})
+    assert wide.exit_code == 0, wide.output
+    header_lines = [line for line in wide.stdout.splitlines() if line.startswith("┃")]
+    assert len(header_lines) == 3  # one table of schedules, one per schedule of devices, headers unwrapped
+    headers = [[cell.strip() for cell in line.strip("┃").split("┃")] for line in header_lines]
+    assert headers == [[c.header for c in SUMMARY_COLUMNS]] + 2 * [[c.header for c in STAGE_COLUMNS]]
+    assert "hidden" not in wide.stdout and max(map(len, wide.stdout.splitlines())) > 150
+    csv = CliRunner().invoke(cli, ["-q", "simulate", "--micro-batches", "64", "--out", "c", "--format", "csv"],
+                             env={"COLUMNS": "80"})
+    assert csv.stdout.splitlines()[0].startswith("schedule,ranks,micro_batches,makespan_s")
+    assert "bottleneck" not in csv.stdout  # stdout holds the two tables only (header + rows, a blank line each)
+    assert [len(block.splitlines()) for block in csv.stdout.strip().split("\n\n")] == [2, 9]
+
+
+@pytest.mark.parametrize("layers, holds", [
+    (None, "block 23 + LM head"),  # the cost-balanced split: the head costs ≈ 3.5 blocks of gpt2-medium
+    ("6,3,3,3,3,3,3,0", "embedding + blocks 0–5"),
+])
+def test_cli_simulate_names_the_bottleneck_stage(tmp_path, monkeypatch, layers, holds):
+    """The bottleneck is the stage with the largest F + B of the analytic model, computed here from its costs."""
+    from click.testing import CliRunner
+
+    from unbubble.cli import cli
+    from unbubble.sim.analytic import analytic_model, make_model
+    from unbubble.sim.hardware import get_hardware
+
+    counts = None if layers is None else [int(x) for x in layers.split(",")]
+    am = analytic_model(make_model("gpt2-medium"), 8, get_hardware("h200"), 16, layers_per_stage=counts)
+    work = [c.f_s + c.b_s for c in am.costs.stages]
+    worst = max(range(8), key=work.__getitem__)
+    assert worst == (7 if layers is None else 0)
+    monkeypatch.chdir(tmp_path)
+    args = ["-q", "simulate", "--micro-batches", "64", "--out", "s"]
+    res = CliRunner().invoke(cli, args + (["--layers-per-stage", layers] if layers else []), env={"COLUMNS": "80"})
+    assert res.exit_code == 0, res.output
+    text = " ".join(res.stdout.split())
+    share = work[worst] / sum(work)
+    assert f"stage {worst} is the bottleneck: {holds} (blocks per stage " in text
+    assert f"{work[worst] / (sum(work) / 8):.2f}× the mean stage" in text
+    assert abs(float(text.split(" of the work")[0].rsplit(" ", 1)[1].rstrip("%")) / 100 - share) < 0.01
+    assert max(map(len, res.stdout.splitlines())) <= 80
+    assert "stage 7 is the bottleneck" in (tmp_path / "s" / "summary.md").read_text() or layers
+
+
+def test_cli_simulate_balanced_stages_blame_the_schedule(tmp_path):
+    from click.testing import CliRunner
+
+    from unbubble.cli import cli
+
+    res = CliRunner().invoke(cli, ["-q", "simulate", "--uniform", "1:2", "--stages", "4", "--schedule", "1f1b-flush",
+                                   "--m", "4", "--compare", "paci", "--a", "4", "--out", str(tmp_path / "u")],
+                             env={"COLUMNS": "80"})
+    assert res.exit_code == 0, res.output
+    text = " ".join(res.stdout.split())
+    assert "1f1b-flush (m=4): 42.9% mean bubble, every device does the same work" in text
+    assert "paci (a=4): " + "4.5% mean bubble" not in text and "bottleneck" not in text  # PACI's bubble is ≤ 10 %
+
+
 @pytest.mark.parametrize("args,msg", [
     (["--schedule", "nope"], "error: schedule='nope' is unknown: valid schedules are"),
     (["--hardware", "tpu"], "error: hardware='tpu' is unknown: valid presets are a100-80g, h100, h200"),

@@ -10,8 +10,10 @@ Reads what ``unbubble train`` wrote into each run folder (``config.json``, ``sum
   schedule's bound (PACI: ⌈(N−i)/a⌉ for 1-based stage i);
 * ``utilization.png``: per run, the busy fraction of every rank in 60 windows of the measured wall
   clock (from ``actions.jsonl``);
-* ``report.md``: one table row per run (throughput, speed-up against the first run, losses, drift,
-  utilization) with the pictures linked.
+* ``report.md``: one table row per run (model, steps done of those planned, throughput, speed-up against
+  the first run, losses with the step of the final validation, drift, utilization) with the pictures
+  linked, under a warning when the runs differ in model, tokenizer, corpus, tokens per step or tokens
+  trained (also logged).
 
 Drawing uses matplotlib's Agg canvas only (no display, no pyplot state).
 """
@@ -19,6 +21,7 @@ Drawing uses matplotlib's Agg canvas only (no display, no pyplot state).
 from __future__ import annotations
 
 import json
+import logging
 import math
 import time
 from dataclasses import dataclass
@@ -29,6 +32,8 @@ import click
 import numpy as np
 
 from unbubble.errors import ConfigError
+
+log = logging.getLogger("unbubble.report")
 
 NEEDED = ("config.json", "summary.json", "metrics.jsonl", "actions.jsonl")
 
@@ -56,12 +61,33 @@ class ReportRun:
 
     @property
     def tokens_per_step(self) -> float:
-        """Tokens (or samples) per optimizer step, from the summary (or tokens / steps)."""
+        """Tokens (or samples) per optimizer step, from the summary (or tokens / steps done)."""
         tps = self.summary.get("tokens_per_step")
         if tps:
             return float(tps)
-        steps = self.summary.get("steps") or max(len(self.steps), 1)
-        return float(self.summary.get("tokens", 0)) / steps
+        return float(self.summary.get("tokens", 0)) / max(self.steps_done, 1)
+
+    @property
+    def steps_done(self) -> int:
+        """Optimizer steps the run finished (fewer than planned when it was stopped)."""
+        done = self.summary.get("steps_done")
+        return int(done) if done is not None else self.steps[-1][0]
+
+    @property
+    def steps_planned(self) -> int | None:
+        """Optimizer steps the run was configured for (``--steps``)."""
+        planned = self.summary.get("steps", self.config.get("steps"))
+        return None if planned is None else int(planned)
+
+    @property
+    def final_eval(self) -> tuple[int, float] | None:
+        """``(weight version, validation loss)`` of the last evaluation, or ``None`` without one."""
+        return self.evals[-1] if self.evals else None
+
+    @property
+    def model(self) -> str:
+        """The model preset the run trained (``config.json``'s ``model``)."""
+        return str(self.config.get("model", "?"))
 
     def time_of_step(self, step: int) -> float:
         """Seconds since the start when the last stage finished ``step`` (0 for step 0)."""
@@ -93,6 +119,14 @@ def load_report_run(path: str | Path) -> ReportRun:
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ConfigError(f"{path} holds malformed JSON ({str(exc).splitlines()[0]}): not a run folder of "
                           "unbubble train") from None
+    if not isinstance(summary, dict):
+        raise ConfigError(f"{path / 'summary.json'} holds {type(summary).__name__}, not an object: not a run folder "
+                          "of unbubble train")
+    for key in ("steps", "steps_done"):
+        value = summary.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+            raise ConfigError(f"{path / 'summary.json'} has {key}={value!r}: must be an integer ≥ 0 (not a run "
+                              "folder of unbubble train)")
     run = load_run(path)
     try:
         steps = [(int(r["step"]), float(r["loss"]), float(r.get("elapsed_s", math.nan)))
@@ -139,7 +173,7 @@ def _figure(width: float, height: float):
 def _describe(r: ReportRun) -> str:
     s = r.summary
     knob = "a" if r.run.schedule.asynchronous else "m"
-    return f"{s.get('schedule', '?')}, N={s.get('stages', '?')}, {knob}={s.get('mb_per_step', '?')}"
+    return f"{r.model}, {s.get('schedule', '?')}, N={s.get('stages', '?')}, {knob}={s.get('mb_per_step', '?')}"
 
 
 def plot_loss(runs: list[ReportRun], out: Path, x: str) -> Path:
@@ -228,13 +262,54 @@ def _fmt(v: Any, spec: str = ".4f") -> str:
     return format(v, spec)
 
 
-def summary_markdown(runs: list[ReportRun], pictures: list[Path]) -> str:
-    """The report's markdown: a table row per run, then the pictures."""
+#: What runs must share for their losses and speed-ups to compare like for like: (name, value of a run).
+_COMPARED: tuple[tuple[str, Any], ...] = (
+    ("model", lambda r: r.model),
+    ("tokenizer", lambda r: r.config.get("tokenizer")),
+    ("corpus", lambda r: r.config.get("corpus")),
+    ("tokens per step", lambda r: r.summary.get("tokens_per_step")),
+    ("tokens trained", lambda r: r.summary.get("tokens")),
+)
+
+
+def mismatch_warning(runs: list[ReportRun]) -> str | None:
+    """One line naming what the runs differ in among model, tokenizer, corpus, tokens per step and tokens
+    trained, with each run's value, or ``None`` when they agree (or there is one run)."""
+    differ = []
+    for name, get in _COMPARED:
+        values = [get(r) for r in runs]
+        if len(set(map(str, values))) > 1:
+            shown = [f"{r.label} {v:,}" if isinstance(v, int) else f"{r.label} {v}" for r, v in zip(runs, values)]
+            differ.append(f"{name} ({', '.join(shown)})")
+    if not differ:
+        return None
+    return f"the runs differ in {'; '.join(differ)}: their losses and speed-ups do not compare like for like"
+
+
+def _steps_text(r: ReportRun) -> str:
+    planned = r.steps_planned
+    return f"{r.steps_done}/{planned}" if planned is not None else str(r.steps_done)
+
+
+def _eval_text(r: ReportRun) -> tuple[str, str]:
+    """``(final val loss (step), val ppl)`` cells."""
+    last = r.final_eval
+    if last is None:
+        return "–", "–"
+    step, loss = last
+    from unbubble.loggers import perplexity
+
+    return f"{_fmt(loss)} (step {step})", _fmt(perplexity(loss), ".2f")
+
+
+def summary_markdown(runs: list[ReportRun], pictures: list[Path], warning: str | None = None) -> str:
+    """The report's markdown: the ``warning`` (:func:`mismatch_warning`), a table row per run, the pictures."""
     base = runs[0].summary.get("tokens_per_s")
-    lines = ["# unbubble report", "",
-             "| run | schedule | N | a/m | optimizer | engine | steps | tokens | wall s | tokens/s | speed-up "
-             "| train loss (last 10 %) | final val loss | val ppl | max Δ per stage (bound) | utilization per rank |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["# unbubble report", ""] + ([f"**Warning:** {warning}.", ""] if warning else []) + [
+             "| run | model | schedule | N | a/m | optimizer | engine | steps done/planned | tokens | wall s "
+             "| tokens/s | speed-up | train loss (last 10 %) | final val loss (step) | val ppl "
+             "| max Δ per stage (bound) | utilization per rank |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in runs:
         s = r.summary
         tail = [loss for _, loss, _ in r.steps[-max(len(r.steps) // 10, 1):]]
@@ -245,22 +320,24 @@ def summary_markdown(runs: list[ReportRun], pictures: list[Path]) -> str:
         tps = s.get("tokens_per_s")
         speed = tps / base if tps and base else None
         lines.append(" | ".join([
-            f"| {r.label}", str(s.get("schedule")), str(s.get("stages")), str(s.get("mb_per_step")),
-            str(s.get("optimizer", "–")), str(s.get("engine", "–")), str(s.get("steps")),
+            f"| {r.label}", r.model, str(s.get("schedule")), str(s.get("stages")), str(s.get("mb_per_step")),
+            str(s.get("optimizer", "–")), str(s.get("engine", "–")), _steps_text(r),
             f"{s.get('tokens', 0):,}", _fmt(s.get("train_wall_s"), ".1f"), _fmt(tps, ",.0f"),
-            _fmt(speed, ".2f") + "×" if speed else "–", _fmt(sum(tail) / len(tail)),
-            _fmt(s.get("final_val_loss")), _fmt(s.get("final_val_ppl"), ".2f"),
+            _fmt(speed, ".2f") + "×" if speed else "–", _fmt(sum(tail) / len(tail)), *_eval_text(r),
             f"{r.run.trace.max_drift()} ({s.get('drift_bound', '–')})", util_text]) + " |")
-    lines += ["", "Train loss (last 10 %): mean over the last 10 % of the steps (summary.json's final_train_loss "
-              "is the last step's loss). Speed-up: tokens/s against the first "
-              "run. Utilization: busy / wall time per rank, measured (the emulator runs the stages one after "
-              "another, so the simulated value shows the schedule's own utilization).", ""]
+    lines += ["", "Steps done/planned: fewer done than planned when the run was stopped. Train loss (last 10 %): "
+              "mean over the last 10 % of the steps done (summary.json's final_train_loss is the last step's "
+              "loss). Final val loss (step): the last evaluation and the weight version (step) it evaluated. "
+              "Speed-up: tokens/s against the first run. Utilization: busy / wall time per rank, measured (the "
+              "emulator runs the stages one after another, so the simulated value shows the schedule's own "
+              "utilization).", ""]
     lines += [f"![{p.stem}]({p.name})" for p in pictures]
     return "\n".join(lines) + "\n"
 
 
 def write_report(run_dirs: list[str | Path], out: str | Path) -> Path:
     """Reads the runs and writes the pictures and ``report.md`` into ``out``; returns the markdown path.
+    Logs a warning when the runs differ in model, tokenizer, corpus, tokens per step or tokens trained.
 
     Raises:
         ConfigError: a bad run folder (see :func:`load_report_run`), or ``out`` is a file.
@@ -273,8 +350,11 @@ def write_report(run_dirs: list[str | Path], out: str | Path) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     pictures = [plot_loss(runs, out, "tokens"), plot_loss(runs, out, "time"), plot_drift(runs, out),
                 plot_utilization(runs, out)]
+    warning = mismatch_warning(runs)
+    if warning:
+        log.warning("%s", warning)
     md = out / "report.md"
-    md.write_text(summary_markdown(runs, pictures))
+    md.write_text(summary_markdown(runs, pictures, warning))
     return md
 
 
@@ -294,5 +374,5 @@ def report(run_dirs: tuple[str, ...], out: str | None) -> None:
             f"runs/{time.strftime('%Y%m%d-%H%M%S')}-report"
     md = write_report(list(run_dirs), out)
     text = md.read_text()
-    click.echo(text.split("\n\nTrain loss (last 10 %)")[0].split("\n", 2)[2])
+    click.echo(text[text.index("\n| run |") + 1:text.index("\n\nSteps done/planned")])
     click.echo(f"\nreport: {md} (with loss_vs_tokens.png, loss_vs_time.png, drift.png, utilization.png)")

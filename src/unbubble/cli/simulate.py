@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import math
+import shutil
+import textwrap
 import time
 from pathlib import Path
 
@@ -65,7 +67,7 @@ class CostSource:
         self.samples_per_mb, self.tokens_per_mb = 1, None
         self.description = ""
         self.recompute = opts["recompute"] == "full"
-        self.measured_memory = None
+        self.measured_memory = self.measured_layers = None
         if self.kind == "measured":
             from unbubble.sim.measured import load_run, measured_costs, measured_memory
 
@@ -82,6 +84,9 @@ class CostSource:
             if self.recompute and run_recompute == "none":
                 self.measured = self.measured.with_recompute()
             self.measured_memory = measured_memory(run, recompute=self.recompute)
+            layers = run.summary.get("stage_layers")
+            if layers and len(layers) == run.schedule.n_stages:
+                self.measured_layers = tuple(range(a, b) for a, b in layers)
             if opts["stages"] is None:
                 opts["stages"] = run.schedule.n_stages
             if run.schedule.n_ranks != run.schedule.n_stages:
@@ -118,7 +123,8 @@ class CostSource:
                                 + (", + F per backward (--recompute full)" if self.recompute else ""))
 
     def for_schedule(self, schedule):
-        """``(costs, memory spec or None)`` for one schedule (interleaved ones need per-virtual-stage costs)."""
+        """``(costs, memory spec or None, block ranges per stage or None)`` for one schedule (interleaved
+        ones need per-virtual-stage costs)."""
         from unbubble.sim.costs import PipelineCosts, StageCosts
 
         o = self.o
@@ -131,7 +137,7 @@ class CostSource:
                                 layers_per_stage=layers, flash_attention=o["flash_attention"], jitter=o["jitter"],
                                 seed=o["seed"], stragglers=self.stragglers, precision=self.precision,
                                 recompute=self.recompute)
-            return am.costs, am.memory
+            return am.costs, am.memory, am.stage_layers
         if schedule.n_stages != schedule.n_ranks:
             raise ConfigError(f"schedule={schedule.name!r} has {schedule.n_stages} virtual stages: it needs costs per "
                               "virtual stage, which only the analytic model gives (use --model)")
@@ -146,7 +152,7 @@ class CostSource:
         if o["jitter"] or self.stragglers:
             base = PipelineCosts(base.stages, base.message_bytes, base.bandwidth_bytes_per_s, base.latency_s,
                                  o["jitter"], o["seed"], self.stragglers)
-        return base, self.measured_memory
+        return base, self.measured_memory, self.measured_layers
 
 
 @click.command(context_settings={"show_default": True})
@@ -190,6 +196,8 @@ class CostSource:
               "run that checkpoints every K steps does (0: never), to see what checkpoints cost.")
 @click.option("--timeline-steps", default=2, type=int, help="Steps of each schedule drawn in its timeline.")
 @click.option("--format", "fmt", default="table", type=click.Choice(FORMATS), help="How tables are printed.")
+@click.option("--wide", is_flag=True, help="Print every table column (by default a terminal too narrow for a "
+                                           "table hides its least important columns and names them).")
 def simulate(**o) -> None:
     """Simulate pipeline schedules: throughput, bubbles, peak memory per device, drift.
 
@@ -235,10 +243,10 @@ def simulate(**o) -> None:
              source.description)
     out = Path(o["out"] or f"runs/{time.strftime('%Y%m%d-%H%M%S')}-simulate-{names[0]}-N{o['stages']}")
     out.mkdir(parents=True, exist_ok=True)
-    results = []
+    results, notes = [], []
     for name in names:
         sched = _schedule(name, o["stages"], mb, o["a"], o["m"], o["v"])
-        costs, memory = source.for_schedule(sched)
+        costs, memory, layers = source.for_schedule(sched)
         t0 = time.perf_counter()
         res = run_sim(sched, costs, memory, samples_per_mb=source.samples_per_mb, tokens_per_mb=source.tokens_per_mb,
                       checkpoint_every=o["checkpoint_every"])
@@ -248,29 +256,42 @@ def simulate(**o) -> None:
                      t_end=window_end(res.trace, sched.mb_per_step, o["timeline_steps"]))
         chrome_trace(res.trace, out / f"trace-{slug}.json", name=res.label)
         results.append(res)
+        notes.append(report.bottleneck_line(res, layers))
+    notes = [line for line in notes if line]
 
     summary = report.summary_rows(results)
     stages = [row for res in results for row in report.stage_rows(res)]
     drift = report.drift_rows(results)
     (out / "summary.csv").write_text(report.to_csv(summary, report.SUMMARY_COLUMNS))
-    (out / "summary.md").write_text(f"{source.description}\n\n" + report.to_markdown(summary, report.SUMMARY_COLUMNS))
+    (out / "summary.md").write_text(f"{source.description}\n\n" + report.to_markdown(summary, report.SUMMARY_COLUMNS)
+                                    + "".join(f"\n{line}\n" for line in notes))
     stage_cols = [report.Column("schedule", "schedule")] + report.STAGE_COLUMNS
     (out / "stages.csv").write_text(report.to_csv(stages, stage_cols))
     (out / "stages.md").write_text(report.to_markdown(stages, stage_cols))
     (out / "drift.csv").write_text(report.to_csv(drift))
 
-    _print(report.render(summary, report.SUMMARY_COLUMNS, o["fmt"], title="schedules"), o["fmt"])
+    columns = max(shutil.get_terminal_size().columns, 40)  # $COLUMNS, else the terminal's, else 80
+    width = None if o["wide"] else columns
+    _print(report.render(summary, report.SUMMARY_COLUMNS, o["fmt"], title="schedules", width=width), o["fmt"], width)
     for res in results:
-        _print(report.render(report.stage_rows(res), report.STAGE_COLUMNS, o["fmt"], title=f"{res.label}: per device"),
-               o["fmt"])
+        _print(report.render(report.stage_rows(res), report.STAGE_COLUMNS, o["fmt"], title=f"{res.label}: per device",
+                             width=width), o["fmt"], width)
+    for line in notes:
+        if o["fmt"] == "table":
+            click.echo(textwrap.fill(line, columns, subsequent_indent="  ", break_on_hyphens=False))
+        else:  # stdout keeps only the table text
+            log.info("%s", line)
     if o["fmt"] == "table":
-        click.echo(f"wrote {out}/: summary.csv/.md, stages.csv/.md, drift.csv, timeline-*.png, trace-*.json")
+        click.echo(textwrap.fill(f"wrote {out}/: summary.csv/.md, stages.csv/.md, drift.csv, timeline-*.png, "
+                                 "trace-*.json", columns, subsequent_indent="  ", break_long_words=False,
+                                 break_on_hyphens=False))
 
 
-def _print(obj, fmt: str) -> None:
+def _print(obj, fmt: str, width: int | None) -> None:
+    """Prints a table ``width`` characters wide at most (``None``: as wide as it needs), or text."""
     if fmt == "table":
         from rich.console import Console
 
-        Console(width=200).print(obj)
+        Console(width=max(obj.width, width or 0)).print(obj)
     else:
         click.echo(obj)

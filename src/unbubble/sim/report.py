@@ -17,11 +17,17 @@ from unbubble.sim.result import SimResult
 
 @dataclass(frozen=True)
 class Column:
-    """How a row key is shown: header text and a formatter (the CSV keeps raw values)."""
+    """How a row key is shown: header text and a formatter (the CSV keeps raw values).
+
+    Attributes:
+        hide: the order in which a terminal too narrow for the whole table hides this column
+            (1 first; 0: always shown). Markdown and CSV keep every column.
+    """
 
     key: str
     header: str
     fmt: Callable[[Any], str] = str
+    hide: int = 0
 
 
 def _num(digits: int) -> Callable[[Any], str]:
@@ -48,36 +54,36 @@ def _fits(v: Any) -> str:
 
 SUMMARY_COLUMNS = [
     Column("schedule", "schedule"),
-    Column("ranks", "devices"),
-    Column("micro_batches", "micro-batches"),
-    Column("makespan_s", "makespan (s)", _secs),
-    Column("steady_samples_per_s", "samples/s (steady)", _num(2)),
-    Column("steady_samples_per_s_per_device", "samples/s/device", _num(3)),
-    Column("steady_tokens_per_s", "tokens/s (steady)", _num(0)),
+    Column("ranks", "devices", hide=1),
+    Column("micro_batches", "micro-batches", hide=2),
+    Column("makespan_s", "makespan (s)", _secs, hide=4),
+    Column("steady_samples_per_s", "samples/s (steady)", _num(2), hide=7),
+    Column("steady_samples_per_s_per_device", "samples/s/device", _num(3), hide=3),
+    Column("steady_tokens_per_s", "tokens/s (steady)", _num(0), hide=9),
     Column("speedup", "× first", _num(3)),
     Column("mean_bubble", "bubble (mean)", _pct),
-    Column("max_bubble", "bubble (worst)", _pct),
-    Column("max_drift", "max Δ"),
-    Column("max_delay", "max τ"),
-    Column("peak_memory_bytes", "peak GB", _gb),
-    Column("fits", "fits", _fits),
+    Column("max_bubble", "bubble (worst)", _pct, hide=6),
+    Column("max_drift", "max Δ", hide=10),
+    Column("max_delay", "max τ", hide=5),
+    Column("peak_memory_bytes", "peak GB", _gb, hide=11),
+    Column("fits", "fits", _fits, hide=8),
 ]
 
 STAGE_COLUMNS = [
     Column("rank", "device"),
-    Column("stages", "stages"),
-    Column("utilization", "utilization", _pct),
+    Column("stages", "stages", hide=1),
+    Column("utilization", "utilization", _pct, hide=9),
     Column("bubble", "bubble", _pct),
-    Column("max_drift", "max Δ"),
-    Column("max_delay", "max τ"),
-    Column("weights", "weights GB", _gb),
-    Column("grads", "grads GB", _gb),
-    Column("optimizer", "optimizer GB", _gb),
-    Column("activations", "activations GB", _gb),
-    Column("stash", "stash GB", _gb),
+    Column("max_drift", "max Δ", hide=10),
+    Column("max_delay", "max τ", hide=4),
+    Column("weights", "weights GB", _gb, hide=7),
+    Column("grads", "grads GB", _gb, hide=6),
+    Column("optimizer", "optimizer GB", _gb, hide=8),
+    Column("activations", "activations GB", _gb, hide=11),
+    Column("stash", "stash GB", _gb, hide=5),
     Column("peak", "peak GB", _gb),
-    Column("peak_in_flight", "in flight"),
-    Column("peak_versions", "versions"),
+    Column("peak_in_flight", "in flight", hide=3),
+    Column("peak_versions", "versions", hide=2),
 ]
 
 
@@ -146,23 +152,111 @@ def to_csv(rows: Sequence[dict], columns: Sequence[Column] | None = None) -> str
     return buf.getvalue()
 
 
-def to_rich(rows: Sequence[dict], columns: Sequence[Column], title: str = ""):
-    """A ``rich.table.Table`` for the terminal."""
+def _widths(rows: Sequence[dict], cols: Sequence[Column]) -> list[tuple[int, int]]:
+    """``(narrowest, widest)`` text width of each column: headers and labels wrapped at every space, or
+    not wrapped (numbers never wrap)."""
+    out = []
+    for c in cols:
+        texts = [c.header] + [c.fmt(r.get(c.key)) for r in rows]
+        out.append((max(len(w) for t in texts for w in t.split()), max(len(t) for t in texts)))
+    return out
+
+
+def _border(n_cols: int) -> int:
+    return 3 * n_cols + 1  # a space either side of every cell, a rule between and around them
+
+
+def to_rich(rows: Sequence[dict], columns: Sequence[Column], title: str = "", width: int | None = None):
+    """A ``rich.table.Table`` for the terminal.
+
+    Args:
+        width: characters available: columns are hidden in their :attr:`Column.hide` order until the
+            table fits with wrapped headers, a caption names them, and the widest columns give up
+            characters until the table is at most ``width`` wide. ``None``: every column, unwrapped.
+    """
     from rich.table import Table
 
     cols = _present(rows, columns)
-    table = Table(title=title or None, show_lines=False)
-    for c in cols:
-        table.add_column(c.header, justify="left" if c.key in ("schedule", "stages") else "right")
+    hidden: list[Column] = []
+    if width is not None:
+        for c in sorted((c for c in cols if c.hide), key=lambda c: c.hide):
+            if sum(lo for lo, _ in _widths(rows, cols)) + _border(len(cols)) <= width:
+                break
+            cols.remove(c)
+            hidden.append(c)
+    limits = _widths(rows, cols)
+    sizes = [hi for _, hi in limits]
+    while width is not None and sum(sizes) + _border(len(cols)) > width:
+        j = max(range(len(cols)), key=lambda j: (sizes[j] > limits[j][0], sizes[j]))
+        if sizes[j] <= limits[j][0]:
+            break  # only the always-shown columns are left and they do not fit: let the terminal wrap
+        sizes[j] -= 1
+    caption = f"hidden to fit {width} columns: {', '.join(c.header for c in hidden)} (--wide shows them)" \
+        if hidden else None
+    table = Table(title=title or None, caption=caption, show_lines=False, width=sum(sizes) + _border(len(cols)))
+    for c, size in zip(cols, sizes):
+        table.add_column(c.header, justify="left" if c.key in ("schedule", "stages") else "right", width=size)
     for r in rows:
         table.add_row(*(c.fmt(r.get(c.key)) for c in cols))
     return table
 
 
-def render(rows: Sequence[dict], columns: Sequence[Column], fmt: str, title: str = ""):
-    """``fmt`` ∈ {table, markdown, csv}: a rich table, or text."""
+def render(rows: Sequence[dict], columns: Sequence[Column], fmt: str, title: str = "", width: int | None = None):
+    """``fmt`` ∈ {table, markdown, csv}: a rich table (fitted to ``width`` characters, see :func:`to_rich`),
+    or text."""
     if fmt == "markdown":
         return (f"### {title}\n\n" if title else "") + to_markdown(rows, columns)
     if fmt == "csv":
         return to_csv(rows, columns)
-    return to_rich(rows, columns, title)
+    return to_rich(rows, columns, title, width)
+
+
+def stage_parts(stage: int, n_stages: int, layers: Sequence[range]) -> str:
+    """What stage ``stage`` of ``n_stages`` holds: ``embedding + blocks 0–2``, ``block 23 + LM head``."""
+    r = layers[stage]
+    parts = ["embedding"] if stage == 0 else []
+    if len(r) == 1:
+        parts.append(f"block {r.start}")
+    elif len(r) > 1:
+        parts.append(f"blocks {r.start}–{r.stop - 1}")
+    if stage == n_stages - 1:
+        parts.append("LM head")
+    return " + ".join(parts)
+
+
+def bottleneck_line(result: SimResult, layers: Sequence[range] | None = None, min_bubble: float = 0.10) -> str | None:
+    """Why a schedule idles: the device with the most work, when the mean bubble exceeds ``min_bubble``.
+
+    Work is the busy time of every device in the trace (its F, B, I, W and U); if the busiest does
+    r× the mean device's work, the others wait for it and at least 1 − 1/r of the mean device's
+    time is idle whatever the schedule; the rest of the bubble is the schedule's fill, drain and flushes.
+
+    Args:
+        result: a simulated run.
+        layers: block indices of each stage (``AnalyticModel.stage_layers``, or a run's summary), to name
+            what the busiest stage holds and show the split; ``None`` if unknown.
+        min_bubble: returns ``None`` at or below this mean bubble.
+
+    Returns:
+        One line (``None`` when the bubble is small), e.g. ``stage 7 is the bottleneck: block 23 + LM head, …``.
+    """
+    util = result.utilization()
+    bubble = 1.0 - sum(util) / len(util)
+    if not bubble > min_bubble:
+        return None
+    busy = result.trace.busy_per_rank()
+    nr, n = len(busy), result.schedule.n_stages
+    mean = sum(busy) / nr
+    r = max(range(nr), key=busy.__getitem__)
+    ratio = busy[r] / mean if mean > 0 else 1.0
+    head = f"{result.label}: {bubble:.1%} mean bubble"
+    if ratio < 1.02:
+        return f"{head}, every device does the same work (±2 %): the bubble is the schedule's fill, drain and flushes"
+    stages = range(r, n, nr)
+    who = f"stage {r}" if nr == n else f"device {r} (stages {', '.join(map(str, stages))})"
+    what = ""
+    if layers is not None and len(layers) == n:
+        split = ",".join(str(len(x)) for x in layers)
+        what = f"{'; '.join(stage_parts(s, n, layers) for s in stages)} (blocks per stage {split}), "
+    return (f"{head}; {who} is the bottleneck: {what}{busy[r] / sum(busy):.1%} of the work, {ratio:.2f}× the mean "
+            f"{'stage' if nr == n else 'device'}: the others wait for it (imbalance alone: {1 - 1 / ratio:.1%} bubble)")
