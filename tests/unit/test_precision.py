@@ -300,7 +300,7 @@ def test_resume_is_bit_identical(precision, recompute, tmp_path):
 
 
 @pytest.mark.parametrize("kw,message", [
-    (dict(precision="fp16"), "precision='fp16' is invalid: must be one of fp32, bf16-autocast, bf16 (set --precision)"),
+    (dict(precision="fp16"), "precision='fp16' is invalid (did you mean 'bf16'?): must be one of fp32, bf16-autocast, bf16 (set --precision)"),
     (dict(recompute="selective"), "recompute='selective' is invalid: must be one of none, full (set --recompute)"),
 ])
 def test_bad_modes_are_refused_in_one_line(kw, message):
@@ -427,7 +427,7 @@ def test_cli_records_the_modes_and_measured_bytes_per_stage(tmp_path):
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--precision", "fp16"], "error: precision='fp16' is invalid: must be one of fp32, bf16-autocast, bf16 "
+    (["--precision", "fp16"], "error: precision='fp16' is invalid (did you mean 'bf16'?): must be one of fp32, bf16-autocast, bf16 "
                               "(set --precision)"),
     (["--recompute", "selective"], "error: recompute='selective' is invalid: must be one of none, full "
                                    "(set --recompute)"),
