@@ -275,7 +275,7 @@ def test_too_many_stages_error_text():
 
 def test_unknown_preset_lists_names():
     msg = (
-        "model='gpt3' is invalid: must be one of tiny, small-cpu, deep-cpu, deep32-cpu, gpt2, gpt2-medium, "
+        "model='gpt3' is invalid (did you mean 'gpt2'?): must be one of tiny, small-cpu, deep-cpu, deep32-cpu, gpt2, gpt2-medium, "
         "gpt2-large, gpt2-xl, llama-tiny, llama-deep-cpu, llama-1b, llama-8b, moe-tiny, moe-deep-cpu, "
         "mixtral-8x7b (set --model)"
     )

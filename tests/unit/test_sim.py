@@ -331,7 +331,7 @@ def test_cli_simulate_analytic_model(tmp_path):
 @pytest.mark.parametrize("args,msg", [
     (["--schedule", "nope"], "error: schedule='nope' is unknown: valid schedules are"),
     (["--hardware", "tpu"], "error: hardware='tpu' is unknown: valid presets are a100-80g, h100, h200"),
-    (["--model", "gpt5"], "error: model='gpt5' is unknown: valid models are tiny"),
+    (["--model", "gpt5"], "error: model='gpt5' is unknown (did you mean 'gpt2'?): valid models are tiny"),
     (["--uniform", "1"], "error: uniform='1' is invalid: expected seconds as F:B[:U], e.g. 1:2"),
     (["--straggler", "9:2", "--uniform", "1:2", "--jitter", "0.1"], "error: straggler stage=9 is invalid"),
     (["--uniform", "1:2", "--costs-from", "x"], "error: --uniform and --costs-from are exclusive"),

@@ -99,7 +99,7 @@ BAD = [
     (["--a", "0"], "a=0 is invalid: must be an integer ≥ 1 (set --a)"),
     (["--a", "-3"], "a=-3 is invalid"),
     (["--micro-batch-size", "0"], "micro_batch_size=0 is invalid"),
-    (["--schedule", "gpipe2"], "schedule='gpipe2' is unknown: valid schedules are gpipe, 1f1b-flush"),
+    (["--schedule", "gpipe2"], "schedule='gpipe2' is unknown (did you mean 'gpipe'?): valid schedules are gpipe, 1f1b-flush"),
     (["--corpus", "{tmp}/missing.txt"], "corpus='{tmp}/missing.txt' does not exist"),
     (["--corpus", "{tmp}/empty.txt"], "empty.txt"),
     (["--corpus", "{tmp}/binary.txt"], "binary.txt"),
