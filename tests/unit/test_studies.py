@@ -178,7 +178,8 @@ def test_write_docs_refuses_the_tiny_size(tmp_path):
                                       "--docs", str(docs), "--out", str(tmp_path / "o")])
     assert result.exit_code == 2
     assert "error: --write-docs with --size tiny is refused: smoke-test numbers must not replace the published " \
-           "results (run the default size, or --analyze docs/data/paci-study)" in " ".join(result.output.split())
+           "results (drop --size tiny to train the default size, or rebuild from --analyze docs/data/paci-study)" \
+        in " ".join(result.output.split())
     assert not docs.exists() and not (tmp_path / "o").exists()  # refused before anything ran
 
 

@@ -22,7 +22,8 @@ import click
 @click.option("--docs", type=click.Path(path_type=Path, file_okay=False), default=Path("docs"), show_default=True,
               help="The documentation folder --write-docs writes.")
 @click.option("--workers", type=click.IntRange(1), default=2, show_default=True,
-              help="paci-study, br-study, overhead-study: runs trained at once (one process and one torch thread each).")
+              help="paci-study, br-study, overhead-study: runs trained at once (one process and one torch "
+                   "thread each).")
 @click.option("--analyze", type=click.Path(path_type=Path, file_okay=False), default=None,
               help="paci-study, br-study, overhead-study: train nothing; rebuild tables and plots from DIR/runs.csv and "
                    "DIR/curves.csv (e.g. docs/data/paci-study).")
@@ -39,8 +40,9 @@ def experiment(name: str, size: str, seeds: tuple[int, ...], out: Path, write_do
 
     fn = get_experiment(name)
     if write_docs and size == "tiny":
+        rebuild = f", or rebuild from --analyze docs/data/{name}" if name in STUDIES else ""
         raise ConfigError("--write-docs with --size tiny is refused: smoke-test numbers must not replace the "
-                          f"published results (run the default size, or --analyze docs/data/{name})")
+                          f"published results (drop --size tiny to train the default size{rebuild})")
     folder = out / name
     if name in STUDIES:
         if analyze is not None and not (analyze / "runs.csv").is_file():

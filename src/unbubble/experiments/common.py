@@ -121,7 +121,8 @@ def update_results(doc: Path, name: str, markdown: str) -> None:
     """Replaces (or appends) the section of ``name`` in ``docs/results.md``."""
     begin, end = f"<!-- experiment:{name} -->", f"<!-- /experiment:{name} -->"
     block = f"{begin}\n{markdown.strip()}\n{end}"
-    text = doc.read_text() if doc.exists() else "# Results\n\nEach section is written by `unbubble experiment NAME --write-docs`.\n"
+    text = doc.read_text() if doc.exists() else \
+        "# Results\n\nEach section is written by `unbubble experiment NAME --write-docs`.\n"
     if begin in text:
         text = re.sub(re.escape(begin) + ".*?" + re.escape(end), lambda _: block, text, flags=re.S)
     else:
