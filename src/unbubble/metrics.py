@@ -19,6 +19,15 @@ from unbubble.runtime.telemetry import RunResult
 log = logging.getLogger(__name__)
 
 
+def describe_blocks(ranges: list[range]) -> str:
+    """Which transformer blocks each stage holds, inclusive and 0-based:
+    ``"stage 0: blocks 0–3, stage 1: blocks 4–7"`` ("block 4" for one, "no blocks" for none)."""
+    def blocks(r: range) -> str:
+        return "no blocks" if not r else f"block {r.start}" if len(r) == 1 else f"blocks {r.start}–{r[-1]}"
+
+    return ", ".join(f"stage {s}: {blocks(r)}" for s, r in enumerate(ranges))
+
+
 class RunWriter:
     """Writes a run folder and receives live progress (a :class:`~unbubble.runtime.telemetry.Listener`).
 
@@ -91,8 +100,8 @@ class RunWriter:
             "tokens_per_step": self.cfg.mb_per_step * self.cfg.micro_batch_size * self.cfg.seq_len * self.cfg.dp,
         }
         log.info("run folder %s", self.dir)
-        log.info("model %s: %.2fM parameters, stages hold blocks %s", self.cfg.model, info["n_params"] / 1e6,
-                 self.info["stage_layers"])
+        log.info("model %s: %.2fM parameters; %s", self.cfg.model, info["n_params"] / 1e6,
+                 describe_blocks(info["ranges"]))
         log.info("corpus %s: %d train / %d val tokens (%s tokenizer); %d tokens per step",
                  self.cfg.corpus, tokens.train.size, tokens.val.size, self.cfg.tokenizer, self.info["tokens_per_step"])
 

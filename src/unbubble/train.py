@@ -33,7 +33,8 @@ from unbubble.optim import build_optimizer
 from unbubble.runtime.checkpoint import Checkpointing, DamagedCheckpoint, complete_steps, load_stage
 from unbubble.runtime.emulator import run_emulator
 from unbubble.runtime.job import PipelineJob
-from unbubble.runtime.launch import install_stop_handlers, run_processes, run_torchrun, under_torchrun
+from unbubble.runtime.launch import choose_backend, install_stop_handlers, run_processes, run_torchrun, under_torchrun
+from unbubble.runtime.precision import cpu_has_native_bf16, slow_bf16_warning
 from unbubble.runtime.telemetry import Listener, RunResult
 from unbubble.schedules.registry import get_schedule
 
@@ -234,6 +235,20 @@ def attach_checkpoints(job: PipelineJob, cfg: TrainConfig, run_dir: Path, resume
         return candidate
 
 
+def warn_if_bf16_is_emulated(cfg: TrainConfig, job: PipelineJob) -> None:
+    """Logs one warning when bf16 is asked for on CPU stages that emulate it
+    (:func:`~unbubble.runtime.precision.slow_bf16_warning`). The stages compute on CUDA only when
+    the processes get NCCL, one device each (:func:`~unbubble.runtime.launch.choose_backend`)."""
+    if cfg.precision == "fp32":
+        return
+    local = int(__import__("os").environ.get("LOCAL_WORLD_SIZE", "1")) if under_torchrun() \
+        else job.dp * job.schedule.n_ranks
+    on_cpu = cfg.engine == "emulator" or choose_backend(local) == "gloo"
+    message = slow_bf16_warning(cfg.precision, "cpu" if on_cpu else "cuda", cpu_has_native_bf16() if on_cpu else None)
+    if message is not None:
+        log.warning(message)
+
+
 def run_job(job: PipelineJob, engine: str, listener: Listener | None = None, threads_per_stage: int = 1,
             timeout_s: float = 60.0) -> RunResult | None:
     """Runs a job on ``engine`` (``"emulator"`` or ``"processes"``; under torchrun, this rank's stage).
@@ -308,6 +323,7 @@ def train(cfg: TrainConfig | None = None, listener_factory=None, resume: str | P
         job = attach_checkpoints(job, cfg, run_dir, resume is not None)
     if rank0:  # only now: a bad model, corpus or checkpoint has already given its one error line
         log.info("config: %s", ", ".join(f"{k}={v}" for k, v in cfg.to_dict().items()))
+        warn_if_bf16_is_emulated(cfg, job)
     writer = None
     try:
         writer = RunWriter(run_dir, cfg, job, resume_step=job.start_step if resume is not None else None) \

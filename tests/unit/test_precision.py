@@ -311,6 +311,77 @@ def test_bad_modes_are_refused_in_one_line(kw, message):
         check_modes(kw.get("precision", "fp32"), kw.get("recompute", "none"))
 
 
+X86_FLAGS = "processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f avx512bw{}\nbugs\t\t: spectre_v1\n"
+
+
+@pytest.mark.parametrize("cpuinfo,native", [
+    (X86_FLAGS.format(""), False),                         # AVX-512 without BF16: emulated
+    (X86_FLAGS.format(" avx512_bf16"), True),
+    (X86_FLAGS.format(" amx_tile amx_bf16"), True),
+    ("processor\t: 0\nFeatures\t: fp asimd sve bf16 i8mm\n", True),  # Arm FEAT_BF16 (Graviton 3)
+    ("processor\t: 0\nFeatures\t: fp asimd crc32\n", False),
+    ("bugs\t\t: avx512_bf16\n", False),                   # only the flags line counts
+])
+def test_native_bf16_is_read_from_the_cpu_flags(cpuinfo, native):
+    from unbubble.runtime.precision import cpu_has_native_bf16
+
+    assert cpu_has_native_bf16(cpuinfo) is native
+
+
+def test_native_bf16_trusts_pytorch_first(monkeypatch):
+    from unbubble.runtime.precision import cpu_has_native_bf16
+
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True, raising=False)
+    assert cpu_has_native_bf16() is True
+
+
+@pytest.mark.parametrize("precision", ["bf16", "bf16-autocast"])
+@pytest.mark.parametrize("engine", ["emulator", "processes"])
+def test_bf16_on_a_cpu_that_emulates_it_warns_once_with_the_fix(precision, engine, monkeypatch, caplog):
+    """The decision with both answers of the (monkeypatched) CPU check, and where the stages run."""
+    import logging
+    import types
+
+    from unbubble import train as train_mod
+
+    monkeypatch.setattr(logging.getLogger("unbubble"), "propagate", True)  # a CLI test before may have cut it
+    cfg = TrainConfig(precision=precision, engine=engine)
+    job = types.SimpleNamespace(dp=1, schedule=types.SimpleNamespace(n_ranks=cfg.stages))
+    monkeypatch.setattr(train_mod, "choose_backend", lambda local: "gloo")  # no GPU per process
+    for native in (False, True):
+        monkeypatch.setattr(train_mod, "cpu_has_native_bf16", lambda native=native: native)
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="unbubble"):
+            train_mod.warn_if_bf16_is_emulated(cfg, job)
+        lines = [r.getMessage() for r in caplog.records]
+        if native:
+            assert lines == []
+        else:
+            assert lines == [f"precision={precision!r} on a CPU without native bf16 (no avx512_bf16/amx_bf16/bf16 "
+                             "flag): expect 4–7× fewer tokens/s than fp32 (emulated bf16); use --precision fp32 "
+                             "here, or bf16 on a GPU"]
+    # fp32 never warns; processes on one GPU each (NCCL) never warn, whatever the CPU
+    monkeypatch.setattr(train_mod, "cpu_has_native_bf16", lambda: False)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="unbubble"):
+        train_mod.warn_if_bf16_is_emulated(dataclasses.replace(cfg, precision="fp32"), job)
+        monkeypatch.setattr(train_mod, "choose_backend", lambda local: "nccl")
+        train_mod.warn_if_bf16_is_emulated(cfg, job)
+    assert [r.getMessage() for r in caplog.records] == ([] if engine == "processes" else [
+        f"precision={precision!r} on a CPU without native bf16 (no avx512_bf16/amx_bf16/bf16 flag): expect 4–7× "
+        "fewer tokens/s than fp32 (emulated bf16); use --precision fp32 here, or bf16 on a GPU"])
+
+
+def test_slow_bf16_warning_decision():
+    from unbubble.runtime.precision import slow_bf16_warning
+
+    assert slow_bf16_warning("bf16", "cpu", False).startswith("precision='bf16' on a CPU without native bf16")
+    assert slow_bf16_warning("bf16", "cpu", True) is None
+    assert slow_bf16_warning("bf16", "cpu", None) is None  # unknown CPU: no guess
+    assert slow_bf16_warning("bf16", "cuda", False) is None
+    assert slow_bf16_warning("fp32", "cpu", False) is None
+
+
 def test_bf16_executor_needs_its_masters():
     lin = nn.Linear(2, 2)
     with pytest.raises(ValueError, match="needs fp32 master copies"):

@@ -23,7 +23,7 @@ torch.set_num_threads(1)
 
 SCHEDULES = [("paci", 4, dict(a=2)), ("async-1f1b", 4, {}), ("1f1b-flush", 4, dict(m=2)), ("gpipe", 3, dict(m=3)),
              ("interleaved-1f1b", 2, dict(m=4, v=2)), ("zb-h1", 4, dict(m=4)), ("zb-h2", 4, dict(m=4)),
-             ("pipedream", 4, {}), ("pipedream-2bw", 4, dict(m=4)), ("pipemare", 4, {})]
+             ("pipedream", 4, {}), ("pipedream-2bw", 4, dict(m=4)), ("pipemare", 4, {}), ("paci-stashed", 4, dict(a=2))]
 
 
 def _equal_states(a, b) -> bool:
@@ -36,6 +36,12 @@ def _job(name, n, kw, directory, steps=12, **ck):
 
 
 # --- checkpoint and resume ---------------------------------------------------------------------
+def test_resume_covers_every_registered_schedule():
+    from unbubble.schedules.registry import SCHEDULES as REGISTERED
+
+    assert sorted(s[0] for s in SCHEDULES) == sorted(REGISTERED)
+
+
 @pytest.mark.parametrize("name,n,kw", SCHEDULES, ids=[s[0] for s in SCHEDULES])
 def test_resumed_emulator_run_is_bit_identical(name, n, kw, tmp_path):
     job = _job(name, n, kw, tmp_path, every=4, keep=5)

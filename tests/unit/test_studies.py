@@ -118,10 +118,37 @@ def _csv(path):
     return list(csv.DictReader(open(path)))
 
 
-def test_paci_study_tiny_values_and_analysis_from_the_csvs(tmp_path):
+def _docs_digest(docs):
+    """sha256 of every file under ``docs`` by relative path."""
+    import hashlib
+
+    return {str(f.relative_to(docs)): hashlib.sha256(f.read_bytes()).hexdigest()
+            for f in sorted(docs.rglob("*")) if f.is_file()}
+
+
+def test_paci_study_tiny_values_and_analysis_from_the_csvs(tmp_path, monkeypatch):
+    """The README's try-out (``unbubble experiment paci-study --size tiny``) through the CLI, from
+    the repository root: its results land in OUT/paci-study and docs/ stays byte-identical."""
+    from pathlib import Path
+
+    from click.testing import CliRunner
+
+    from unbubble.cli import cli
+
+    root = Path(__file__).resolve().parents[2]
+    monkeypatch.chdir(root)  # the default --docs (docs) is the repository's
+    before = _docs_digest(root / "docs")
+    result = CliRunner().invoke(cli, ["experiment", "paci-study", "--size", "tiny", "--workers", "1",
+                                      "--out", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    assert _docs_digest(root / "docs") == before
+    assert result.output.splitlines()[-1].endswith(
+        f"section in {tmp_path / 'paci-study' / 'results.md'} (docs/ unchanged: --write-docs publishes it)")
+    section = (tmp_path / "paci-study" / "results.md").read_text()
+    assert section.startswith("## paci-study") and "![loss](paci_study_loss.png)" in section
+    assert (tmp_path / "paci-study" / "paci_study_loss.png").is_file()
     run = get_experiment("paci-study")
-    out = run(tmp_path / "p", size="tiny", workers=1)
-    main = {r["method"]: r for r in _csv(tmp_path / "p" / "paci_study_main.csv")}
+    main = {r["method"]: r for r in _csv(tmp_path / "paci-study" / "paci_study_main.csv")}
     flush = main["1f1b-flush m=2"]
     # the baseline against itself: no gap, iso-loss ratio 1, speed-up 1
     assert float(flush["gap vs flush m=a"]) == 0 and flush["iso-loss tokens ÷ flush"] == "1.00"
@@ -135,9 +162,25 @@ def test_paci_study_tiny_values_and_analysis_from_the_csvs(tmp_path):
     # PACI has no bubble: on the simulated clock of 2 devices it reaches flush's final loss sooner
     # whenever it reaches it at about the same tokens
     assert float(main["paci a=2"]["time-to-target speed-up vs flush m=a"]) > 1
-    again = run(tmp_path / "a", size="tiny", analyze=tmp_path / "p")
-    table = out.markdown.split("Command:")[0]
+    again = run(tmp_path / "a", size="tiny", analyze=tmp_path / "paci-study")
+    table = section.split("Command:")[0]
     assert again.markdown.split("Command:")[0] == table  # the tables come from runs.csv and curves.csv alone
+    assert again.data == [tmp_path / "paci-study" / "runs.csv", tmp_path / "paci-study" / "curves.csv"]
+
+
+def test_write_docs_refuses_the_tiny_size(tmp_path):
+    from click.testing import CliRunner
+
+    from unbubble.cli import cli
+
+    docs = tmp_path / "docs"
+    result = CliRunner().invoke(cli, ["experiment", "paci-study", "--size", "tiny", "--write-docs",
+                                      "--docs", str(docs), "--out", str(tmp_path / "o")])
+    assert result.exit_code == 2
+    assert "error: --write-docs with --size tiny is refused: smoke-test numbers must not replace the published " \
+           "results (drop --size tiny to train the default size, or rebuild from --analyze docs/data/paci-study)" \
+        in " ".join(result.output.split())
+    assert not docs.exists() and not (tmp_path / "o").exists()  # refused before anything ran
 
 
 def test_br_study_tiny_values(tmp_path):

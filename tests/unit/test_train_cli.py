@@ -44,6 +44,18 @@ def test_cli_train_runs_and_reports(tmp_path, cache_dir):
     assert res.exit_code == 0, res.output
     assert "max Δ per stage [1, 0]" in res.stdout
     assert (run_dir / "summary.json").exists()
+    # the partition, inclusive block indices (summary.json keeps half-open [start, stop) pairs)
+    layers = json.loads((run_dir / "summary.json").read_text())["stage_layers"]
+    assert layers == [[0, 2], [2, 4]]
+    assert "parameters; stage 0: blocks 0–1, stage 1: blocks 2–3" in " ".join(res.stderr.split())
+
+
+def test_block_ranges_read_as_inclusive_indices():
+    from unbubble.metrics import describe_blocks
+
+    assert describe_blocks([range(0, 4), range(4, 8)]) == "stage 0: blocks 0–3, stage 1: blocks 4–7"
+    assert describe_blocks([range(0, 1), range(1, 3), range(3, 3)]) == \
+        "stage 0: block 0, stage 1: blocks 1–2, stage 2: no blocks"
 
 
 @pytest.fixture

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import click
@@ -15,25 +14,35 @@ import click
                    "2 cores); tiny: a smoke-sized run (< 30 s).")
 @click.option("--seed", "seeds", type=int, multiple=True, help="Seeds (repeatable); default per experiment.")
 @click.option("--out", type=click.Path(path_type=Path), default=Path("experiments"), show_default=True,
-              help="Folder for runs, CSV and PNG files.")
-@click.option("--results", type=click.Path(path_type=Path), default=Path("docs/results.md"), show_default=True,
-              help="Markdown file whose section for NAME is replaced.")
+              help="Folder for OUT/NAME: runs, CSV and PNG files and the results section (results.md).")
+@click.option("--write-docs", is_flag=True,
+              help="Also publish: replace NAME's section of DOCS/results.md, copy its figures to DOCS/img/ and "
+                   "its runs.csv, curves.csv to DOCS/data/NAME/ (refused with --size tiny). Without it docs/ is "
+                   "never written.")
+@click.option("--docs", type=click.Path(path_type=Path, file_okay=False), default=Path("docs"), show_default=True,
+              help="The documentation folder --write-docs writes.")
 @click.option("--workers", type=click.IntRange(1), default=2, show_default=True,
-              help="paci-study, br-study: runs trained at once (one process and one torch thread each).")
+              help="paci-study, br-study, overhead-study: runs trained at once (one process and one torch "
+                   "thread each).")
 @click.option("--analyze", type=click.Path(path_type=Path, file_okay=False), default=None,
-              help="paci-study, br-study: train nothing; rebuild tables and plots from DIR/runs.csv and "
+              help="paci-study, br-study, overhead-study: train nothing; rebuild tables and plots from DIR/runs.csv and "
                    "DIR/curves.csv (e.g. docs/data/paci-study).")
-def experiment(name: str, size: str, seeds: tuple[int, ...], out: Path, results: Path, workers: int,
+def experiment(name: str, size: str, seeds: tuple[int, ...], out: Path, write_docs: bool, docs: Path, workers: int,
                analyze: Path | None) -> None:
-    """Run experiment NAME: paci-study, br-study, throughput-memory, moe-delay.
+    """Run experiment NAME: paci-study, br-study, overhead-study, throughput-memory, moe-delay.
 
-    paci-study and br-study are resumable sweeps: run the same command again after a stop and
+    Results go to OUT/NAME (results.md, CSV, PNG); docs/ changes only with --write-docs.
+    paci-study, br-study and overhead-study are resumable sweeps: run the same command again after a stop and
     finished runs are skipped."""
     from unbubble.errors import ConfigError
-    from unbubble.experiments import get_experiment, update_results
+    from unbubble.experiments import get_experiment, publish, write_section
     from unbubble.experiments.studies import STUDIES
 
     fn = get_experiment(name)
+    if write_docs and size == "tiny":
+        rebuild = f", or rebuild from --analyze docs/data/{name}" if name in STUDIES else ""
+        raise ConfigError("--write-docs with --size tiny is refused: smoke-test numbers must not replace the "
+                          f"published results (drop --size tiny to train the default size{rebuild})")
     folder = out / name
     if name in STUDIES:
         if analyze is not None and not (analyze / "runs.csv").is_file():
@@ -46,14 +55,12 @@ def experiment(name: str, size: str, seeds: tuple[int, ...], out: Path, results:
         if (folder / "runs").exists() and any((folder / "runs").iterdir()):
             raise ConfigError(f"out={str(folder)!r} already holds runs: choose another --out; nothing was overwritten")
         output = fn(folder, size=size, seeds=list(seeds) or None)
-    markdown = output.markdown
-    img = results.parent / "img"
-    for f in output.files:  # figures travel with the results page
-        if f.suffix == ".png":
-            img.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(f, img / f.name)
-            markdown = markdown.replace(f"]({f.name})", f"](img/{f.name})")
-    update_results(results, name, markdown)
-    for f in output.files:
+    section = write_section(output, folder)
+    for f in [*output.files, section]:
         click.echo(str(f))
-    click.echo(f"{name}: {output.wall_s:.0f} s; section written to {results}")
+    if write_docs:
+        for f in publish(output, docs):
+            click.echo(str(f))
+    where = f"section published to {docs / 'results.md'}" if write_docs else \
+        f"section in {section} (docs/ unchanged: --write-docs publishes it)"
+    click.echo(f"{name}: {output.wall_s:.0f} s; {where}")

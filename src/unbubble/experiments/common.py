@@ -1,4 +1,5 @@
-"""What every experiment shares: running configurations, writing CSV/PNG and docs/results.md."""
+"""What every experiment shares: running configurations, writing CSV/PNG and markdown into the
+experiment's folder, and publishing them into ``docs/`` (only on request: :func:`publish`)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import logging
 import os
 import platform
 import re
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,12 +23,16 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class ExperimentOutput:
-    """Files and the markdown section one experiment produced."""
+    """Files and the markdown section one experiment produced (all of them in its folder)."""
 
     name: str
+    #: the results section; figures are linked by file name (they sit beside it)
     markdown: str
     files: list[Path] = field(default_factory=list)
     wall_s: float = 0.0
+    #: the raw tables the section was computed from (``runs.csv``, ``curves.csv``), published to
+    #: ``docs/data/NAME/`` so that ``--analyze docs/data/NAME`` rebuilds the section
+    data: list[Path] = field(default_factory=list)
 
 
 EXPERIMENTS: dict[str, tuple[str, Callable[..., ExperimentOutput]]] = {}
@@ -115,10 +121,52 @@ def update_results(doc: Path, name: str, markdown: str) -> None:
     """Replaces (or appends) the section of ``name`` in ``docs/results.md``."""
     begin, end = f"<!-- experiment:{name} -->", f"<!-- /experiment:{name} -->"
     block = f"{begin}\n{markdown.strip()}\n{end}"
-    text = doc.read_text() if doc.exists() else "# Results\n\nEach section is written by `unbubble experiment NAME`.\n"
+    text = doc.read_text() if doc.exists() else \
+        "# Results\n\nEach section is written by `unbubble experiment NAME --write-docs`.\n"
     if begin in text:
         text = re.sub(re.escape(begin) + ".*?" + re.escape(end), lambda _: block, text, flags=re.S)
     else:
         text = text.rstrip() + "\n\n" + block + "\n"
     doc.parent.mkdir(parents=True, exist_ok=True)
     doc.write_text(text)
+
+
+#: The file in an experiment's folder that holds its results section.
+SECTION_FILE = "results.md"
+
+
+def write_section(output: ExperimentOutput, folder: Path) -> Path:
+    """Writes ``output``'s markdown to ``folder/results.md``, beside its figures and CSVs."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / SECTION_FILE
+    path.write_text(output.markdown.strip() + "\n")
+    return path
+
+
+def publish(output: ExperimentOutput, docs: Path) -> list[Path]:
+    """Publishes one experiment into the documentation (``unbubble experiment NAME --write-docs``):
+    replaces its section of ``docs/results.md`` (figure links pointed at ``img/``), copies its
+    PNGs to ``docs/img/`` and its raw tables to ``docs/data/NAME/``. Nothing else writes ``docs/``.
+
+    Args:
+        output: what the experiment produced.
+        docs: the documentation folder (``docs``).
+
+    Returns:
+        The files written or replaced.
+    """
+    markdown, written = output.markdown, []
+    for f in output.files:  # figures travel with the results page
+        if f.suffix == ".png":
+            (docs / "img").mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(f, docs / "img" / f.name)
+            written.append(docs / "img" / f.name)
+            markdown = markdown.replace(f"]({f.name})", f"](img/{f.name})")
+    for f in output.data:
+        dest = docs / "data" / output.name / f.name
+        if f.resolve() != dest.resolve():  # --analyze docs/data/NAME reads them in place
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(f, dest)
+            written.append(dest)
+    update_results(docs / "results.md", output.name, markdown)
+    return [docs / "results.md", *written]

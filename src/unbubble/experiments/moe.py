@@ -21,7 +21,7 @@ from typing import Any
 
 from unbubble.experiments.common import ExperimentOutput, experiment, md_table, provenance, write_csv
 from unbubble.experiments.stats import mean_std
-from unbubble.experiments.sweep import SweepSpec, run_sweep, tuned_lrs
+from unbubble.experiments.sweep import SweepSpec, raw_tables, run_sweep, tuned_lrs
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +106,7 @@ def moe_delay(out: Path, size: str = "default", seeds: list[int] | None = None) 
           + _verdict(penalty, deep) + "\n\n"
           + provenance(f"unbubble experiment moe-delay --size {size}", spec.seeds, wall,
                        engine="emulator, 2 runs at once on 1 torch thread each"))
-    return ExperimentOutput("moe-delay", md, files, wall)
+    return ExperimentOutput("moe-delay", md, files, wall, data=raw_tables(out))
 
 
 def _verdict(penalty: dict[tuple[str, str], float], deep: int) -> str:

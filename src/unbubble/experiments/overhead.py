@@ -36,7 +36,7 @@ from unbubble.experiments.common import ExperimentOutput, experiment, figure, md
 from unbubble.experiments.stats import budget_overhead, iso_loss_overhead, mean_std, time_to_target
 from unbubble.experiments.studies import Study
 from unbubble.experiments.study_specs import horizon_spec, overhead_spec
-from unbubble.experiments.sweep import SweepSpec, read_tables, run_sweep, write_tables
+from unbubble.experiments.sweep import SweepSpec, raw_tables, read_tables, run_sweep, write_tables
 from unbubble.sim.extrapolate import SYNCHRONOUS
 
 #: The longer horizon, a multiple of the paci-study tokens.
@@ -337,7 +337,7 @@ def overhead_study(out: Path, size: str = "default", seeds: list[int] | None = N
                        wall if analyze is None else run_wall / workers,
                        engine=f"emulator, {len(data.runs)} runs, {workers} at a time on 1 torch thread each, "
                               f"{run_wall / 3600:.2f} run-hours"))
-    return ExperimentOutput("overhead-study", md, files, wall)
+    return ExperimentOutput("overhead-study", md, files, wall, data=raw_tables(out if analyze is None else analyze))
 
 
 def _horizon_methods(study: Study, h1: dict[str, Any]) -> list[dict[str, Any]]:

@@ -24,7 +24,7 @@ from unbubble.experiments.common import ExperimentOutput, experiment, figure, md
 from unbubble.experiments.stats import (iso_loss_overhead, loss_at, loss_at_fraction, mean_curve, mean_std, rms_std,
                                         slowdown, smooth, time_to_target)
 from unbubble.experiments.study_specs import br_spec, paci_spec
-from unbubble.experiments.sweep import SweepData, SweepSpec, read_tables, run_sweep, tuned_lrs
+from unbubble.experiments.sweep import SweepData, SweepSpec, raw_tables, read_tables, run_sweep, tuned_lrs
 
 
 #: Experiments that are resumable sweeps (``--analyze`` rebuilds them from their CSVs).
@@ -316,7 +316,7 @@ def paci_study(out: Path, size: str = "default", seeds: list[int] | None = None,
           + "![loss](paci_study_loss.png)\n\n![gap vs lr](paci_study_gap_lr.png)\n\n"
             "![time to target](paci_study_time_to_target.png)\n\n"
           + _study_provenance("paci-study", size, spec, data, wall, analyze, workers))
-    return ExperimentOutput("paci-study", md, files, wall)
+    return ExperimentOutput("paci-study", md, files, wall, data=raw_tables(out if analyze is None else analyze))
 
 
 # Basis Rotation study ----------------------------------------------------------------------------
@@ -439,4 +439,4 @@ def br_study(out: Path, size: str = "default", seeds: list[int] | None = None, a
           + md_table(tables["ablation"]) + "\n\n" + (md_table(tables["allocation"]) + "\n\n" if tables["allocation"] else "")
           + "![scaling](br_study_scaling.png)\n\n![ablation](br_study_ablation.png)\n\n"
           + _study_provenance("br-study", size, spec, data, wall, analyze, workers))
-    return ExperimentOutput("br-study", md, files, wall)
+    return ExperimentOutput("br-study", md, files, wall, data=raw_tables(out if analyze is None else analyze))

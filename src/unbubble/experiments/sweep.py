@@ -631,9 +631,14 @@ def _run_all(runs: list[RunSpec], spec: SweepSpec, out: Path, workers: int,
     return [done[r.run_id] for r in runs]
 
 
+def raw_tables(out: Path) -> list[Path]:
+    """``[out/runs.csv, out/curves.csv]``: where :func:`write_tables` writes a sweep's raw data."""
+    return [out / "runs.csv", out / "curves.csv"]
+
+
 def write_tables(records: list[dict[str, Any]], out: Path) -> tuple[Path, Path]:
     """``runs.csv`` (one row per run) and ``curves.csv`` (run_id, kind, update, tokens, loss)."""
-    runs_csv, curves_csv = out / "runs.csv", out / "curves.csv"
+    runs_csv, curves_csv = raw_tables(out)
     with open(runs_csv, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(RUN_COLUMNS))
         w.writeheader()
