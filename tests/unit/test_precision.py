@@ -337,39 +337,45 @@ def test_native_bf16_trusts_pytorch_first(monkeypatch):
 
 @pytest.mark.parametrize("precision", ["bf16", "bf16-autocast"])
 @pytest.mark.parametrize("engine", ["emulator", "processes"])
-def test_bf16_on_a_cpu_that_emulates_it_warns_once_with_the_fix(precision, engine, monkeypatch, caplog):
+def test_bf16_on_a_cpu_that_emulates_it_warns_once_with_the_fix(precision, engine, monkeypatch):
     """The decision with both answers of the (monkeypatched) CPU check, and where the stages run."""
     import logging
     import types
 
     from unbubble import train as train_mod
 
-    monkeypatch.setattr(logging.getLogger("unbubble"), "propagate", True)  # a CLI test before may have cut it
+    warning = (f"precision={precision!r} on a CPU without native bf16 (no avx512_bf16/amx_bf16/bf16 flag): expect "
+               "4–7× fewer tokens/s than fp32 (emulated bf16); use --precision fp32 here, or bf16 on a GPU")
+
+    class Lines(logging.Handler):  # on the train logger itself: whatever handlers other tests left upstream
+        def __init__(self):
+            super().__init__(logging.WARNING)
+            self.lines = []
+
+        def emit(self, record):
+            self.lines.append(record.getMessage())
+
+    def warnings(*calls):
+        handler, logger = Lines(), logging.getLogger("unbubble.train")
+        logger.addHandler(handler)
+        try:
+            for c, j in calls:
+                train_mod.warn_if_bf16_is_emulated(c, j)
+        finally:
+            logger.removeHandler(handler)
+        return handler.lines
+
     cfg = TrainConfig(precision=precision, engine=engine)
     job = types.SimpleNamespace(dp=1, schedule=types.SimpleNamespace(n_ranks=cfg.stages))
     monkeypatch.setattr(train_mod, "choose_backend", lambda local: "gloo")  # no GPU per process
     for native in (False, True):
         monkeypatch.setattr(train_mod, "cpu_has_native_bf16", lambda native=native: native)
-        caplog.clear()
-        with caplog.at_level("WARNING", logger="unbubble"):
-            train_mod.warn_if_bf16_is_emulated(cfg, job)
-        lines = [r.getMessage() for r in caplog.records]
-        if native:
-            assert lines == []
-        else:
-            assert lines == [f"precision={precision!r} on a CPU without native bf16 (no avx512_bf16/amx_bf16/bf16 "
-                             "flag): expect 4–7× fewer tokens/s than fp32 (emulated bf16); use --precision fp32 "
-                             "here, or bf16 on a GPU"]
+        assert warnings((cfg, job)) == ([] if native else [warning])
     # fp32 never warns; processes on one GPU each (NCCL) never warn, whatever the CPU
     monkeypatch.setattr(train_mod, "cpu_has_native_bf16", lambda: False)
-    caplog.clear()
-    with caplog.at_level("WARNING", logger="unbubble"):
-        train_mod.warn_if_bf16_is_emulated(dataclasses.replace(cfg, precision="fp32"), job)
-        monkeypatch.setattr(train_mod, "choose_backend", lambda local: "nccl")
-        train_mod.warn_if_bf16_is_emulated(cfg, job)
-    assert [r.getMessage() for r in caplog.records] == ([] if engine == "processes" else [
-        f"precision={precision!r} on a CPU without native bf16 (no avx512_bf16/amx_bf16/bf16 flag): expect 4–7× "
-        "fewer tokens/s than fp32 (emulated bf16); use --precision fp32 here, or bf16 on a GPU"])
+    assert warnings((dataclasses.replace(cfg, precision="fp32"), job)) == []
+    monkeypatch.setattr(train_mod, "choose_backend", lambda local: "nccl")
+    assert warnings((cfg, job)) == ([] if engine == "processes" else [warning])
 
 
 def test_slow_bf16_warning_decision():
