@@ -30,6 +30,7 @@ from unbubble.errors import ScheduleError
 from unbubble.schedules.actions import Action, format_order
 from unbubble.schedules.policy import ListPolicy, PaciPolicy, RankView, StageState
 from unbubble.schedules.registry import Schedule
+from unbubble.sim import kernel
 from unbubble.sim.costs import KIND_INDEX, KINDS
 
 _F, _B, _I, _W, _U = range(5)
@@ -264,7 +265,8 @@ def run_policies(schedule: Schedule, costs: CostModel, execute: Execute | None =
     stashed = getattr(schedule, "backward_weights", "current") == "stashed"
     if (fast and execute is None and table is not None and n_ranks == n
             and all(type(p) in (ListPolicy, PaciPolicy) for p in pols)):
-        rows, views, stage_lists = _run_fast(n, schedule.total_mb, pols, table, noise, fdelay, bdelay, stashed)
+        run = _run_compiled if kernel.compiled() is not None else _run_fast
+        rows, views, stage_lists = run(n, schedule.total_mb, pols, table, noise, fdelay, bdelay, stashed)
         trace = Trace._from_rows(n, n_ranks, rows, stage_lists=stage_lists)
         states = views
     else:
@@ -478,5 +480,22 @@ def _run_fast(n, total, pols, table, noise, fdelay, bdelay, stashed):
     states = [StageState(s, n, total, fwd_ready=fwd_ready[s], bwd_ready=bwd_ready[s], in_flight=in_flight[s],
                          bwd_since_update=bsu[s], version=version[s], n_fwd=n_fwd[s], n_bwd=n_bwd[s],
                          n_actions=n_act[s]) for s in range(n)]
+    stage_lists = [None if is_paci[s] else pols[s].actions for s in range(n)]
+    return rows, states, stage_lists
+
+
+def _run_compiled(n, total, pols, table, noise, fdelay, bdelay, stashed):
+    """``_run_fast`` on the compiled kernel ([Note: compiled engine] in ``sim/kernel.py``); falls back
+    to ``_run_fast`` when the noise is not the built-in sampler."""
+    is_paci = [type(p) is PaciPolicy for p in pols]
+    args = kernel.prepare(n, total, pols, is_paci, table, noise, fdelay, bdelay, stashed)
+    if args is None:
+        return _run_fast(n, total, pols, table, noise, fdelay, bdelay, stashed)
+    nr, *cols, in_flight, bsu, version, n_fwd, n_bwd, n_act, fr, br = kernel.compiled()(*args)
+    rows = list(zip(*(c[:nr].tolist() for c in cols)))
+    states = [StageState(s, n, total, fwd_ready=set(fr[s].nonzero()[0].tolist()),
+                         bwd_ready=set(br[s].nonzero()[0].tolist()), in_flight=int(in_flight[s]),
+                         bwd_since_update=int(bsu[s]), version=int(version[s]), n_fwd=int(n_fwd[s]),
+                         n_bwd=int(n_bwd[s]), n_actions=int(n_act[s])) for s in range(n)]
     stage_lists = [None if is_paci[s] else pols[s].actions for s in range(n)]
     return rows, states, stage_lists
