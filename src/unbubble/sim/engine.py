@@ -26,6 +26,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Iterator, Protocol
 
+import numpy as np
+
 from unbubble.errors import ScheduleError
 from unbubble.schedules.actions import Action, format_order
 from unbubble.schedules.policy import ListPolicy, PaciPolicy, RankView, StageState
@@ -82,10 +84,12 @@ Row = tuple[int, int, int, float, float, int, int]
 class Trace:
     """Everything a run did, in start order.
 
-    The simulator stores its records compactly (one :data:`Row` per action) and builds the
+    The simulator stores its records compactly (one :data:`Row` per action, or the compiled
+    kernel's seven numpy columns, turned into rows when first iterated) and builds the
     :class:`ActionRecord` list only when ``records`` is first read; engines that measure real
     runs append ``ActionRecord`` objects to ``records`` directly. Every analysis below is one
-    pass over :meth:`rows`, which serves either form.
+    pass over :meth:`rows`, which serves either form; ``makespan`` and ``busy_per_rank`` read the
+    columns directly when there are columns (same values: a max, and per-rank sums in row order).
 
     Args:
         n_stages: pipeline stages (N·v when interleaved).
@@ -100,6 +104,7 @@ class Trace:
         self._rows: list[Row] | None = None
         self._actions: list[Action] | None = None  # one per row, or None
         self._stage_lists: list[list[Action] | None] | None = None  # per stage, in execution order
+        self._cols: tuple | None = None  # (stage, kind, mb, start_s, end_s, version, weights) numpy columns
 
     @classmethod
     def _from_rows(cls, n_stages: int, n_ranks: int | None, rows: list[Row], actions: list[Action] | None = None,
@@ -107,6 +112,18 @@ class Trace:
         t = cls(n_stages, n_ranks=n_ranks)
         t._records, t._rows, t._actions, t._stage_lists = None, rows, actions, stage_lists
         return t
+
+    @classmethod
+    def _from_columns(cls, n_stages: int, n_ranks: int | None, cols: tuple,
+                      stage_lists: list[list[Action] | None] | None = None) -> "Trace":
+        t = cls._from_rows(n_stages, n_ranks, None, stage_lists=stage_lists)  # type: ignore[arg-type]
+        t._cols = cols
+        return t
+
+    def _materialize(self) -> None:
+        """Builds the row tuples from the columns (once)."""
+        if self._rows is None and self._records is None and self._cols is not None:
+            self._rows = list(zip(*(c.tolist() for c in self._cols)))
 
     @property
     def ranks(self) -> int:
@@ -117,6 +134,7 @@ class Trace:
     def records(self) -> list[ActionRecord]:
         """Executed actions in start order (a list engines may append to)."""
         if self._records is None:
+            self._materialize()
             rows, acts, lists = self._rows, self._actions, self._stage_lists
             made: dict[tuple[int, int, int], Action] = {}
             count = [0] * self.n_stages
@@ -132,11 +150,12 @@ class Trace:
                     if act is None:
                         act = made[(s, k, mb)] = Action(s, KINDS[k], None if mb < 0 else mb)
                 out.append(ActionRecord(act, start, end, ver, w))
-            self._records, self._rows, self._actions, self._stage_lists = out, None, None, None
+            self._records, self._rows, self._actions, self._stage_lists, self._cols = out, None, None, None, None
         return self._records
 
     def rows(self) -> Iterator[Row]:
         """One :data:`Row` per action, in start order (kind indices as in ``costs.KIND_INDEX``)."""
+        self._materialize()
         if self._rows is not None:
             return iter(self._rows)
         kidx = KIND_INDEX
@@ -144,6 +163,8 @@ class Trace:
                  r.start, r.end, r.version, r.weights_version) for r in self._records)
 
     def __len__(self) -> int:
+        if self._cols is not None and self._records is None:
+            return len(self._cols[0])
         return len(self._rows) if self._rows is not None else len(self._records)
 
     def order(self) -> list[list[Action]]:
@@ -156,12 +177,17 @@ class Trace:
     @property
     def makespan(self) -> float:
         """Seconds from time 0 to the last end."""
+        if self._cols is not None and self._records is None:
+            return float(self._cols[4].max()) if len(self._cols[4]) else 0.0
         return max((r[4] for r in self.rows()), default=0.0)
 
     def busy_per_rank(self) -> list[float]:
         """Seconds each rank spent executing actions."""
-        busy = [0.0] * self.ranks
         nr = self.ranks
+        if self._cols is not None and self._records is None:  # bincount adds in row order, as the loop below
+            s, _, _, start, end = self._cols[:5]
+            return np.bincount(s % nr, weights=end - start, minlength=nr).tolist()
+        busy = [0.0] * self.ranks
         for s, _, _, start, end, _, _ in self.rows():
             busy[s % nr] += end - start
         return busy
@@ -265,9 +291,13 @@ def run_policies(schedule: Schedule, costs: CostModel, execute: Execute | None =
     stashed = getattr(schedule, "backward_weights", "current") == "stashed"
     if (fast and execute is None and table is not None and n_ranks == n
             and all(type(p) in (ListPolicy, PaciPolicy) for p in pols)):
-        run = _run_compiled if kernel.compiled() is not None else _run_fast
-        rows, views, stage_lists = run(n, schedule.total_mb, pols, table, noise, fdelay, bdelay, stashed)
-        trace = Trace._from_rows(n, n_ranks, rows, stage_lists=stage_lists)
+        out = _run_compiled(n, schedule.total_mb, pols, table, noise, fdelay, bdelay, stashed)
+        if out is not None:
+            cols, views, stage_lists = out
+            trace = Trace._from_columns(n, n_ranks, cols, stage_lists=stage_lists)
+        else:
+            rows, views, stage_lists = _run_fast(n, schedule.total_mb, pols, table, noise, fdelay, bdelay, stashed)
+            trace = Trace._from_rows(n, n_ranks, rows, stage_lists=stage_lists)
         states = views
     else:
         rows, actions, states, views = _run_reference(schedule, pols, costs, table, noise, fdelay, bdelay,
@@ -485,17 +515,21 @@ def _run_fast(n, total, pols, table, noise, fdelay, bdelay, stashed):
 
 
 def _run_compiled(n, total, pols, table, noise, fdelay, bdelay, stashed):
-    """``_run_fast`` on the compiled kernel ([Note: compiled engine] in ``sim/kernel.py``); falls back
-    to ``_run_fast`` when the noise is not the built-in sampler."""
+    """``_run_fast`` on the compiled kernel ([Note: compiled engine] in ``sim/kernel.py``): the trace's
+    seven columns, the final states and the action lists; ``None`` without the kernel (no numba, or
+    ``UNBUBBLE_SIM_NUMBA=0``) or when the noise is not the built-in sampler."""
+    run = kernel.compiled()
+    if run is None:
+        return None
     is_paci = [type(p) is PaciPolicy for p in pols]
     args = kernel.prepare(n, total, pols, is_paci, table, noise, fdelay, bdelay, stashed)
     if args is None:
-        return _run_fast(n, total, pols, table, noise, fdelay, bdelay, stashed)
-    nr, *cols, in_flight, bsu, version, n_fwd, n_bwd, n_act, fr, br = kernel.compiled()(*args)
-    rows = list(zip(*(c[:nr].tolist() for c in cols)))
+        return None
+    nr, *cols, in_flight, bsu, version, n_fwd, n_bwd, n_act, fr, br = run(*args)
+    cols = tuple(c[:nr] for c in cols)
     states = [StageState(s, n, total, fwd_ready=set(fr[s].nonzero()[0].tolist()),
                          bwd_ready=set(br[s].nonzero()[0].tolist()), in_flight=int(in_flight[s]),
                          bwd_since_update=int(bsu[s]), version=int(version[s]), n_fwd=int(n_fwd[s]),
                          n_bwd=int(n_bwd[s]), n_actions=int(n_act[s])) for s in range(n)]
     stage_lists = [None if is_paci[s] else pols[s].actions for s in range(n)]
-    return rows, states, stage_lists
+    return cols, states, stage_lists
