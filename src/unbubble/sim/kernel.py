@@ -1,6 +1,6 @@
 """The engine's fast path on flat arrays, compiled with numba when it is installed.
 
-[Note: compiled engine] ``run_kernel`` is ``engine._run_fast`` written on integer and float
+[Note: compiled engine] ``_kernel`` is ``engine._run_fast`` written on integer and float
 arrays only: action lists become ``(kind, mb)`` arrays with per-stage offsets, the ready sets
 become per-stage bitmaps (with a count and a lower bound, so PACI's ``min(bwd_ready)`` is a
 short scan), message queues become flat ring slices, the wake-ups a binary heap of
@@ -16,9 +16,12 @@ The same source runs compiled (``numba.njit``, the ``fast`` extra: ``pip install
 or as plain Python (``_kernel``, used by the tests without numba; slower than ``_run_fast``, so the
 engine falls back to ``_run_fast`` instead). ``UNBUBBLE_SIM_NUMBA=0`` forces the fallback.
 
-Cost: about 0.05 µs per action compiled, plus ~0.1 µs per action to convert the action lists to
-arrays and the result back to row tuples (``benchmarks/bench_sim.py``); the first call in a
-process loads the compiled code from numba's cache (or compiles it, a few seconds, once).
+Cost: about 0.1 µs per action compiled, plus ~0.07 µs per action of a static list to turn its
+``Action`` objects into arrays; the trace keeps the kernel's numpy columns and builds row tuples
+only when something iterates them (~0.2 µs per action). The first call in a process loads the
+compiled code from numba's cache in ``__pycache__`` (about 0.3 s) or compiles it (about 5 s, once
+per installation). Memory: two ``uint8`` bitmaps of N × micro-batches (plus an ``int64`` one
+when stashing) and about 70 bytes per action.
 """
 
 from __future__ import annotations
@@ -257,7 +260,12 @@ _COMPILED = None  # the jitted kernel once built; False when numba is missing
 
 
 def compiled():
-    """The numba-compiled kernel, or ``None`` without numba or with ``UNBUBBLE_SIM_NUMBA=0``."""
+    """The numba-compiled kernel, built on first use.
+
+    Returns:
+        The jitted ``_kernel``, or ``None`` when numba is not installed (install the ``fast``
+        extra) or the environment sets ``UNBUBBLE_SIM_NUMBA=0`` (read at every call).
+    """
     global _COMPILED, _push, _pop
     if os.environ.get("UNBUBBLE_SIM_NUMBA", "1") == "0":
         return None
@@ -274,19 +282,27 @@ def compiled():
 
 
 def _program(pol) -> tuple[list[int], list[int]]:
-    """A ``ListPolicy``'s actions as (kind indices, mbs with −1 for U), cached on the policy."""
-    cached = getattr(pol, "_kernel_program", None)
-    acts = pol.actions
-    if cached is not None and cached[0] is acts and cached[1] == len(acts):
-        return cached[2]
+    """A ``ListPolicy``'s actions as (kind indices, mbs with −1 for U)."""
     kidx = KIND_INDEX
-    prog = ([kidx[a.kind] for a in acts], [-1 if a.mb is None else a.mb for a in acts])
-    pol._kernel_program = (acts, len(acts), prog)
-    return prog
+    acts = pol.actions
+    return [kidx[a.kind] for a in acts], [-1 if a.mb is None else a.mb for a in acts]
 
 
 def prepare(n, total, pols, is_paci, table, noise, fdelay, bdelay, stashed):
-    """The kernel's arguments for one run, or ``None`` when the noise is not a known sampler."""
+    """The kernel's arguments for one run ([Note: compiled engine]).
+
+    Args:
+        n: stages (one per rank). total: micro-batches of the run.
+        pols: per-stage ``ListPolicy`` or ``PaciPolicy``; ``is_paci[s]`` tells which.
+        table: ``(n, 5)`` mean durations in seconds, kinds in ``KIND_INDEX`` order.
+        noise: ``None`` or a fresh sampler from ``PipelineCosts.noise``.
+        fdelay, bdelay: per-stage send latency (s) of activations to s + 1 and gradients to s − 1.
+        stashed: backwards use their forward's weight version.
+
+    Returns:
+        The positional arguments of ``_kernel``, or ``None`` when ``noise`` is some other callable
+        (its draws cannot be taken ahead; the engine then runs ``_run_fast``).
+    """
     if noise is not None and not isinstance(noise, _Sampler):
         return None
     kinds: list[int] = []
