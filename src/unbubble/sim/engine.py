@@ -37,7 +37,7 @@ from unbubble.schedules.actions import Action, format_order
 from unbubble.schedules.policy import ListPolicy, PaciPolicy, RankView, StageState
 from unbubble.schedules.registry import Schedule
 from unbubble.sim import kernel
-from unbubble.sim.costs import KIND_INDEX, KINDS
+from unbubble.sim.costs import KIND_INDEX, KINDS, _Sampler
 
 _F, _B, _I, _W, _U = range(5)
 
@@ -407,6 +407,11 @@ def _run_fast(n, total, pols, table, noise, fdelay, bdelay, stashed):
     fin: list[deque] = [deque() for _ in range(n)]  # (arrival_s, mb) of activations, arrival order
     bin_: list[deque] = [deque() for _ in range(n)]  # (arrival_s, mb) of gradients
     fv: dict[tuple[int, int], int] = {}  # (stage, mb) -> v_F, kept only when backwards use stashed weights
+    fac = None  # the sampler's jitter factors drawn ahead ([Note: compiled engine]), read in place of noise()
+    if isinstance(noise, _Sampler) and noise.sigma:
+        counts = kernel.action_counts(total, pols, [None if is_paci[s] else [k for k, _ in kmb[s]] for s in range(n)])
+        factors, offsets = noise.draws(counts)
+        fac, pos, slow = factors.tolist(), offsets[:-1].tolist(), noise.slow
     busy = [0.0] * n
     last = n - 1
     rows: list[Row] = []
@@ -454,7 +459,17 @@ def _run_fast(n, total, pols, table, noise, fdelay, bdelay, stashed):
                     elif k == _B or k == _I:
                         if mb not in br:
                             break
-                end = t + (table[s][k] if noise is None else noise(s, k, t))
+                if fac is None:
+                    end = t + (table[s][k] if noise is None else noise(s, k, t))
+                else:  # _Sampler.__call__ inlined, the same arithmetic
+                    i = pos[5 * s + k]
+                    pos[5 * s + k] = i + 1
+                    d = table[s][k] * fac[i]
+                    if slow[s]:
+                        for st in slow[s]:
+                            if st.start_s <= t < st.end_s:
+                                d *= st.slowdown
+                    end = t + d
                 v = version[s]
                 if not stashed or k == _U:
                     row((s, k, mb, t, end, v, v))

@@ -288,6 +288,20 @@ def _program(pol) -> tuple[list[int], list[int]]:
     return [kidx[a.kind] for a in acts], [-1 if a.mb is None else a.mb for a in acts]
 
 
+def action_counts(total: int, pols, lists: list[list[int] | None]) -> np.ndarray:
+    """Actions of each kind per stage, ``(n, 5)`` in ``KIND_INDEX`` order: a ``ListPolicy``'s kind
+    indices counted from ``lists[s]``, a ``PaciPolicy`` (``lists[s] is None``) bounded from above by
+    ``total`` F and B and ``total // a`` U (a run that deadlocks does fewer)."""
+    counts = np.zeros((len(pols), 5), np.int64)
+    for s, (p, k) in enumerate(zip(pols, lists)):
+        if k is None:
+            counts[s, _F] = counts[s, _B] = total
+            counts[s, _U] = total // p.a if p.a > 0 else 0
+        elif k:
+            counts[s] = np.bincount(np.asarray(k, np.int64), minlength=5)[:5]
+    return counts
+
+
 def prepare(n, total, pols, is_paci, table, noise, fdelay, bdelay, stashed):
     """The kernel's arguments for one run ([Note: compiled engine]).
 
@@ -308,23 +322,23 @@ def prepare(n, total, pols, is_paci, table, noise, fdelay, bdelay, stashed):
     kinds: list[int] = []
     mbs: list[int] = []
     off = [0]
-    counts = np.zeros((n, 5), np.int64)  # actions of each kind per stage (upper bounds for PACI)
     acc = np.zeros(n, np.int64)
     cap = np.zeros(n, np.int64)
     max_mb = total - 1
+    lists: list[list[int] | None] = []
     for s, p in enumerate(pols):
         if is_paci[s]:
             acc[s], cap[s] = p.a, p.cap
-            counts[s, _F] = counts[s, _B] = total
-            counts[s, _U] = total // p.a if p.a > 0 else 0
+            lists.append(None)
         else:
             k, m = _program(p)
             kinds += k
             mbs += m
+            lists.append(k)
             if m:
-                counts[s] = np.bincount(np.asarray(k, np.int64), minlength=5)[:5]
                 max_mb = max(max_mb, max(m))
         off.append(len(kinds))
+    counts = action_counts(total, pols, lists)
     max_rows = int(counts.sum())
     # messages into stage s: forwards of s − 1 (activations) and backwards of s + 1 (gradients)
     f_in = np.zeros(n, np.int64)
