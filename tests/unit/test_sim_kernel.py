@@ -70,7 +70,7 @@ def _summary(trace, spec, stashed):
 
 def _cases():
     rng = random.Random(20)
-    for case in range(40):
+    for case in range(80):
         sched = _random_schedule(rng)
         costs = _random_costs(rng, sched.n_stages)
         replay = rng.random() < 0.3  # replay the order another cost model produced (any valid order)

@@ -109,6 +109,7 @@ class Trace:
         self._actions: list[Action] | None = None  # one per row, or None
         self._stage_lists: list[list[Action] | None] | None = None  # per stage, in execution order
         self._cols: tuple | None = None  # (stage, kind, mb, start_s, end_s, version, weights) numpy columns
+        self._bwd_cols: tuple | None = None  # _backward_columns() once computed (() = not applicable)
 
     @classmethod
     def _from_rows(cls, n_stages: int, n_ranks: int | None, rows: list[Row], actions: list[Action] | None = None,
@@ -205,8 +206,46 @@ class Trace:
         span = self.makespan or 1.0
         return [b / span for b in self.busy_per_rank()]
 
+    def columns(self) -> tuple | None:
+        """The seven :data:`Row` fields as numpy arrays (int64, float64 for the times), when the trace
+        came from the compiled kernel and nothing has turned it into records; else ``None``."""
+        return self._cols if self._records is None else None
+
+    def _backward_columns(self):
+        """Column traces only: ``(stage, mb, v_F, version, weights)`` of every B/I row in row order,
+        or ``None`` (no columns, or not exactly one earlier F per backward: the row loops decide)."""
+        cols = self.columns()
+        if cols is None:
+            return None
+        if self._bwd_cols is not None:
+            return self._bwd_cols or None
+        s, k, mb, _, _, ver, w = cols
+        isf, isb = k == _F, (k == _B) | (k == _I)
+        size = self.n_stages * (int(mb.max()) + 1 if len(mb) else 1)
+        key = s * (size // self.n_stages) + mb
+        kf, kb = key[isf], key[isb]
+        first = np.full(size, len(k), np.int64)
+        first[kf] = np.flatnonzero(isf)
+        if (len(kf) and np.bincount(kf, minlength=size).max() > 1 or len(kb) and np.bincount(kb, minlength=size).max() > 1
+                or (first[kb] > np.flatnonzero(isb)).any()):
+            self._bwd_cols = ()
+            return None
+        vf = np.zeros(size, np.int64)
+        vf[kf] = ver[isf]
+        self._bwd_cols = (s[isb], mb[isb], vf[kb], ver[isb], w[isb])
+        return self._bwd_cols
+
+    def _per_stage_max(self, stage, values) -> list[int]:
+        out = np.zeros(self.n_stages, np.int64)
+        np.maximum.at(out, stage, values)
+        return out.tolist()
+
     def versions(self) -> dict[tuple[int, int], tuple[int, int]]:
         """``(stage, mb) -> (v_F, v_B)``: the weight versions its forward and backward (B or I) used."""
+        bc = self._backward_columns()
+        if bc is not None:
+            s, mb, vf, _, w = (c.tolist() for c in bc)
+            return dict(zip(zip(s, mb), zip(vf, w)))
         fwd: dict[tuple[int, int], int] = {}
         out: dict[tuple[int, int], tuple[int, int]] = {}
         for s, k, mb, _, _, ver, w in self.rows():
@@ -218,11 +257,19 @@ class Trace:
 
     def drift(self) -> dict[tuple[int, int], int]:
         """``(stage, mb) -> Δ = v_B − v_F`` (DESIGN §1)."""
+        bc = self._backward_columns()
+        if bc is not None:
+            s, mb, vf, _, w = bc
+            return dict(zip(zip(s.tolist(), mb.tolist()), (w - vf).tolist()))
         return {key: vb - vf for key, (vf, vb) in self.versions().items()}
 
     def delays(self) -> dict[tuple[int, int], int]:
         """``(stage, mb) -> τ``: updates between the version its gradient was computed on
         (v_F) and the stage's version when the gradient was produced (then applied)."""
+        bc = self._backward_columns()
+        if bc is not None:
+            s, mb, vf, ver, _ = bc
+            return dict(zip(zip(s.tolist(), mb.tolist()), (ver - vf).tolist()))
         fwd: dict[tuple[int, int], int] = {}
         out: dict[tuple[int, int], int] = {}
         for s, k, mb, _, _, ver, _ in self.rows():
@@ -234,6 +281,9 @@ class Trace:
 
     def max_delay(self) -> list[int]:
         """Largest τ per stage."""
+        bc = self._backward_columns()
+        if bc is not None:
+            return self._per_stage_max(bc[0], bc[3] - bc[2])
         out = [0] * self.n_stages
         for (stage, _), d in self.delays().items():
             if d > out[stage]:
@@ -242,6 +292,9 @@ class Trace:
 
     def max_drift(self) -> list[int]:
         """Largest Δ seen on each stage."""
+        bc = self._backward_columns()
+        if bc is not None:
+            return self._per_stage_max(bc[0], bc[4] - bc[2])
         out = [0] * self.n_stages
         for (stage, _), d in self.drift().items():
             if d > out[stage]:
@@ -249,8 +302,23 @@ class Trace:
         return out
 
     def drift_histogram(self) -> list[dict[int, int]]:
-        """Per stage, ``{Δ: number of micro-batches with that drift}``."""
+        """Per stage, ``{Δ: number of micro-batches with that drift}`` (keys in order of first occurrence)."""
         out: list[dict[int, int]] = [{} for _ in range(self.n_stages)]
+        bc = self._backward_columns()
+        if bc is not None:
+            s, d = bc[0], bc[4] - bc[2]
+            if len(d):
+                lo = int(d.min())
+                width = int(d.max()) - lo + 1
+                key = s * width + (d - lo)
+                counts = np.bincount(key, minlength=self.n_stages * width)
+                first = np.full(len(counts), len(key), np.int64)
+                np.minimum.at(first, key, np.arange(len(key)))
+                present = np.flatnonzero(counts)
+                for j in present[np.argsort(first[present], kind="stable")].tolist():
+                    stage, x = divmod(j, width)
+                    out[stage][x + lo] = int(counts[j])
+            return out
         for (stage, _), d in self.drift().items():
             out[stage][d] = out[stage].get(d, 0) + 1
         return out
