@@ -613,11 +613,11 @@ def _run_compiled(n, total, pols, table, noise, fdelay, bdelay, stashed):
     args = kernel.prepare(n, total, pols, is_paci, table, noise, fdelay, bdelay, stashed)
     if args is None:
         return None
-    nr, *cols, in_flight, bsu, version, n_fwd, n_bwd, n_act, fr, br = run(*args)
-    cols = tuple(c[:nr] for c in cols)
+    nr, ri, rf, state, fr, br = run(*args)
+    cols = (ri[0, :nr], ri[1, :nr], ri[2, :nr], rf[0, :nr], rf[1, :nr], ri[3, :nr], ri[4, :nr])
     states = [StageState(s, n, total, fwd_ready=set(fr[s].nonzero()[0].tolist()),
-                         bwd_ready=set(br[s].nonzero()[0].tolist()), in_flight=int(in_flight[s]),
-                         bwd_since_update=int(bsu[s]), version=int(version[s]), n_fwd=int(n_fwd[s]),
-                         n_bwd=int(n_bwd[s]), n_actions=int(n_act[s])) for s in range(n)]
+                         bwd_ready=set(br[s].nonzero()[0].tolist()), in_flight=q, bwd_since_update=bsu,
+                         version=v, n_fwd=nf, n_bwd=nb, n_actions=na)
+              for s, (q, bsu, v, nf, nb, na) in enumerate(zip(*state.tolist()))]
     stage_lists = [None if is_paci[s] else pols[s].actions for s in range(n)]
     return cols, states, stage_lists

@@ -73,24 +73,16 @@ def _kernel(n, total, is_paci, acc, cap, prog_kind, prog_mb, prog_off, table, ha
             fq_off, bq_off):
     """One run; see [Note: compiled engine]. Arrays are int64 / float64, ``table`` is (n, 5) seconds.
 
-    Returns the row columns (stage, kind, mb, start_s, end_s, version, weights version) with the
-    number of rows, and the final per-stage state (in_flight, bwd_since_update, version, n_fwd,
-    n_bwd, n_actions, fwd_ready and bwd_ready bitmaps, undelivered message queues).
+    Returns ``(nr, ri, rf, state, fwd_ready, bwd_ready)``: the number of rows; their integer columns
+    ``ri`` (stage, kind, mb, version, weights version) and times ``rf`` (start_s, end_s), valid up to
+    ``nr``; the final per-stage ``state`` rows (in_flight, bwd_since_update, version, n_fwd, n_bwd,
+    n_actions); the ready sets as ``(n, mb_cap)`` bitmaps.
     """
-    r_s = np.empty(max_rows, np.int64)
-    r_k = np.empty(max_rows, np.int64)
-    r_mb = np.empty(max_rows, np.int64)
-    r_t = np.empty(max_rows, np.float64)
-    r_e = np.empty(max_rows, np.float64)
-    r_v = np.empty(max_rows, np.int64)
-    r_w = np.empty(max_rows, np.int64)
+    ri = np.empty((5, max_rows), np.int64)  # rows: stage, kind, mb, version, weights version
+    rf = np.empty((2, max_rows), np.float64)  # rows: start_s, end_s
     nr = 0
-    in_flight = np.zeros(n, np.int64)
-    bsu = np.zeros(n, np.int64)
-    version = np.zeros(n, np.int64)
-    n_fwd = np.zeros(n, np.int64)
-    n_bwd = np.zeros(n, np.int64)
-    n_act = np.zeros(n, np.int64)
+    state = np.zeros((6, n), np.int64)
+    in_flight, bsu, version, n_fwd, n_bwd, n_act = state[0], state[1], state[2], state[3], state[4], state[5]
     used = np.zeros(n * 5, np.int64)
     fr = np.zeros((n, mb_cap), np.uint8)
     br = np.zeros((n, mb_cap), np.uint8)
@@ -190,13 +182,8 @@ def _kernel(n, total, is_paci, acc, cap, prog_kind, prog_mb, prog_off, table, ha
                     fv[s, mb] = v
                 elif k != _U:
                     w = fv[s, mb]
-            r_s[nr] = s
-            r_k[nr] = k
-            r_mb[nr] = mb
-            r_t[nr] = t
-            r_e[nr] = end
-            r_v[nr] = v
-            r_w[nr] = w
+            ri[0, nr], ri[1, nr], ri[2, nr], ri[3, nr], ri[4, nr] = s, k, mb, v, w
+            rf[0, nr], rf[1, nr] = t, end
             nr += 1
             busy[s] = end
             n_act[s] += 1
@@ -253,7 +240,7 @@ def _kernel(n, total, is_paci, acc, cap, prog_kind, prog_mb, prog_off, table, ha
             if not again:
                 break
             t = end
-    return (nr, r_s, r_k, r_mb, r_t, r_e, r_v, r_w, in_flight, bsu, version, n_fwd, n_bwd, n_act, fr, br)
+    return nr, ri, rf, state, fr, br
 
 
 _COMPILED = None  # the jitted kernel once built; False when numba is missing
