@@ -351,9 +351,9 @@ def run_policies(schedule: Schedule, costs: CostModel, execute: Execute | None =
             shows each stuck stage's state and the actions executed so far.
         ConfigError: the cost model does not fit the schedule (e.g. another stage count).
 
-    Cost (``benchmarks/bench_sim.py``, N = 32): 0.15–0.25 µs per action on the compiled kernel
-    (numba, the ``fast`` extra), 0.7–1.9 µs on the pure-Python fast path and 2–4 µs on the
-    reference path; the higher ends with jittered costs.
+    Cost (``benchmarks/bench_sim.py``, N = 32, 10,000 micro-batches, CPU time): 0.14–0.25 µs per
+    action on the compiled kernel (numba, the ``fast`` extra), 0.65–1.7 µs on the pure-Python fast
+    path and 2–4 µs on the reference path; the higher ends of the fast paths with jittered costs.
     """
     n, n_ranks = schedule.n_stages, schedule.n_ranks
     pols = policies if policies is not None else [schedule.policy(r) for r in range(n_ranks)]

@@ -20,7 +20,7 @@ Cost: about 0.1 µs per action compiled, plus ~0.07 µs per action of a static l
 ``Action`` objects into arrays; the trace keeps the kernel's numpy columns and builds row tuples
 only when something iterates them (~0.2 µs per action). The first call in a process loads the
 compiled code from numba's cache in ``__pycache__`` (about 0.3 s) or compiles it (about 5 s, once
-per installation). Memory: two ``uint8`` bitmaps of N × micro-batches (plus an ``int64`` one
+per installation). Memory: two ``uint8`` bitmaps of N × micro-batches (plus an ``int32`` array
 when stashing) and about 70 bytes per action.
 """
 
@@ -88,7 +88,7 @@ def _kernel(n, total, is_paci, acc, cap, prog_kind, prog_mb, prog_off, table, ha
     br = np.zeros((n, mb_cap), np.uint8)
     br_cnt = np.zeros(n, np.int64)
     br_lo = np.zeros(n, np.int64)  # no mb below it is in br (a lower bound of min(br))
-    fv = np.zeros((n, mb_cap), np.int64) if stashed else np.zeros((1, 1), np.int64)
+    fv = np.zeros((n, mb_cap), np.int32) if stashed else np.zeros((1, 1), np.int32)  # v_F per (stage, mb)
     busy = np.zeros(n, np.float64)
     # message queues of stage s: slots fq_off[s] .. fq_off[s + 1], head and tail counted from fq_off[s]
     fq_t = np.empty(fq_off[n], np.float64)
