@@ -3,18 +3,23 @@
 [Note: compiled engine] ``_kernel`` is ``engine._run_fast`` written on integer and float
 arrays only: action lists become ``(kind, mb)`` arrays with per-stage offsets, the ready sets
 become per-stage bitmaps (with a count and a lower bound, so PACI's ``min(bwd_ready)`` is a
-short scan), message queues become flat ring slices, the wake-ups a binary heap of
-``(time, creation order, stage)`` (the reference's own order, without ``_run_fast``'s buckets),
-and jitter factors are drawn before the run from the same streams the sampler would use
+short scan), message queues become per-stage slices of one flat array (appended in arrival
+order, read from a head index), the wake-ups a binary heap of ``(time, creation order, stage)``
+(the reference's own order, without ``_run_fast``'s buckets; a stage's own wake-up is taken at
+once when it would be popped next, as in ``_run_fast``), and jitter factors are drawn before the run from the same streams the sampler would use
 ([Note: common random numbers] in ``costs.py``: the n-th action of a kind on a stage gets the
 n-th draw of that stream, so the draws depend only on counts known from the policies). It makes
 the same decisions at the same times in the same order as ``_run_reference``;
-``tests/unit/test_sim_kernel.py`` checks whole traces on a grid and on seeded random schedules
-and costs, compiled and interpreted.
+``tests/unit/test_sim_kernel.py`` checks whole traces on seeded random schedules, costs and
+replayed orders, compiled and interpreted.
 
-The same source runs compiled (``numba.njit``, the ``fast`` extra: ``pip install unbubble[fast]``)
-or as plain Python (``_kernel``, used by the tests without numba; slower than ``_run_fast``, so the
-engine falls back to ``_run_fast`` instead). ``UNBUBBLE_SIM_NUMBA=0`` forces the fallback.
+Why numba: the loop is sequential (each decision depends on the ones before), so it does not
+vectorise with numpy, and in CPython the interpreter itself is the cost (cProfile of
+``_run_fast`` at N = 32: 75–80 % of the time is its own bytecode; the sampler calls, heap and
+dict operations are the rest). The same source runs compiled (``numba.njit``, the ``fast``
+extra: ``pip install unbubble[fast]``) or as plain Python (the tests run it so, with or without
+numba; it is slower than ``_run_fast``, which is therefore the engine's fallback).
+``UNBUBBLE_SIM_NUMBA=0`` forces the fallback.
 
 Cost: about 0.1 µs per action compiled, plus ~0.07 µs per action of a static list to turn its
 ``Action`` objects into arrays; the trace keeps the kernel's numpy columns and builds row tuples
