@@ -15,7 +15,7 @@ replayed orders, compiled and interpreted.
 
 Why numba: the loop is sequential (each decision depends on the ones before), so it does not
 vectorise with numpy, and in CPython the interpreter itself is the cost (cProfile of
-``_run_fast`` at N = 32: 75–80 % of the time is its own bytecode; the sampler calls, heap and
+``_run_fast`` at N = 32: 66–81 % of the time is its own bytecode; the sampler calls, heap and
 dict operations are the rest). The same source runs compiled (``numba.njit``, the ``fast``
 extra: ``pip install unbubble[fast]``) or as plain Python (the tests run it so, with or without
 numba; it is slower than ``_run_fast``, which is therefore the engine's fallback).
