@@ -41,3 +41,26 @@ def test_bench_command_is_registered():
     assert cli.commands["bench"] is bench
     out = CliRunner().invoke(bench, ["--help"])
     assert out.exit_code == 0 and "torch.distributed.pipelining" in out.output
+
+
+def test_bench_sim_baseline_loads_a_second_copy_beside_this_one():
+    """``bench_sim.py --baseline``: another checkout's simulator imports beside this one (separate
+    module objects, ``sys.modules`` left as it was) and gives the same trace."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    import unbubble.sim.engine as engine
+
+    root = Path(__file__).resolve().parents[2]
+    spec = importlib.util.spec_from_file_location("bench_sim", root / "benchmarks" / "bench_sim.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    this = mod._load(None)
+    before = dict(sys.modules)
+    base = mod._load(str(root / "src"))
+    assert sys.modules["unbubble.sim.engine"] is engine and set(sys.modules) == set(before)
+    assert base.run_policies is not this.run_policies and this.run_policies is engine.run_policies
+    traces = [api.run_policies(api.get_schedule("zb-h1", 3, steps=2, m=4), mod._costs(api, "jitter", 3))
+              for api in (base, this)]
+    assert mod._digest(traces[0]) == mod._digest(traces[1]) and len(traces[0]) == 3 * 2 * (3 * 4 + 1)

@@ -298,6 +298,7 @@ class _Sampler:
         self.used = [[0] * 5 for _ in range(n)]
         self.rngs = [[np.random.default_rng(np.random.SeedSequence([seed, s, k])) for k in range(5)]
                      for s in range(n)]
+        self.stragglers = stragglers
         self.slow: list[list[Straggler]] = [[] for _ in range(n)]
         for st in stragglers:
             self.slow[st.stage].append(st)
@@ -318,3 +319,32 @@ class _Sampler:
                 if st.start_s <= start_s < st.end_s:
                     d *= st.slowdown
         return d
+
+    def draws(self, counts) -> tuple["np.ndarray", "np.ndarray"]:
+        """The first ``counts[s][k]`` jitter factors of every stream (s, k), as ``__call__`` would
+        return them one by one (drawn in the same chunks, so bit for bit equal), for engines that
+        look factors up by index ([Note: compiled engine] in ``sim/kernel.py``).
+
+        Args:
+            counts: ``(n_stages, 5)`` draws per stream (kind indices as in :data:`KIND_INDEX`).
+
+        Returns:
+            ``(factors, offsets)``: stream (s, k) is ``factors[offsets[5s + k] : offsets[5s + k + 1]]``.
+
+        Raises:
+            RuntimeError: this sampler has already been called (its streams are not at the start).
+        """
+        import numpy as np
+
+        if any(any(u) for u in self.used):
+            raise RuntimeError("draws() needs a fresh sampler: this one has already drawn factors")
+        sig, chunk = self.sigma, self._CHUNK
+        parts, off = [], [0]
+        for s, row in enumerate(counts):
+            for k in range(5):
+                c = int(row[k])
+                for _ in range(-(-c // chunk)):
+                    parts.append(self.rngs[s][k].lognormal(-0.5 * sig * sig, sig, chunk))
+                off.append(off[-1] + -(-c // chunk) * chunk)
+        factors = np.concatenate(parts) if parts else np.zeros(1)
+        return factors, np.asarray(off, np.int64)

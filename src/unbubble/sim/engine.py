@@ -16,7 +16,11 @@ duration table and no hook is attached, ``_run_fast`` evaluates their rules inli
 integers (no ``Action`` or state object per decision) and groups wake-ups of equal time in one
 heap entry. It makes the same decisions at the same times in the same order;
 ``test_fast_engine_equals_reference`` checks the two traces are identical over a grid with
-jitter, latency and zero-length actions. Pass ``fast=False`` to force the reference.
+jitter, latency and zero-length actions. When numba is installed, the same case runs on the
+compiled kernel instead (``_run_compiled``, [Note: compiled engine] in ``sim/kernel.py``), which
+again gives the identical trace (``tests/unit/test_sim_kernel.py``: seeded random schedules, costs
+and replayed orders through every path). Pass ``fast=False`` to force the reference, or set
+``UNBUBBLE_SIM_NUMBA=0`` to force the pure-Python fast path.
 """
 
 from __future__ import annotations
@@ -26,11 +30,14 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Iterator, Protocol
 
+import numpy as np
+
 from unbubble.errors import ScheduleError
 from unbubble.schedules.actions import Action, format_order
 from unbubble.schedules.policy import ListPolicy, PaciPolicy, RankView, StageState
 from unbubble.schedules.registry import Schedule
-from unbubble.sim.costs import KIND_INDEX, KINDS
+from unbubble.sim import kernel
+from unbubble.sim.costs import KIND_INDEX, KINDS, _Sampler
 
 _F, _B, _I, _W, _U = range(5)
 
@@ -81,10 +88,12 @@ Row = tuple[int, int, int, float, float, int, int]
 class Trace:
     """Everything a run did, in start order.
 
-    The simulator stores its records compactly (one :data:`Row` per action) and builds the
+    The simulator stores its records compactly (one :data:`Row` per action, or the compiled
+    kernel's seven numpy columns, turned into rows when first iterated) and builds the
     :class:`ActionRecord` list only when ``records`` is first read; engines that measure real
     runs append ``ActionRecord`` objects to ``records`` directly. Every analysis below is one
-    pass over :meth:`rows`, which serves either form.
+    pass over :meth:`rows`, which serves either form; ``makespan`` and ``busy_per_rank`` read the
+    columns directly when there are columns (same values: a max, and per-rank sums in row order).
 
     Args:
         n_stages: pipeline stages (N·v when interleaved).
@@ -99,6 +108,8 @@ class Trace:
         self._rows: list[Row] | None = None
         self._actions: list[Action] | None = None  # one per row, or None
         self._stage_lists: list[list[Action] | None] | None = None  # per stage, in execution order
+        self._cols: tuple | None = None  # (stage, kind, mb, start_s, end_s, version, weights) numpy columns
+        self._bwd_cols: tuple | None = None  # _backward_columns() once computed (() = not applicable)
 
     @classmethod
     def _from_rows(cls, n_stages: int, n_ranks: int | None, rows: list[Row], actions: list[Action] | None = None,
@@ -106,6 +117,18 @@ class Trace:
         t = cls(n_stages, n_ranks=n_ranks)
         t._records, t._rows, t._actions, t._stage_lists = None, rows, actions, stage_lists
         return t
+
+    @classmethod
+    def _from_columns(cls, n_stages: int, n_ranks: int | None, cols: tuple,
+                      stage_lists: list[list[Action] | None] | None = None) -> "Trace":
+        t = cls._from_rows(n_stages, n_ranks, None, stage_lists=stage_lists)  # type: ignore[arg-type]
+        t._cols = cols
+        return t
+
+    def _materialize(self) -> None:
+        """Builds the row tuples from the columns (once)."""
+        if self._rows is None and self._records is None and self._cols is not None:
+            self._rows = list(zip(*(c.tolist() for c in self._cols)))
 
     @property
     def ranks(self) -> int:
@@ -116,6 +139,7 @@ class Trace:
     def records(self) -> list[ActionRecord]:
         """Executed actions in start order (a list engines may append to)."""
         if self._records is None:
+            self._materialize()
             rows, acts, lists = self._rows, self._actions, self._stage_lists
             made: dict[tuple[int, int, int], Action] = {}
             count = [0] * self.n_stages
@@ -131,11 +155,12 @@ class Trace:
                     if act is None:
                         act = made[(s, k, mb)] = Action(s, KINDS[k], None if mb < 0 else mb)
                 out.append(ActionRecord(act, start, end, ver, w))
-            self._records, self._rows, self._actions, self._stage_lists = out, None, None, None
+            self._records, self._rows, self._actions, self._stage_lists, self._cols = out, None, None, None, None
         return self._records
 
     def rows(self) -> Iterator[Row]:
         """One :data:`Row` per action, in start order (kind indices as in ``costs.KIND_INDEX``)."""
+        self._materialize()
         if self._rows is not None:
             return iter(self._rows)
         kidx = KIND_INDEX
@@ -143,6 +168,8 @@ class Trace:
                  r.start, r.end, r.version, r.weights_version) for r in self._records)
 
     def __len__(self) -> int:
+        if self._cols is not None and self._records is None:
+            return len(self._cols[0])
         return len(self._rows) if self._rows is not None else len(self._records)
 
     def order(self) -> list[list[Action]]:
@@ -155,12 +182,17 @@ class Trace:
     @property
     def makespan(self) -> float:
         """Seconds from time 0 to the last end."""
+        if self._cols is not None and self._records is None:
+            return float(self._cols[4].max()) if len(self._cols[4]) else 0.0
         return max((r[4] for r in self.rows()), default=0.0)
 
     def busy_per_rank(self) -> list[float]:
         """Seconds each rank spent executing actions."""
-        busy = [0.0] * self.ranks
         nr = self.ranks
+        if self._cols is not None and self._records is None:  # bincount adds in row order, as the loop below
+            s, _, _, start, end = self._cols[:5]
+            return np.bincount(s % nr, weights=end - start, minlength=nr).tolist()
+        busy = [0.0] * self.ranks
         for s, _, _, start, end, _, _ in self.rows():
             busy[s % nr] += end - start
         return busy
@@ -174,8 +206,46 @@ class Trace:
         span = self.makespan or 1.0
         return [b / span for b in self.busy_per_rank()]
 
+    def columns(self) -> tuple | None:
+        """The seven :data:`Row` fields as numpy arrays (int64, float64 for the times), when the trace
+        came from the compiled kernel and nothing has turned it into records; else ``None``."""
+        return self._cols if self._records is None else None
+
+    def _backward_columns(self):
+        """Column traces only: ``(stage, mb, v_F, version, weights)`` of every B/I row in row order,
+        or ``None`` (no columns, or not exactly one earlier F per backward: the row loops decide)."""
+        cols = self.columns()
+        if cols is None:
+            return None
+        if self._bwd_cols is not None:
+            return self._bwd_cols or None
+        s, k, mb, _, _, ver, w = cols
+        isf, isb = k == _F, (k == _B) | (k == _I)
+        size = self.n_stages * (int(mb.max()) + 1 if len(mb) else 1)
+        key = s * (size // self.n_stages) + mb
+        kf, kb = key[isf], key[isb]
+        first = np.full(size, len(k), np.int64)
+        first[kf] = np.flatnonzero(isf)
+        if (len(kf) and np.bincount(kf, minlength=size).max() > 1 or len(kb) and np.bincount(kb, minlength=size).max() > 1
+                or (first[kb] > np.flatnonzero(isb)).any()):
+            self._bwd_cols = ()
+            return None
+        vf = np.zeros(size, np.int64)
+        vf[kf] = ver[isf]
+        self._bwd_cols = (s[isb], mb[isb], vf[kb], ver[isb], w[isb])
+        return self._bwd_cols
+
+    def _per_stage_max(self, stage, values) -> list[int]:
+        out = np.zeros(self.n_stages, np.int64)
+        np.maximum.at(out, stage, values)
+        return out.tolist()
+
     def versions(self) -> dict[tuple[int, int], tuple[int, int]]:
         """``(stage, mb) -> (v_F, v_B)``: the weight versions its forward and backward (B or I) used."""
+        bc = self._backward_columns()
+        if bc is not None:
+            s, mb, vf, _, w = (c.tolist() for c in bc)
+            return dict(zip(zip(s, mb), zip(vf, w)))
         fwd: dict[tuple[int, int], int] = {}
         out: dict[tuple[int, int], tuple[int, int]] = {}
         for s, k, mb, _, _, ver, w in self.rows():
@@ -187,11 +257,19 @@ class Trace:
 
     def drift(self) -> dict[tuple[int, int], int]:
         """``(stage, mb) -> Δ = v_B − v_F`` (DESIGN §1)."""
+        bc = self._backward_columns()
+        if bc is not None:
+            s, mb, vf, _, w = bc
+            return dict(zip(zip(s.tolist(), mb.tolist()), (w - vf).tolist()))
         return {key: vb - vf for key, (vf, vb) in self.versions().items()}
 
     def delays(self) -> dict[tuple[int, int], int]:
         """``(stage, mb) -> τ``: updates between the version its gradient was computed on
         (v_F) and the stage's version when the gradient was produced (then applied)."""
+        bc = self._backward_columns()
+        if bc is not None:
+            s, mb, vf, ver, _ = bc
+            return dict(zip(zip(s.tolist(), mb.tolist()), (ver - vf).tolist()))
         fwd: dict[tuple[int, int], int] = {}
         out: dict[tuple[int, int], int] = {}
         for s, k, mb, _, _, ver, _ in self.rows():
@@ -203,6 +281,9 @@ class Trace:
 
     def max_delay(self) -> list[int]:
         """Largest τ per stage."""
+        bc = self._backward_columns()
+        if bc is not None:
+            return self._per_stage_max(bc[0], bc[3] - bc[2])
         out = [0] * self.n_stages
         for (stage, _), d in self.delays().items():
             if d > out[stage]:
@@ -211,6 +292,9 @@ class Trace:
 
     def max_drift(self) -> list[int]:
         """Largest Δ seen on each stage."""
+        bc = self._backward_columns()
+        if bc is not None:
+            return self._per_stage_max(bc[0], bc[4] - bc[2])
         out = [0] * self.n_stages
         for (stage, _), d in self.drift().items():
             if d > out[stage]:
@@ -218,8 +302,23 @@ class Trace:
         return out
 
     def drift_histogram(self) -> list[dict[int, int]]:
-        """Per stage, ``{Δ: number of micro-batches with that drift}``."""
+        """Per stage, ``{Δ: number of micro-batches with that drift}`` (keys in order of first occurrence)."""
         out: list[dict[int, int]] = [{} for _ in range(self.n_stages)]
+        bc = self._backward_columns()
+        if bc is not None:
+            s, d = bc[0], bc[4] - bc[2]
+            if len(d):
+                lo = int(d.min())
+                width = int(d.max()) - lo + 1
+                key = s * width + (d - lo)
+                counts = np.bincount(key, minlength=self.n_stages * width)
+                first = np.full(len(counts), len(key), np.int64)
+                np.minimum.at(first, key, np.arange(len(key)))
+                present = np.flatnonzero(counts)
+                for j in present[np.argsort(first[present], kind="stable")].tolist():
+                    stage, x = divmod(j, width)
+                    out[stage][x + lo] = int(counts[j])
+            return out
         for (stage, _), d in self.drift().items():
             out[stage][d] = out[stage].get(d, 0) + 1
         return out
@@ -252,8 +351,9 @@ def run_policies(schedule: Schedule, costs: CostModel, execute: Execute | None =
             shows each stuck stage's state and the actions executed so far.
         ConfigError: the cost model does not fit the schedule (e.g. another stage count).
 
-    Cost: about 1 µs per action on the fast path and 3–5 µs on the reference path
-    (``benchmarks/bench_sim.py``).
+    Cost (``benchmarks/bench_sim.py``, N = 32, 10,000 micro-batches, CPU time): 0.14–0.25 µs per
+    action on the compiled kernel (numba, the ``fast`` extra), 0.65–1.7 µs on the pure-Python fast
+    path and 2–4 µs on the reference path; the higher ends of the fast paths with jittered costs.
     """
     n, n_ranks = schedule.n_stages, schedule.n_ranks
     pols = policies if policies is not None else [schedule.policy(r) for r in range(n_ranks)]
@@ -264,8 +364,13 @@ def run_policies(schedule: Schedule, costs: CostModel, execute: Execute | None =
     stashed = getattr(schedule, "backward_weights", "current") == "stashed"
     if (fast and execute is None and table is not None and n_ranks == n
             and all(type(p) in (ListPolicy, PaciPolicy) for p in pols)):
-        rows, views, stage_lists = _run_fast(n, schedule.total_mb, pols, table, noise, fdelay, bdelay, stashed)
-        trace = Trace._from_rows(n, n_ranks, rows, stage_lists=stage_lists)
+        out = _run_compiled(n, schedule.total_mb, pols, table, noise, fdelay, bdelay, stashed)
+        if out is not None:
+            cols, views, stage_lists = out
+            trace = Trace._from_columns(n, n_ranks, cols, stage_lists=stage_lists)
+        else:
+            rows, views, stage_lists = _run_fast(n, schedule.total_mb, pols, table, noise, fdelay, bdelay, stashed)
+            trace = Trace._from_rows(n, n_ranks, rows, stage_lists=stage_lists)
         states = views
     else:
         rows, actions, states, views = _run_reference(schedule, pols, costs, table, noise, fdelay, bdelay,
@@ -370,6 +475,11 @@ def _run_fast(n, total, pols, table, noise, fdelay, bdelay, stashed):
     fin: list[deque] = [deque() for _ in range(n)]  # (arrival_s, mb) of activations, arrival order
     bin_: list[deque] = [deque() for _ in range(n)]  # (arrival_s, mb) of gradients
     fv: dict[tuple[int, int], int] = {}  # (stage, mb) -> v_F, kept only when backwards use stashed weights
+    fac = None  # the sampler's jitter factors drawn ahead ([Note: compiled engine]), read in place of noise()
+    if isinstance(noise, _Sampler) and noise.sigma:
+        counts = kernel.action_counts(total, pols, [None if is_paci[s] else [k for k, _ in kmb[s]] for s in range(n)])
+        factors, offsets = noise.draws(counts)
+        fac, pos, slow = factors.tolist(), offsets[:-1].tolist(), noise.slow
     busy = [0.0] * n
     last = n - 1
     rows: list[Row] = []
@@ -417,7 +527,17 @@ def _run_fast(n, total, pols, table, noise, fdelay, bdelay, stashed):
                     elif k == _B or k == _I:
                         if mb not in br:
                             break
-                end = t + (table[s][k] if noise is None else noise(s, k, t))
+                if fac is None:
+                    end = t + (table[s][k] if noise is None else noise(s, k, t))
+                else:  # _Sampler.__call__ inlined, the same arithmetic
+                    i = pos[5 * s + k]
+                    pos[5 * s + k] = i + 1
+                    d = table[s][k] * fac[i]
+                    if slow[s]:
+                        for st in slow[s]:
+                            if st.start_s <= t < st.end_s:
+                                d *= st.slowdown
+                    end = t + d
                 v = version[s]
                 if not stashed or k == _U:
                     row((s, k, mb, t, end, v, v))
@@ -480,3 +600,24 @@ def _run_fast(n, total, pols, table, noise, fdelay, bdelay, stashed):
                          n_actions=n_act[s]) for s in range(n)]
     stage_lists = [None if is_paci[s] else pols[s].actions for s in range(n)]
     return rows, states, stage_lists
+
+
+def _run_compiled(n, total, pols, table, noise, fdelay, bdelay, stashed):
+    """``_run_fast`` on the compiled kernel ([Note: compiled engine] in ``sim/kernel.py``): the trace's
+    seven columns, the final states and the action lists; ``None`` without the kernel (no numba, or
+    ``UNBUBBLE_SIM_NUMBA=0``) or when the noise is not the built-in sampler."""
+    run = kernel.compiled()
+    if run is None:
+        return None
+    is_paci = [type(p) is PaciPolicy for p in pols]
+    args = kernel.prepare(n, total, pols, is_paci, table, noise, fdelay, bdelay, stashed)
+    if args is None:
+        return None
+    nr, ri, rf, state, fr, br = run(*args)
+    cols = (ri[0, :nr], ri[1, :nr], ri[2, :nr], rf[0, :nr], rf[1, :nr], ri[3, :nr], ri[4, :nr])
+    states = [StageState(s, n, total, fwd_ready=set(fr[s].nonzero()[0].tolist()),
+                         bwd_ready=set(br[s].nonzero()[0].tolist()), in_flight=q, bwd_since_update=bsu,
+                         version=v, n_fwd=nf, n_bwd=nb, n_actions=na)
+              for s, (q, bsu, v, nf, nb, na) in enumerate(zip(*state.tolist()))]
+    stage_lists = [None if is_paci[s] else pols[s].actions for s in range(n)]
+    return cols, states, stage_lists

@@ -32,6 +32,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from unbubble.errors import ConfigError
 from unbubble.sim.engine import Trace
 
@@ -193,6 +195,9 @@ def peak_memory(trace: Trace, spec: MemorySpec, *, stashed: bool = False) -> lis
     q = [0] * nr
     q_peak = [0] * nr
     versions_peak = [1] * nr
+    cols = trace.columns()
+    if cols is not None and not stashed:
+        return _peak_from_columns(cols, spec, nr, base, (weights, grads, optim, extra), act_b, act_w, rec, recompute)
     current = [0] * n
     live: list[dict[int, int]] = [{} for _ in range(n)]  # stage -> {v_F: micro-batches still needing it}
     extra_versions = [0] * n
@@ -246,4 +251,41 @@ def peak_memory(trace: Trace, spec: MemorySpec, *, stashed: bool = False) -> lis
     out = [RankMemory(r, weights[r], grads[r], optim[r], extra[r], act_peak[r], stash_peak[r], peak[r], q_peak[r],
                       versions_peak[r], None if spec.capacity_bytes is None else peak[r] <= spec.capacity_bytes)
            for r in range(nr)]
+    return out
+
+
+def _peak_from_columns(cols, spec: MemorySpec, nr: int, base, static, act_b, act_w, rec, recompute) -> list[RankMemory]:
+    """``peak_memory`` without stashing, on a trace's numpy columns: the same additions in the same
+    order (a running sum per rank is ``cumsum`` of its rows' changes, which adds sequentially), so
+    the same floats."""
+    s, k = cols[0], cols[1]
+    ab, aw, rc = np.asarray(act_b, np.float64)[s], np.asarray(act_w, np.float64)[s], np.asarray(rec, np.float64)[s]
+    isb = k == _B
+    delta = np.zeros(len(s))
+    delta[k == _F] = ab[k == _F]
+    delta[isb] = -ab[isb]
+    isi, isw = k == _I, k == _W
+    delta[isi] = rc[isi] if recompute else -(ab[isi] - aw[isi])
+    delta[isw] = -(ab[isw] + rc[isw]) if recompute else -aw[isw]
+    dq = (k == _F).astype(np.int64) - isb - isw
+    rank = s % nr
+    order = np.argsort(rank, kind="stable")
+    bounds = np.searchsorted(rank[order], np.arange(nr + 1))
+    out = []
+    for r in range(nr):
+        rows = order[bounds[r]:bounds[r + 1]]
+        act = np.cumsum(delta[rows])
+        act_peak, peak, q_peak = 0.0, base[r], 0
+        if len(rows):
+            act_peak = max(act_peak, float(act.max()))
+            peak = max(peak, float((base[r] + act).max()))
+            q_peak = max(q_peak, int(np.cumsum(dq[rows]).max()))
+            b = isb[rows]
+            if recompute and b.any():  # the recomputed activations are alive during the backward
+                prev, extra_b = np.concatenate(([0.0], act[:-1]))[b], rc[rows][b]  # act before each B
+                act_peak = max(act_peak, float((prev + extra_b).max()))
+                peak = max(peak, float((base[r] + prev + extra_b).max()))
+        w, g, o, e = (x[r] for x in static)
+        out.append(RankMemory(r, w, g, o, e, act_peak, 0.0, peak, q_peak, 1,
+                              None if spec.capacity_bytes is None else peak <= spec.capacity_bytes))
     return out

@@ -6,6 +6,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from unbubble.schedules.policy import CutPolicy, Cuts, ListPolicy
 from unbubble.schedules.registry import Schedule
 from unbubble.sim.engine import CostModel, Trace, run_policies
@@ -65,6 +67,13 @@ class SimResult:
 
     def completion_times(self) -> list[float]:
         """``c[k]``: when the gradient of micro-batch k reached the first stage (end of its B or I on stage 0)."""
+        cols = self.trace.columns()
+        if cols is not None:
+            s, k, mb, _, end = cols[:5]
+            last = (s == 0) & ((k == _B) | (k == _I))
+            c = np.full(self.schedule.total_mb, math.nan)
+            c[mb[last]] = end[last]
+            return c.tolist()
         c = [math.nan] * self.schedule.total_mb
         for s, k, mb, _, end, _, _ in self.trace.rows():
             if s == 0 and (k == _B or k == _I):
