@@ -145,11 +145,12 @@ class _StepInfo:
 
 
 def test_the_step_lines_tokens_per_s_excludes_start_up_and_ends_at_the_runs_figure():
-    # the figure of the last step line and the run's (summary.json's) agree within 5 %; with the
-    # start-up counted (≈ 5 s of spawning before ≈ 2 s of training) they differed 3×
+    # the figure of the last step line and the run's (summary.json's) agree within 25 % (5 % on quiet
+    # cores; 14 % apart at load 16, where the final reports lag); with the start-up counted (≈ 5 s of
+    # spawning before ≈ 2 s of training) they differed 3×
     job = tiny_gpt_job(get_schedule("paci", 2, steps=30, a=4))
     job.tokens_per_mb = 2 * 16
     steps = _StepInfo()
     result = run_processes(job, listener=steps)
-    assert steps.last["tok_per_s"] == pytest.approx(result.tokens_per_s, rel=0.05)
+    assert steps.last["tok_per_s"] == pytest.approx(result.tokens_per_s, rel=0.25)
     assert steps.last["elapsed_s"] <= result.wall_s + 0.5
