@@ -184,6 +184,13 @@ class RunWriter:
             # per stage, measured by the executor (StageExecutor.memory_bytes): parameter, fp32 master,
             # gradient, optimizer-state, peak activation and weight-copy bytes
             "memory": result.memory,
+            # process engine: each stage process's resident memory after its last action and its peak
+            # (the emulator runs every stage in the command's own process: None)
+            "rss_bytes": [m.get("process_rss_bytes") for m in result.memory] if self.cfg.engine != "emulator" else None,
+            "peak_rss_bytes": [m.get("process_peak_rss_bytes") for m in result.memory]
+            if self.cfg.engine != "emulator" else None,
+            # seconds from the command's start to the end of the first optimizer step on every stage
+            "startup_s": result.startup_s,
             "optimizer_extra_bytes": [b.get("extra_bytes") for b in result.optimizer_bytes],
             "optimizer_extra_per_rotated_param": [b.get("extra_per_rotated_param") for b in result.optimizer_bytes],
             "final_train_loss": train[-1][1] if train else None,

@@ -60,6 +60,7 @@ def test_ctrl_c_of_a_run_piped_through_tee_still_writes_its_stop_checkpoint(tmp_
             "--steps", "100000", "--seq-len", "32", "--eval-interval", "0", "--eval-batches", "1",
             "--no-tensorboard", "--run-dir", str(run_dir)]
     code = "import sys; from unbubble.cli import main; sys.argv = ['unbubble'] + sys.argv[1:]; main()"
+    launched = time.time()
     proc = subprocess.Popen([sys.executable, "-c", code, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             start_new_session=True)
     deadline = time.monotonic() + 120
@@ -67,10 +68,16 @@ def test_ctrl_c_of_a_run_piped_through_tee_still_writes_its_stop_checkpoint(tmp_
     while proc.poll() is None and time.monotonic() < deadline and \
             not (metrics.exists() and '"loss"' in metrics.read_text()):
         time.sleep(0.05)
+    first_step_seen = time.time()
     proc.stdout.close()  # tee has gone
     os.killpg(proc.pid, signal.SIGINT)
     assert proc.wait(timeout=60) == 130
     summary = json.loads((run_dir / "summary.json").read_text())
     stop = summary["stopped_at_step"]
     assert stop is not None and stop >= 1
+    # start-up: from the command's process start to the first step's end, which came before its
+    # loss line was seen here (the clock tick of /proc's start time: 10 ms)
+    assert 0 < summary["startup_s"] <= first_step_seen - launched + 0.02
+    rss, peak = summary["rss_bytes"], summary["peak_rss_bytes"]
+    assert len(rss) == len(peak) == 2 and all(100 * 2**20 < r <= 1.02 * p for r, p in zip(rss, peak))
     assert complete_steps(run_dir / "checkpoints", 2)[-1] == stop

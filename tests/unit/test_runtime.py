@@ -234,3 +234,29 @@ def test_stashed_weight_versions_are_counted_and_bounded(name, bound, monkeypatc
                                         "paci-stashed": [2, 1, 1, 0]}[name]
     assert all(peak[s] <= bound(n, s) for s in range(n))
     assert peak[0] == bound(n, 0)  # the bound is reached
+
+
+def test_process_start_and_memory_against_independent_readings():
+    """``process_start_epoch`` of a child lies between its launch and its own clock reading;
+    ``process_memory``'s Rss equals /proc/self/status's VmRSS (another kernel counter) within 10 %,
+    and its peak grows by a 256 MiB tensor written in full."""
+    import subprocess
+    import sys
+    import time
+
+    from unbubble.runtime.telemetry import process_memory
+
+    before = time.time()
+    out = subprocess.run([sys.executable, "-c", "import time; from unbubble.runtime.telemetry import "
+                          "process_start_epoch as p; print(p(), time.time())"], capture_output=True, text=True,
+                         check=True).stdout.split()
+    started, now = float(out[0]), float(out[1])
+    assert before - 0.02 <= started <= now
+    mem = process_memory()
+    with open("/proc/self/status") as f:
+        vmrss = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+    # ru_maxrss and Rss are kept apart by the kernel and may differ by a few pages
+    assert mem["rss_bytes"] == pytest.approx(vmrss, rel=0.1) and mem["peak_rss_bytes"] >= 0.98 * mem["rss_bytes"]
+    big = torch.ones(64 * 2**20)  # 256 MiB, every page touched
+    assert process_memory()["peak_rss_bytes"] >= mem["rss_bytes"] + 250 * 2**20
+    del big

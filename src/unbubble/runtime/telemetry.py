@@ -64,6 +64,7 @@ class RunResult:
     stopped_at: int | None = None
     events: list[dict[str, Any]] = field(default_factory=list)
     memory: list[dict[str, Any]] = field(default_factory=list)
+    startup_s: float | None = None
 
     @property
     def tokens_per_s(self) -> float:
@@ -154,7 +155,55 @@ class Telemetry:
         tokens = (end - self.start_step) * sched.mb_per_step * (self.job.tokens_per_mb or 1) * self.job.dp
         return RunResult(self.trace, sim_trace, self.step_losses, sorted(self.val_losses),
                          final_states, wall_s, tokens, optimizer_bytes or [], self.start_step, stopped_at,
-                         self.events, memory or [])
+                         self.events, memory or [], self._startup_s())
+
+    def _startup_s(self) -> float | None:
+        """Seconds from this process's start (the command) to the end of the run's first optimizer
+        step on every stage; ``None`` without /proc or before any stage updated."""
+        first: dict[int, float] = {}
+        for r in self.trace.records:
+            if r.action.kind is ActionKind.U:
+                first[r.action.stage] = min(first.get(r.action.stage, math.inf), r.end)
+        started = process_start_epoch()
+        if started is None or len(first) < self.job.schedule.n_stages:
+            return None
+        return self.t0 + max(first.values()) - started
+
+
+def process_memory() -> dict[str, int | None]:
+    """This process's resident memory in bytes: ``rss_bytes`` now (``Rss`` of
+    ``/proc/self/smaps_rollup``) and ``peak_rss_bytes`` (``getrusage``'s ``ru_maxrss``, KiB on
+    Linux); ``None`` for what the platform does not report."""
+    rss = peak = None
+    try:
+        with open("/proc/self/smaps_rollup") as f:
+            rss = next(int(line.split()[1]) * 1024 for line in f if line.startswith("Rss:"))
+    except (OSError, StopIteration, ValueError):
+        pass
+    try:
+        import resource
+        import sys
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+    except (ImportError, OSError):
+        pass
+    return {"rss_bytes": rss, "peak_rss_bytes": peak}
+
+
+def process_start_epoch() -> float | None:
+    """When this process started, epoch seconds, to /proc's clock tick (10 ms): now minus the
+    time since its start (``/proc/uptime`` less field 22 of ``/proc/self/stat``; the boot time of
+    ``/proc/stat`` has whole seconds only); ``None`` without /proc."""
+    import os
+
+    try:
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22: starttime, clock ticks since boot
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return time.time() - (uptime - ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def snapshot(module: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -16,6 +16,7 @@ from unbubble.runtime.checkpoint import CutWriter
 from unbubble.runtime.job import PipelineJob
 from unbubble.runtime.data_parallel import GradientAverager, Layout
 from unbubble.runtime.transport import END, P2PTransport, PeerFailure, channel_groups
+from unbubble.runtime.telemetry import process_memory
 from unbubble.schedules.actions import Action, ActionKind
 from unbubble.schedules.policy import CutPolicy, Cuts, ListPolicy, RankView, StageState, resume_position, \
     resume_state
@@ -50,7 +51,8 @@ def run_stage(job: PipelineJob, rank: int, sink: Sink, replay: list[Action] | No
     start in epoch seconds, after set-up), ``("records", stage, [(action, start_s, end_s, version,
     weights), …])`` and ``("step_loss", stage, loss)`` after each update (with D > 1 the loss is
     the replicas' mean), ``("snapshot", stage, (version, bytes))`` for evaluation, and
-    ``("final", stage, (state_bytes, wall_s, optimizer_bytes, memory_bytes))`` at the end; other replicas,
+    ``("final", stage, (state_bytes, wall_s, optimizer_bytes, memory))`` at the end (memory: the executor's
+    ``memory_bytes()`` and this process's ``process_rss_bytes``, ``process_peak_rss_bytes``); other replicas,
     whose weights equal replica 0's, report only ``("done", stage, wall_s)``. Times are seconds
     since a start shared by all ranks. ``("event", stage, event)`` reports a micro-batch the
     non-finite guard dropped (every replica reports its own); ``("stopped", stage, T)`` before
@@ -218,6 +220,6 @@ def run_stage(job: PipelineJob, rank: int, sink: Sink, replay: list[Action] | No
     if records:
         sink(("records", prank, records))
     for s, ex in execs.items():
-        sink(("final", s, (to_bytes(ex.module.state_dict()), wall, optimizer_state_bytes(ex.optimizer),
-                           ex.memory_bytes())))
+        memory = {**ex.memory_bytes(), **{f"process_{k}": v for k, v in process_memory().items()}}
+        sink(("final", s, (to_bytes(ex.module.state_dict()), wall, optimizer_state_bytes(ex.optimizer), memory)))
     return cuts.stop_step
