@@ -73,6 +73,13 @@ class PipelineJob:
         predict_weights: ``"none"``, ``"bound"`` or ``"measured"``: forwards run on the last applied
             update extrapolated s_i updates ahead (s_i: the stage's drift bound ⌈(N−i)/a⌉, or its mean
             measured drift); [Note: weight prediction] in ``runtime/executor.py``.
+        order: how an asynchronous schedule's stages order their actions ([Note: deterministic
+            order] in ``schedules/policy.py``): ``"deterministic"`` (a fixed per-stage order: the
+            same losses run to run on every engine, and the process engine equals the emulator)
+            or ``"dynamic"`` (a backward goes first whenever its gradient has arrived: on real
+            processes the order follows arrival times and varies run to run). Both keep the
+            back-pressure q_i < N+1−i and the drift bound ⌈(N−i)/a⌉; synchronous schedules
+            follow their lists either way.
     """
 
     stage_fn: StageFn
@@ -95,6 +102,7 @@ class PipelineJob:
     precision: str = "fp32"
     recompute: str = "none"
     predict_weights: str = "none"
+    order: str = "deterministic"
 
     def build_executor(self, stage: int, module: nn.Module | None = None, replica: int = 0,
                        grad_sync=None, device: torch.device | None = None) -> StageExecutor:
