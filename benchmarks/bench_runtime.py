@@ -2,7 +2,7 @@
 
 What is measured (``unbubble bench``, or ``python benchmarks/bench_runtime.py``):
 
-1. **Same model, same micro-batches, same processes.** N = 2 gloo processes are spawned once and run,
+1. **Same model, same micro-batches, same processes.** N = 2 gloo processes (``--stages``) are spawned once and run,
    one after the other and in a rotating order each repeat: our ``1f1b-flush``, ``gpipe``, ``paci``
    (a = m, in its default deterministic order) and ``paci dynamic`` (the same schedule in the
    arrival-driven order, ``--order dynamic``) against ``torch.distributed.pipelining``'s ``ScheduleGPipe`` and ``Schedule1F1B``. The model is
@@ -41,6 +41,7 @@ Usage::
     unbubble bench                       # ≈ 3 min on 2 CPU cores
     unbubble bench --quick               # 1 repeat, fewer steps (a smoke run, ≈ 1 min)
     unbubble bench --out bench.json      # also write the JSON
+    unbubble bench --only model --stages 4   # the model comparison at N = 4 (unbubble train's default)
 """
 
 from __future__ import annotations
@@ -290,6 +291,9 @@ def bench_model(cfg: BenchConfig) -> dict:
     # the ratio of mean utilizations (= of tokens/s at equal busy time per micro-batch)
     util = {name: statistics.fmean(s["utilization"]) for name, s in systems.items()}
     ratios["paci / flush utilization"] = util["unbubble paci"] / util["unbubble 1f1b-flush"]
+    # the orders' own difference (idle time waiting for the message the order names), likewise free of
+    # the machine's load, which changes compute speed from one run to the next by up to 2× here
+    ratios["paci deterministic / dynamic utilization"] = util["unbubble paci"] / util["unbubble paci dynamic"]
     targets = {
         "flush >= 0.95 x torch 1F1B": {"value": ratios["flush / torch 1F1B"], "target": 0.95,
                                          "met": ratios["flush / torch 1F1B"] >= 0.95},
@@ -499,13 +503,14 @@ def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--repeats", type=int, default=None)
     p.add_argument("--steps", type=int, default=None)
+    p.add_argument("--stages", dest="n", type=int, default=None)
     p.add_argument("--m", type=int, default=None)
     p.add_argument("--quick", action="store_true")
     p.add_argument("--only", choices=["model", "synthetic"], default=None)
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
     cfg = quick_config() if a.quick else BenchConfig()
-    for name in ("repeats", "steps", "m"):
+    for name in ("repeats", "steps", "n", "m"):
         if getattr(a, name) is not None:
             setattr(cfg, name, getattr(a, name))
     if a.only:
