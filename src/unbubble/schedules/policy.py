@@ -163,9 +163,10 @@ class OrderedPaciPolicy(PaciPolicy):
     Each choice is a function of the stage's own counts (forwards, backwards, version), never of
     which message came first, so every run of the same job executes the same actions on the
     same weight versions in the same order, on any engine and however fast each stage is: the
-    losses are reproducible run to run. With unit costs (F = 1, B = 2, no latency; the
-    emulator's default) :class:`PaciPolicy` produces exactly this order, so the process engine
-    equals the emulator bit for bit. The drift bound holds as for :class:`PaciPolicy`: a forward
+    losses are reproducible run to run (checkpoint drains included; only a stop signal lands
+    where its timing puts it). With unit costs (F = 1, B = 2, no latency; the emulator's
+    default) :class:`PaciPolicy` produces exactly this order, for every asynchronous schedule
+    (``tests/unit/test_schedules.py``), so the process engine equals the emulator bit for bit. The drift bound holds as for :class:`PaciPolicy`: a forward
     starts only while q_i < N + 1 − i and backwards run oldest first, so at most N − i backwards,
     hence at most ⌈(N − i)/a⌉ updates, fall between a micro-batch's F and its B.
 
