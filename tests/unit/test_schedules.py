@@ -151,6 +151,17 @@ def test_unknown_order_is_one_clear_error():
         get_schedule("paci", 2, 1, a=1).policy(0, "fixed")
 
 
+def test_a_job_with_an_unknown_order_is_refused_before_it_runs():
+    import dataclasses
+
+    from unbubble.testing import tiny_gpt_job
+
+    job = tiny_gpt_job(get_schedule("paci", 2, 1, a=1))
+    with pytest.raises(ConfigError, match=r"^order='dynamik' is invalid \(did you mean 'dynamic'\?\): must be one of "
+                                          r"deterministic, dynamic \(set --order\)$"):
+        dataclasses.replace(job, order="dynamik")
+
+
 def test_deadlock_is_reported():
     bad = [[Action(0, ActionKind.F, 0), Action(0, ActionKind.B, 0)], [Action(1, ActionKind.B, 0), Action(1, ActionKind.F, 0)]]
     sched = get_schedule("1f1b-flush", 2, steps=1, m=1)

@@ -9,14 +9,14 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from unbubble.errors import ConfigError
+from unbubble.errors import ConfigError, did_you_mean
 from unbubble.runtime.checkpoint import Checkpointing, check_fingerprint, fingerprint, load_stage, rng_state, \
     save_stage, set_rng_state
 from unbubble.runtime.data_parallel import replica_batch
 from unbubble.runtime.executor import BatchFn, LossFn, StageExecutor
 from unbubble.runtime.precision import check_modes, to_bf16
 from unbubble.optim.lr_rescheduling import PipeDreamLR, StalenessLR
-from unbubble.schedules.policy import Cuts
+from unbubble.schedules.policy import ORDERS, Cuts
 from unbubble.schedules.registry import Schedule
 
 StageFn = Callable[[int], nn.Module]
@@ -103,6 +103,11 @@ class PipelineJob:
     recompute: str = "none"
     predict_weights: str = "none"
     order: str = "deterministic"
+
+    def __post_init__(self) -> None:
+        if self.order not in ORDERS:  # here, before any stage process starts
+            raise ConfigError(f"order={self.order!r} is invalid{did_you_mean(self.order, ORDERS)}: must be one of "
+                              f"{', '.join(ORDERS)} (set --order)")
 
     def build_executor(self, stage: int, module: nn.Module | None = None, replica: int = 0,
                        grad_sync=None, device: torch.device | None = None) -> StageExecutor:
