@@ -2,9 +2,10 @@
 
 What is measured (``unbubble bench``, or ``python benchmarks/bench_runtime.py``):
 
-1. **Same model, same micro-batches, same processes.** N = 2 gloo processes are spawned once and run,
-   one after the other and in a rotating order each repeat: our ``1f1b-flush``, ``gpipe`` and ``paci``
-   (a = m) against ``torch.distributed.pipelining``'s ``ScheduleGPipe`` and ``Schedule1F1B``. The model is
+1. **Same model, same micro-batches, same processes.** N = 2 gloo processes (``--stages``) are spawned once and run,
+   one after the other and in a rotating order each repeat: our ``1f1b-flush``, ``gpipe``, ``paci``
+   (a = m, in its default deterministic order) and ``paci dynamic`` (the same schedule in the
+   arrival-driven order, ``--order dynamic``) against ``torch.distributed.pipelining``'s ``ScheduleGPipe`` and ``Schedule1F1B``. The model is
    the tiny GPT-2 preset (4 layers, d = 128, byte vocabulary 257) cut into N cost-balanced stages, AdamW,
    random tokens; micro-batch k is the same tensor for every system (torch gets step t's m micro-batches
    concatenated and splits them back along dim 0). Every system runs ``--steps`` optimizer steps of m
@@ -25,7 +26,12 @@ What is measured (``unbubble bench``, or ``python benchmarks/bench_runtime.py``)
    ``run_policies(schedule, UniformCosts(F, B, u=0))`` predicts the makespan of ``1f1b-flush`` (m = 8) and
    ``paci`` (a = 8); the runtime's makespan (median over repeats) is compared with it. A second
    prediction from the run's own measured action durations (``sim.measured.measured_costs``) separates
-   the runtime's scheduling and messaging overhead from sleep inaccuracy.
+   the runtime's scheduling and messaging overhead from sleep inaccuracy. ``paci`` runs in both orders
+   here too (deterministic and ``paci dynamic``).
+
+The cost of reproducibility is the ratio ``paci / paci dynamic`` (tokens/s in part 1, makespan in
+part 2): the deterministic order waits for the message its order names where the dynamic one runs
+whatever arrived first ([Note: deterministic order] in ``unbubble/schedules/policy.py``).
 
 Targets (issue 7), reported, never asserted: our flush ≥ 0.95 × torch's 1F1B; PACI ≥ 0.95 × (m+N−1)/m ×
 torch's 1F1B at equal micro-batches; synthetic N = 8 makespan within 5 % of the simulator.
@@ -35,6 +41,7 @@ Usage::
     unbubble bench                       # ≈ 3 min on 2 CPU cores
     unbubble bench --quick               # 1 repeat, fewer steps (a smoke run, ≈ 1 min)
     unbubble bench --out bench.json      # also write the JSON
+    unbubble bench --only model --stages 4   # the model comparison at N = 4 (unbubble train's default)
 """
 
 from __future__ import annotations
@@ -67,7 +74,13 @@ from unbubble.sim.measured import measured_costs
 from unbubble.testing import random_tokens
 from unbubble.train import gpt_stage
 
-OURS = ("1f1b-flush", "gpipe", "paci")
+OURS = ("1f1b-flush", "gpipe", "paci", "paci dynamic")  #: "<schedule>[ <order>]"; the default order: deterministic
+
+
+def _variant(name: str) -> tuple[str, str]:
+    """``"paci dynamic"`` → ``("paci", "dynamic")``; a bare schedule name runs in the default order."""
+    schedule, _, order = name.partition(" ")
+    return schedule, order or "deterministic"
 TORCH = ("ScheduleGPipe", "Schedule1F1B")
 
 
@@ -153,6 +166,7 @@ def _adamw(lr: float, params, stage: int) -> torch.optim.Optimizer:
 
 def _model_job(cfg: BenchConfig, name: str, steps: int) -> PipelineJob:
     model = make_config(cfg.model, cfg.vocab_size)
+    name, order = _variant(name)
     kw = {"a": cfg.m} if name == "paci" else {"m": cfg.m}
     return PipelineJob(
         stage_fn=functools.partial(gpt_stage, model, cfg.n, 0, cfg.seq_len),
@@ -162,6 +176,7 @@ def _model_job(cfg: BenchConfig, name: str, steps: int) -> PipelineJob:
         schedule=get_schedule(name, cfg.n, steps, **kw),
         tokens_per_mb=cfg.micro_batch_size * cfg.seq_len,
         nan_policy="off",  # torch's schedules do no non-finite checks: the same work on both sides
+        order=order,
     )
 
 
@@ -269,12 +284,16 @@ def bench_model(cfg: BenchConfig) -> dict:
         "gpipe / torch GPipe": ratio("unbubble gpipe", "torch ScheduleGPipe"),
         "paci / torch 1F1B": ratio("unbubble paci", "torch Schedule1F1B"),
         "paci / flush": ratio("unbubble paci", "unbubble 1f1b-flush"),
+        "paci deterministic / dynamic order": ratio("unbubble paci", "unbubble paci dynamic"),
         "torch 1F1B / torch GPipe": ratio("torch Schedule1F1B", "torch ScheduleGPipe"),
     }
     # the schedule's own gain, free of compute slowing down when both processes compute at once:
     # the ratio of mean utilizations (= of tokens/s at equal busy time per micro-batch)
     util = {name: statistics.fmean(s["utilization"]) for name, s in systems.items()}
     ratios["paci / flush utilization"] = util["unbubble paci"] / util["unbubble 1f1b-flush"]
+    # the orders' own difference (idle time waiting for the message the order names), likewise free of
+    # the machine's load, which changes compute speed from one run to the next by up to 2× here
+    ratios["paci deterministic / dynamic utilization"] = util["unbubble paci"] / util["unbubble paci dynamic"]
     targets = {
         "flush >= 0.95 x torch 1F1B": {"value": ratios["flush / torch 1F1B"], "target": 0.95,
                                          "met": ratios["flush / torch 1F1B"] >= 0.95},
@@ -355,11 +374,16 @@ def sleep_margin(samples: int = 40, probe_s: float = 0.005) -> float:
     return max(0.0005, over[int(0.9 * (len(over) - 1))])
 
 
+SLEEP_SYSTEMS = ("1f1b-flush", "paci", "paci dynamic")
+
+
 def _sleep_job(cfg: BenchConfig, name: str, margin_s: float, steps: int | None = None) -> PipelineJob:
+    name, order = _variant(name)
     kw = {"a": cfg.sleep_m} if name == "paci" else {"m": cfg.sleep_m}
     return PipelineJob(stage_fn=functools.partial(_sleep_stage, cfg.sleep_f, cfg.sleep_b, margin_s), loss_fn=_mean_loss,
                        batch_fn=_sleep_batch, optimizer_fn=_sgd,
-                       schedule=get_schedule(name, cfg.sleep_n, steps or cfg.sleep_steps, **kw), nan_policy="off")
+                       schedule=get_schedule(name, cfg.sleep_n, steps or cfg.sleep_steps, **kw), nan_policy="off",
+                       order=order)
 
 
 def _sleep_worker(rank: int, world: int, cfg: BenchConfig, port: int, q) -> None:
@@ -368,7 +392,7 @@ def _sleep_worker(rank: int, world: int, cfg: BenchConfig, port: int, q) -> None
         margin = sleep_margin()
         results = []
         for rep in range(-1, cfg.repeats):
-            for name in ("1f1b-flush", "paci"):
+            for name in SLEEP_SYSTEMS:
                 dist.barrier()
                 res = _run_ours(_sleep_job(cfg, name, margin, None if rep >= 0 else 1), rank)
                 if rep >= 0:
@@ -386,9 +410,10 @@ def bench_synthetic(cfg: BenchConfig) -> dict:
     nominal = UniformCosts(f=cfg.sleep_f, b=cfg.sleep_b, u=0.0)
     out = {"f_s": cfg.sleep_f, "b_s": cfg.sleep_b, "sleep_margins_s": [p["margin_s"] for p in per_rank],
            "schedules": {}}
-    for name in ("1f1b-flush", "paci"):
+    for name in SLEEP_SYSTEMS:
         job = _sleep_job(cfg, name, 0.0)
-        predicted = run_policies(job.schedule, nominal).makespan
+        policies = [job.schedule.policy(r, job.order) for r in range(cfg.sleep_n)]  # the order the runtime ran
+        predicted = run_policies(job.schedule, nominal, policies=policies).makespan
         spans, calibrated = [], []
         for rep in range(cfg.repeats):
             records = []
@@ -397,7 +422,9 @@ def bench_synthetic(cfg: BenchConfig) -> dict:
                 records += [ActionRecord(Action.parse(a), s, e, v, w) for a, s, e, v, w in run["records"]]
             trace = Trace(cfg.sleep_n, records)
             spans.append(trace.makespan)
-            calibrated.append(run_policies(job.schedule, measured_costs(trace, blocking_sends=False)).makespan)
+            calibrated.append(run_policies(job.schedule, measured_costs(trace, blocking_sends=False),
+                                           policies=[job.schedule.policy(r, job.order)
+                                                     for r in range(cfg.sleep_n)]).makespan)
         span = statistics.median(spans)
         out["schedules"][name] = {
             "runtime_makespan_s": span, "runtime_makespans_s": spans,
@@ -410,6 +437,9 @@ def bench_synthetic(cfg: BenchConfig) -> dict:
         "runtime": sch["1f1b-flush"]["runtime_makespan_s"] / sch["paci"]["runtime_makespan_s"],
         "simulated": sch["1f1b-flush"]["simulated_makespan_s"] / sch["paci"]["simulated_makespan_s"],
     }
+    # tokens/s ratio of the orders = inverse makespan ratio (the same micro-batches), per repeat
+    out["paci_deterministic_over_dynamic"] = statistics.median(
+        d / f for d, f in zip(sch["paci dynamic"]["runtime_makespans_s"], sch["paci"]["runtime_makespans_s"]))
     return out
 
 
@@ -455,14 +485,17 @@ def format_report(res: dict) -> str:
         lines.append("")
         lines.append(f"Synthetic sleep stages, N={cfg['sleep_n']}, F={syn['f_s'] * 1e3:.0f} ms, "
                      f"B={syn['b_s'] * 1e3:.0f} ms, m=a={cfg['sleep_m']}, {cfg['sleep_steps']} steps")
-        lines.append(f"{'schedule':12} {'runtime s':>10} {'simulated s':>12} {'ratio':>7} {'sim(measured) s':>16}")
+        lines.append(f"{'schedule':13} {'runtime s':>10} {'simulated s':>12} {'ratio':>7} {'sim(measured) s':>16}")
         for name, s in syn["schedules"].items():
-            lines.append(f"{name:12} {s['runtime_makespan_s']:>10.3f} {s['simulated_makespan_s']:>12.3f} "
+            lines.append(f"{name:13} {s['runtime_makespan_s']:>10.3f} {s['simulated_makespan_s']:>12.3f} "
                          f"{s['ratio']:>7.3f} {s['simulated_from_measured_durations_s']:>16.3f}"
                          f"  within 5%: {'yes' if s['within_5pct'] else 'NO'}")
         sp = syn["paci_speedup_over_flush"]
         lines.append(f"paci speed-up over 1f1b-flush at equal micro-batches: runtime {sp['runtime']:.3f}, "
                      f"simulator {sp['simulated']:.3f}")
+        if "paci_deterministic_over_dynamic" in syn:
+            lines.append(f"paci throughput, deterministic / dynamic order (median of per-repeat ratios): "
+                         f"{syn['paci_deterministic_over_dynamic']:.3f}")
     return "\n".join(lines)
 
 
@@ -470,13 +503,14 @@ def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--repeats", type=int, default=None)
     p.add_argument("--steps", type=int, default=None)
+    p.add_argument("--stages", dest="n", type=int, default=None)
     p.add_argument("--m", type=int, default=None)
     p.add_argument("--quick", action="store_true")
     p.add_argument("--only", choices=["model", "synthetic"], default=None)
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
     cfg = quick_config() if a.quick else BenchConfig()
-    for name in ("repeats", "steps", "m"):
+    for name in ("repeats", "steps", "n", "m"):
         if getattr(a, name) is not None:
             setattr(cfg, name, getattr(a, name))
     if a.only:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from unbubble.errors import ConfigError, did_you_mean
+from unbubble.schedules.policy import ORDERS  # [Note: deterministic order]
 from unbubble.schedules.registry import SCHEDULES
 
 ENGINES = ("emulator", "processes")
@@ -61,6 +62,7 @@ class TrainConfig:
     corpus: str = field(default="kjv", metadata={"help": 'kjv, shakespeare, a text file, a folder of .txt files, or a folder with train.bin and val.bin (pre-tokenised uint16 ids of --tokenizer, nanoGPT format).'})
     tokenizer: Literal["byte", "gpt2"] = field(default="byte", metadata={"help": 'byte (vocabulary 257, fast on CPU) or gpt2 (offline GPT-2 BPE, vocabulary 50257).'})
     engine: Literal["emulator", "processes"] = field(default="processes", metadata={"help": 'processes: one torch.distributed process per stage; emulator: all stages in this process.'})
+    order: Literal["deterministic", "dynamic"] = field(default="deterministic", metadata={"help": "Action order of asynchronous schedules (paci, async-1f1b, pipedream, …): deterministic (each stage follows a fixed 1F1B order: warm-up forwards up to its in-flight cap N+1−i, then one forward per backward; the same losses run to run, on the processes engine as in the emulator) or dynamic (a backward runs first whenever its gradient has arrived: on the processes engine the order follows arrival times, so losses differ run to run). Both keep the back-pressure and the drift bound ⌈(N−i)/a⌉; synchronous schedules ignore it."})
     seed: int = field(default=0, metadata={"help": "Seed of the initial weights and of the data order."})
     eval_interval: int = field(default=50, metadata={"help": 'Evaluate the version-v weights every this many steps (and at the end).'})
     eval_batches: int = field(default=8, metadata={"help": 'Validation micro-batches per evaluation.'})
@@ -132,6 +134,9 @@ class TrainConfig:
             raise ConfigError(f"clip_grad_norm={self.clip_grad_norm!r} is invalid: must be > 0 or unset")
         if self.engine not in ENGINES:
             raise ConfigError(f"engine={self.engine!r} is unknown{did_you_mean(self.engine, ENGINES)}: valid engines are {', '.join(ENGINES)} (set --engine)")
+        if self.order not in ORDERS:
+            raise ConfigError(f"order={self.order!r} is invalid{did_you_mean(self.order, ORDERS)}: must be one of "
+                              f"{', '.join(ORDERS)} (set --order)")
         for name, valid in (("optimizer", OPTIMIZERS), ("br_source", ("2nd", "1st")),
                             ("br_geometry", ("bilateral", "unilateral")),
                             ("br_allocation", ("uniform", "stage-aware", "inverse"))):

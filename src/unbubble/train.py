@@ -140,6 +140,7 @@ def build_job(cfg: TrainConfig, tokens: TokenData) -> tuple[PipelineJob, ModelCo
         precision=cfg.precision,
         recompute=cfg.recompute,
         predict_weights=cfg.predict_weights,
+        order=cfg.order,
     )
     return job, model
 

@@ -69,6 +69,7 @@ def test_file_values_types_and_overrides(tmp_path):
     ("tensorboard: 1", "tensorboard=1 has the wrong type int: expected true or false"),
     ("seed:", "seed is empty (null): expected an integer"),
     ("engine: gpu", "engine='gpu' is invalid: must be one of emulator, processes"),
+    ("order: dynamc", "order='dynamc' is invalid (did you mean 'dynamic'?): must be one of deterministic, dynamic"),
     ("a: 0", "run.yaml: a=0 is invalid: must be an integer ≥ 1 (set --a)"),
     ("- steps: 3", "expected a mapping of option names to values (key: value lines), got a list"),
     ("steps: [3", "not valid YAML at line 1, column 10"),
@@ -88,6 +89,10 @@ def test_missing_file_and_bad_override():
         load_config("nope.yaml")
     with pytest.raises(ConfigError, match="^a=0 is invalid"):  # from the command line: no file named
         config_from_dict({"a": 3}, overrides={"a": 0}, where="run.yaml")
+    with pytest.raises(ConfigError, match=r"^order='random' is invalid: must be one of deterministic, dynamic "
+                                          r"\(set --order\)$"):  # the Python API
+        TrainConfig(order="random")
+    assert TrainConfig().order == "deterministic"
 
 
 def _printed(args, tmp_path):

@@ -8,6 +8,7 @@ import pytest
 
 from unbubble.errors import ConfigError, ScheduleError
 from unbubble.schedules import Action, ActionKind, ListPolicy, get_schedule
+from unbubble.schedules.policy import CutPolicy, Cuts
 from unbubble.sim import UniformCosts, run_policies
 
 
@@ -92,6 +93,73 @@ def test_golden_paci_order_n3_a2():
         "1F0 1F1 1B0 1F2 1B1 1U 1F3 1B2 1B3 1U",
         "2F0 2B0 2F1 2B1 2U 2F2 2B2 2F3 2B3 2U",
     ]
+
+
+ASYNC_SHAPES = [("paci", n, a) for n in (2, 3, 4, 8) for a in (1, 2, 3, 8)] + \
+    [(name, 4, 1) for name in ("async-1f1b", "pipedream", "pipemare")] + [("pipedream-2bw", 4, 4)]
+
+
+def _async(name, n, a, steps):
+    return get_schedule(name, n, steps, a=a, m=a) if name in ("paci", "pipedream-2bw") else get_schedule(name, n, steps)
+
+
+@pytest.mark.parametrize("name,n,a", ASYNC_SHAPES)
+@pytest.mark.parametrize("every", [0, 2])
+def test_deterministic_order_is_the_unit_cost_order(name, n, a, every):
+    """[Note: deterministic order]: on the emulator's default costs (F=1, B=2) the arrival-driven
+    rule picks exactly the fixed order, with and without checkpoint drains."""
+    sched = _async(name, n, a, steps=7)
+    orders = {}
+    for order in ("dynamic", "deterministic"):
+        cuts = Cuts(sched.mb_per_step, every=every)
+        orders[order] = run_policies(sched, UniformCosts(), policies=[CutPolicy(sched.policy(r, order), cuts)
+                                                                      for r in range(n)]).order()
+    assert orders["deterministic"] == orders["dynamic"]
+
+
+def test_deterministic_order_does_not_depend_on_timing_and_keeps_the_bounds():
+    """Stage speeds and link latencies change the arrival-driven order but not the fixed one,
+    which keeps q_i ≤ N+1−i and Δ_i ≤ ⌈(N−i)/a⌉ and never deadlocks (drains included)."""
+    import random
+
+    rng = random.Random(0)
+    n, a, steps = 4, 2, 9
+    sched = get_schedule("paci", n, steps, a=a)
+    bound = [sched.drift_bound(s) for s in range(n)]
+    reference = {every: run_policies(sched, UniformCosts(), policies=[
+        CutPolicy(sched.policy(r, "deterministic"), Cuts(sched.mb_per_step, every=every)) for r in range(n)]).order()
+        for every in range(3)}
+    dynamic_orders = set()
+    for trial in range(30):
+        costs = UniformCosts(f=rng.uniform(0.2, 2), b=rng.uniform(0.2, 4), u=rng.uniform(0, 1),
+                             latency=rng.uniform(0, 3), stage_scale=tuple(rng.uniform(0.3, 3) for _ in range(n)))
+        for order in ("dynamic", "deterministic"):
+            cuts = Cuts(sched.mb_per_step, every=trial % 3)
+            trace = run_policies(sched, costs, policies=[CutPolicy(sched.policy(r, order), cuts) for r in range(n)])
+            assert all(d <= b for d, b in zip(trace.max_drift(), bound)), (order, trial)
+            assert all(q <= n - s for s, q in enumerate(_max_in_flight(trace, n))), (order, trial)
+            if order == "dynamic":
+                dynamic_orders.add(str(trace.order()))
+            else:
+                assert trace.order() == reference[cuts.every], trial
+    assert len(dynamic_orders) > 1  # the arrival-driven order does follow the timing
+
+
+def test_unknown_order_is_one_clear_error():
+    with pytest.raises(ConfigError, match=r"^order='fixed' is invalid: must be one of deterministic, dynamic "
+                                          r"\(set --order\)$"):
+        get_schedule("paci", 2, 1, a=1).policy(0, "fixed")
+
+
+def test_a_job_with_an_unknown_order_is_refused_before_it_runs():
+    import dataclasses
+
+    from unbubble.testing import tiny_gpt_job
+
+    job = tiny_gpt_job(get_schedule("paci", 2, 1, a=1))
+    with pytest.raises(ConfigError, match=r"^order='dynamik' is invalid \(did you mean 'dynamic'\?\): must be one of "
+                                          r"deterministic, dynamic \(set --order\)$"):
+        dataclasses.replace(job, order="dynamik")
 
 
 def test_deadlock_is_reported():

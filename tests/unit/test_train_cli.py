@@ -125,6 +125,8 @@ BAD = [
     (["--nan-lr-factor", "0"], "nan_lr_factor=0.0 is invalid: must be in (0, 1]"),
     (["--nan-lr-factor", "1.5"], "nan_lr_factor=1.5 is invalid"),
     (["--timeout-s", "0"], "timeout_s=0.0 is invalid: must be a number of seconds > 0"),
+    (["--order", "determinstic"], "order='determinstic' is invalid (did you mean 'deterministic'?): must be one of "
+                                  "deterministic, dynamic (set --order)"),
     (["--checkpoint-every", "-1"], "checkpoint_every=-1 is invalid: must be an integer ≥ 0"),
     (["--micro-batch-size", "100000"], "micro_batch_size=100000"),
     # pre-tokenised data files

@@ -29,7 +29,8 @@ def run_emulator(job: PipelineJob, costs: CostModel | None = None, replay: list[
     Args:
         job: what to train.
         costs: durations used to order the actions (default: F=1, B=2, U=0, no latency).
-        replay: per-stage action lists to follow instead of the schedule's policies.
+        replay: per-stage action lists to follow instead of the schedule's policies (else
+            ``job.order`` picks them; with the default costs both orders give the same run).
         listener: receives per-step losses and evaluations.
         modules: pre-built stage modules (else ``job.stage_fn`` builds them).
         cuts: the run's cut points (default ``job.cuts()``); setting ``cuts.stop_requested``
@@ -103,7 +104,7 @@ def run_emulator(job: PipelineJob, costs: CostModel | None = None, replay: list[
             writer.at_stop(execs)
 
     policies = [ListPolicy(acts) for acts in replay] if replay is not None else \
-        [job.schedule.policy(r) for r in range(job.schedule.n_ranks)]
+        [job.schedule.policy(r, job.order) for r in range(job.schedule.n_ranks)]
     policies = [CutPolicy(p, cuts) for p in policies]
     sim = run_policies(job.schedule, costs or UniformCosts(), execute, policies)
     wall = time.perf_counter() - t0

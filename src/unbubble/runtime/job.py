@@ -9,14 +9,14 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from unbubble.errors import ConfigError
-from unbubble.runtime.checkpoint import Checkpointing, DamagedCheckpoint, check_fingerprint, fingerprint, load_stage, rng_state, \
-    save_stage, set_rng_state
+from unbubble.errors import ConfigError, did_you_mean
+from unbubble.runtime.checkpoint import Checkpointing, DamagedCheckpoint, check_fingerprint, fingerprint, load_stage, \
+    rng_state, save_stage, set_rng_state
 from unbubble.runtime.data_parallel import replica_batch
 from unbubble.runtime.executor import BatchFn, LossFn, StageExecutor
 from unbubble.runtime.precision import check_modes, to_bf16
 from unbubble.optim.lr_rescheduling import PipeDreamLR, StalenessLR
-from unbubble.schedules.policy import Cuts
+from unbubble.schedules.policy import ORDERS, Cuts
 from unbubble.schedules.registry import Schedule
 
 StageFn = Callable[[int], nn.Module]
@@ -73,6 +73,13 @@ class PipelineJob:
         predict_weights: ``"none"``, ``"bound"`` or ``"measured"``: forwards run on the last applied
             update extrapolated s_i updates ahead (s_i: the stage's drift bound ⌈(N−i)/a⌉, or its mean
             measured drift); [Note: weight prediction] in ``runtime/executor.py``.
+        order: how an asynchronous schedule's stages order their actions ([Note: deterministic
+            order] in ``schedules/policy.py``): ``"deterministic"`` (a fixed per-stage order: the
+            same losses run to run on every engine, and the process engine equals the emulator)
+            or ``"dynamic"`` (a backward goes first whenever its gradient has arrived: on real
+            processes the order follows arrival times and varies run to run). Both keep the
+            back-pressure q_i < N+1−i and the drift bound ⌈(N−i)/a⌉; synchronous schedules
+            follow their lists either way.
     """
 
     stage_fn: StageFn
@@ -95,6 +102,12 @@ class PipelineJob:
     precision: str = "fp32"
     recompute: str = "none"
     predict_weights: str = "none"
+    order: str = "deterministic"
+
+    def __post_init__(self) -> None:
+        if self.order not in ORDERS:  # here, before any stage process starts
+            raise ConfigError(f"order={self.order!r} is invalid{did_you_mean(self.order, ORDERS)}: must be one of "
+                              f"{', '.join(ORDERS)} (set --order)")
 
     def build_executor(self, stage: int, module: nn.Module | None = None, replica: int = 0,
                        grad_sync=None, device: torch.device | None = None) -> StageExecutor:

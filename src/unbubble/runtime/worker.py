@@ -109,7 +109,7 @@ def run_stage(job: PipelineJob, rank: int, sink: Sink, replay: list[Action] | No
             sink(("snapshot", s, (0, to_bytes(ex.module.state_dict()))))
     transport = P2PTransport(prank, sched.n_ranks, n, sched.total_mb, replica=replica, dp=job.dp, device=device)
     transport.start(start * m)
-    inner = ListPolicy(replay) if replay is not None else sched.policy(prank)
+    inner = ListPolicy(replay) if replay is not None else sched.policy(prank, job.order)
     states = {s: StageState(s, n, sched.total_mb) for s in stages}
     view = states[prank] if len(stages) == 1 else RankView(list(states.values()))
     if start:

@@ -150,6 +150,58 @@ class PaciPolicy:
         return state.n_bwd == state.total_mb and state.bwd_since_update == 0
 
 
+class OrderedPaciPolicy(PaciPolicy):
+    """PACI(a) in a fixed per-stage order: the same actions, the same admission, update and
+    drift rules as :class:`PaciPolicy`, in an order that does not depend on arrival times.
+
+    [Note: deterministic order]
+    Stage i (1-based, i = stage + 1) runs the 1F1B sequence of the never-flushed pipeline:
+      1. ``U`` once a backward passes have accumulated;
+      2. ``F`` of the next micro-batch while the in-flight count q_i < N + 1 − i (back-pressure:
+         N + 1 − i warm-up forwards, then one forward after each backward), waiting for its input;
+      3. otherwise ``B`` of the oldest micro-batch in flight, waiting for its gradient.
+    Each choice is a function of the stage's own counts (forwards, backwards, version), never of
+    which message came first, so every run of the same job executes the same actions on the
+    same weight versions in the same order, on any engine and however fast each stage is: the
+    losses are reproducible run to run (checkpoint drains included; only a stop signal lands
+    where its timing puts it). With unit costs (F = 1, B = 2, no latency; the emulator's
+    default) :class:`PaciPolicy` produces exactly this order, for every asynchronous schedule
+    (``tests/unit/test_schedules.py``), so the process engine equals the emulator bit for bit. The drift bound holds as for :class:`PaciPolicy`: a forward
+    starts only while q_i < N + 1 − i and backwards run oldest first, so at most N − i backwards,
+    hence at most ⌈(N − i)/a⌉ updates, fall between a micro-batch's F and its B.
+
+    The price: a stage waits for the message its order names even when another one is already
+    there (a gradient that came before the activation it waits for). With balanced stages the
+    order is the one the arrivals give anyway; ``benchmarks/bench_runtime.py`` measures the
+    cost against :class:`PaciPolicy` on real processes.
+    """
+
+    def next_action(self, state: StageState, forward: bool = True) -> Action | None:
+        """The next action of the order, or ``None`` while its input has not arrived.
+
+        Args:
+            state: this stage's local state.
+            forward: ``False`` when the next forward may not start (a checkpoint drain or a stop,
+                :class:`CutPolicy`): the stage runs its backwards meanwhile.
+        """
+        if state.bwd_since_update >= self.a:
+            return Action(self.stage, ActionKind.U)
+        k = state.n_fwd
+        if forward and k < state.total_mb and state.in_flight < self.cap:
+            return Action(self.stage, ActionKind.F, k) if state.input_ready(k) else None
+        if state.in_flight > 0:
+            k = state.n_bwd  # backwards run in forward order: the oldest in flight
+            return Action(self.stage, ActionKind.B, k) if state.grad_ready(k) else None
+        return None
+
+
+#: Orders of asynchronous schedules ([Note: deterministic order]): ``deterministic`` follows a
+#: fixed per-stage order (:class:`OrderedPaciPolicy`, reproducible); ``dynamic`` decides by
+#: arrival (:class:`PaciPolicy`: a backward whose gradient is here goes first; on real processes
+#: the order, and so the losses, vary run to run).
+ORDERS = ("deterministic", "dynamic")
+
+
 class ListPolicy:
     """Follows a fixed per-stage action list, waiting until each action's inputs arrive.
 
@@ -211,8 +263,9 @@ class Cuts:
 class CutPolicy:
     """Wraps a rank's policy with checkpoint cuts and a stop (:class:`Cuts`).
 
-    * Drain: stage 0 does not forward the first micro-batch after a cut step V
-      (``k = V·mb_per_step``) until its own update V is applied. Everything before the cut
+    * Drain: no stage forwards the first micro-batch after a cut step V
+      (``k = V·mb_per_step``) until its own update V is applied (stage 0 is the one that waits:
+      the others get that micro-batch only after stage 0's update V). Everything before the cut
       then finishes on every stage before anything after it starts (backward passes reach
       stage 0 last), and each stage is idle at its update V. Flushed schedules already order
       their lists this way, so for them this never waits.
@@ -237,16 +290,23 @@ class CutPolicy:
         first = next((st for st in states if st.stage == 0), None)
         if first is not None and cuts.stop_requested and cuts.decide and cuts.stop_step is None:
             cuts.place_stop(first.n_fwd)
+        if isinstance(self.inner, OrderedPaciPolicy):  # a fixed order: its backwards go on meanwhile
+            return self.inner.next_action(view, forward=not self._refused(view, view.n_fwd))
         action = self.inner.next_action(view)
         if action is None or action.kind is not ActionKind.F:
             return action
+        own = next(st for st in states if st.stage == action.stage)
+        return None if self._refused(own, action.mb) else action
+
+    def _refused(self, state: StageState, mb: int) -> bool:
+        """True if the forward of ``mb`` on ``state``'s stage may not start now: it is at or
+        after the stop, or it is the first micro-batch after a cut step V and the stage has not
+        applied its own update V (the drain; stages > 0 reach it before their input comes anyway)."""
+        cuts = self.cuts
         m = cuts.mb_per_step
-        if cuts.stop_step is not None and action.mb >= cuts.stop_step * m:
-            return None
-        if action.stage == 0 and action.mb > 0 and action.mb % m == 0 and cuts.is_cut(action.mb // m) \
-                and first.version < action.mb // m:
-            return None  # drain: wait for this stage's own update at the cut
-        return action
+        if cuts.stop_step is not None and mb >= cuts.stop_step * m:
+            return True
+        return mb > 0 and mb % m == 0 and cuts.is_cut(mb // m) and state.version < mb // m
 
     def done(self, view) -> bool:
         t = self.cuts.stop_step

@@ -12,7 +12,7 @@ from typing import Literal
 
 from unbubble.errors import ConfigError, did_you_mean
 from unbubble.schedules.actions import Action
-from unbubble.schedules.policy import ListPolicy, PaciPolicy, Policy
+from unbubble.schedules.policy import ORDERS, ListPolicy, OrderedPaciPolicy, PaciPolicy, Policy
 from unbubble.schedules import static
 
 #: name -> one line of semantics (shown by ``unbubble schedules``).
@@ -82,10 +82,25 @@ class Schedule:
     def stashing(self) -> bool:
         return self.backward_weights == "stashed"
 
-    def policy(self, rank: int) -> Policy:
-        """A fresh policy for ``rank`` (= stage unless interleaved)."""
+    def policy(self, rank: int, order: str = "dynamic") -> Policy:
+        """A fresh policy for ``rank`` (= stage unless interleaved).
+
+        Args:
+            rank: the rank (0-based).
+            order: for asynchronous schedules, ``"dynamic"`` (:class:`PaciPolicy`, decides by
+                arrival: what the simulator models) or ``"deterministic"`` (:class:`OrderedPaciPolicy`,
+                a fixed per-stage order; the training engines' default). Synchronous schedules
+                follow their lists either way.
+
+        Raises:
+            ConfigError: ``order`` is not one of :data:`ORDERS`.
+        """
+        if order not in ORDERS:
+            raise ConfigError(f"order={order!r} is invalid{did_you_mean(order, ORDERS)}: must be one of "
+                              f"{', '.join(ORDERS)} (set --order)")
         if self.asynchronous:
-            return PaciPolicy(rank, self.n_stages, self.mb_per_step)
+            cls = OrderedPaciPolicy if order == "deterministic" else PaciPolicy
+            return cls(rank, self.n_stages, self.mb_per_step)
         return ListPolicy(self.static_order()[rank])
 
     def static_order(self) -> list[list[Action]]:
