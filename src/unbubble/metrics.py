@@ -153,7 +153,7 @@ class RunWriter:
             lg.close()
         shutil.rmtree(self.dir, ignore_errors=True)
 
-    def finish(self, result: RunResult, total_wall_s: float) -> dict[str, Any]:
+    def finish(self, result: RunResult, total_wall_s: float, started_at: float | None = None) -> dict[str, Any]:
         self._metrics.close()
         versions = result.trace.versions()
         recompute = self.job.recompute == "full"
@@ -189,8 +189,10 @@ class RunWriter:
             "rss_bytes": [m.get("process_rss_bytes") for m in result.memory] if self.cfg.engine != "emulator" else None,
             "peak_rss_bytes": [m.get("process_peak_rss_bytes") for m in result.memory]
             if self.cfg.engine != "emulator" else None,
-            # seconds from the command's start to the end of the first optimizer step on every stage
-            "startup_s": result.startup_s,
+            # seconds from the command's start (the CLI's process start; train()'s call from Python) to
+            # the end of the first optimizer step on every stage
+            "startup_s": None if result.first_step_end is None or started_at is None
+            else result.first_step_end - started_at,
             "optimizer_extra_bytes": [b.get("extra_bytes") for b in result.optimizer_bytes],
             "optimizer_extra_per_rotated_param": [b.get("extra_per_rotated_param") for b in result.optimizer_bytes],
             "final_train_loss": train[-1][1] if train else None,

@@ -281,7 +281,7 @@ def run_job(job: PipelineJob, engine: str, listener: Listener | None = None, thr
 
 
 def train(cfg: TrainConfig | None = None, listener_factory=None, resume: str | Path | None = None,
-          resume_overrides: dict | None = None) -> tuple[RunResult | None, Path | None]:
+          resume_overrides: dict | None = None, started_at: float | None = None) -> tuple[RunResult | None, Path | None]:
     """Validates ``cfg``, trains, and writes the run folder.
 
     Args:
@@ -291,6 +291,9 @@ def train(cfg: TrainConfig | None = None, listener_factory=None, resume: str | P
         resume: a run folder to continue from its newest complete checkpoint, with its own
             config.yaml ([Note: the checkpoint cut] in ``runtime/checkpoint.py``).
         resume_overrides: options of :data:`RESUME_OVERRIDES` to change when resuming.
+        started_at: when the command started, epoch seconds: summary.json's ``startup_s`` counts
+            from it to the end of the first optimizer step (default: this call; ``unbubble train``
+            passes its process's start).
 
     Returns:
         ``(result, run_dir)``; both ``None`` on non-zero torchrun ranks. ``result.stopped_at``
@@ -303,6 +306,7 @@ def train(cfg: TrainConfig | None = None, listener_factory=None, resume: str | P
             (:class:`~unbubble.errors.StartupInterrupted` before the first step). A new run that
             ends so before its first step removes its run folder.
     """
+    started_at = time.time() if started_at is None else started_at
     if resume is not None:
         cfg = resume_config(resume, resume_overrides)
     cfg.validate()
@@ -346,5 +350,5 @@ def train(cfg: TrainConfig | None = None, listener_factory=None, resume: str | P
         raise
     if writer is None or result is None:
         return None, None
-    writer.finish(result, time.perf_counter() - t0)
+    writer.finish(result, time.perf_counter() - t0, started_at)
     return result, run_dir

@@ -269,7 +269,7 @@ def test_resume_continues_the_run_folder_bit_identically(tmp_path, cache_dir):
     # the summary covers the whole run, not only the part after the resume
     assert summary == {**json.loads((run / "summary.json").read_text()), **{
         k: summary[k] for k in ("resumed_from_step", "tokens", "train_wall_s", "total_wall_s", "tokens_per_s",
-                                "utilization", "simulated_utilization")}}
+                                "utilization", "simulated_utilization", "startup_s")}}
     assert summary["tokens"] == 10 * 4 * 8 * 32 and summary["steps_done"] == 20
 
     # a damaged newest checkpoint (a file cut short) is passed over for the previous one, saying so

@@ -161,6 +161,7 @@ def train(print_config: bool, resume: str | None, **kwargs) -> None:
     `unbubble train --resume RUN` continues. A second signal stops at once.
     """
     from unbubble.loggers import perplexity
+    from unbubble.runtime.telemetry import process_start_epoch
     from unbubble.train import resume_config, train as run_training
 
     if resume is not None:
@@ -185,9 +186,10 @@ def train(print_config: bool, resume: str | None, **kwargs) -> None:
 
     try:
         if resume is not None:
-            result, run_dir = run_training(listener_factory=factory, resume=resume, resume_overrides=_given(kwargs))
+            result, run_dir = run_training(listener_factory=factory, resume=resume, resume_overrides=_given(kwargs),
+                                           started_at=process_start_epoch())
         else:
-            result, run_dir = run_training(cfg, listener_factory=factory)
+            result, run_dir = run_training(cfg, listener_factory=factory, started_at=process_start_epoch())
     except (KeyboardInterrupt, StartupInterrupted) as exc:  # a stop before the first step
         after = f"the run folder is unchanged; continue with: unbubble train --resume {resume}" if resume else \
             "nothing of the new run was kept"

@@ -49,7 +49,11 @@ class RunResult:
         events: micro-batches the non-finite guard dropped (stage, mb, version, what, policy).
         memory: per stage, the executor's measured bytes (``StageExecutor.memory_bytes``:
             parameters, fp32 masters, gradients, optimizer state, peak activations and weight
-            copies), or empty when the engine did not report them.
+            copies; with the process engine also ``process_rss_bytes`` and
+            ``process_peak_rss_bytes`` of the stage's process), or empty when the engine did not
+            report them.
+        first_step_end: epoch seconds at which the run's first optimizer step had ended on every
+            stage (``None`` if one never updated).
     """
 
     trace: Trace
@@ -64,7 +68,7 @@ class RunResult:
     stopped_at: int | None = None
     events: list[dict[str, Any]] = field(default_factory=list)
     memory: list[dict[str, Any]] = field(default_factory=list)
-    startup_s: float | None = None
+    first_step_end: float | None = None
 
     @property
     def tokens_per_s(self) -> float:
@@ -155,19 +159,18 @@ class Telemetry:
         tokens = (end - self.start_step) * sched.mb_per_step * (self.job.tokens_per_mb or 1) * self.job.dp
         return RunResult(self.trace, sim_trace, self.step_losses, sorted(self.val_losses),
                          final_states, wall_s, tokens, optimizer_bytes or [], self.start_step, stopped_at,
-                         self.events, memory or [], self._startup_s())
+                         self.events, memory or [], self._first_step_end())
 
-    def _startup_s(self) -> float | None:
-        """Seconds from this process's start (the command) to the end of the run's first optimizer
-        step on every stage; ``None`` without /proc or before any stage updated."""
+    def _first_step_end(self) -> float | None:
+        """When the run's first optimizer step had ended on every stage, epoch seconds (``None``
+        if some stage never updated)."""
         first: dict[int, float] = {}
         for r in self.trace.records:
             if r.action.kind is ActionKind.U:
                 first[r.action.stage] = min(first.get(r.action.stage, math.inf), r.end)
-        started = process_start_epoch()
-        if started is None or len(first) < self.job.schedule.n_stages:
+        if len(first) < self.job.schedule.n_stages:
             return None
-        return self.t0 + max(first.values()) - started
+        return self.t0 + max(first.values())
 
 
 def process_memory() -> dict[str, int | None]:
