@@ -139,6 +139,7 @@ def build_job(cfg: TrainConfig, tokens: TokenData) -> tuple[PipelineJob, ModelCo
         precision=cfg.precision,
         recompute=cfg.recompute,
         predict_weights=cfg.predict_weights,
+        compile_backend=cfg.compile_backend if cfg.compile else None,
     )
     return job, model
 
