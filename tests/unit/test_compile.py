@@ -14,6 +14,7 @@ import torch
 import torch._dynamo
 from torch import nn
 
+from test_precision import _weight_copies
 from test_runtime import _delayed_reference, _mlp_batch, _mlp_stage, _mse, _sgd
 from unbubble.config import TrainConfig
 from unbubble.errors import ConfigError
@@ -123,6 +124,30 @@ def test_compiled_backward_uses_the_current_weights_and_forward_time_activations
     if precision != "bf16-autocast":  # autocast's input gradient uses the forward-time bf16 weights
         assert _rel_diff(frozen, eager)[0] > 0.5  # the input gradient tells the versions apart
     assert max(_rel_diff(rematerialised, eager)) > 0.5  # the weight gradients tell the activations apart
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compiled_forward_saves_the_weight_matrices_by_reference(backend):
+    """What the compiled forward saves for its backward: both Linear weights as the parameters
+    themselves (same storage), and no tensor equal by value to a parameter or its transpose (a
+    copy), fp32. The copy counter sees copies where they exist: under autocast the compiled forward
+    saves the bf16 casts of both matrices, 2 bytes × 256 elements, as the eager one does."""
+    module = _ln_stage()
+    compiled = torch.compile(module, backend=backend)
+    x = torch.randn(4, 8, requires_grad=True)
+    own = {p.untyped_storage().data_ptr(): name for name, p in module.named_parameters()}
+    by_reference = set()
+
+    def pack(t):
+        by_reference.add(own.get(t.untyped_storage().data_ptr()))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        compiled(x)
+    assert {"1.weight", "3.weight"} <= by_reference
+    assert _weight_copies(module, lambda: compiled(x)) == 0
+    with torch.autocast("cpu", dtype=BF16):
+        assert _weight_copies(module, lambda: compiled(x)) == 2 * (16 * 8 + 8 * 16)
 
 
 # --- recompilation ------------------------------------------------------------------------------------
