@@ -190,12 +190,15 @@ def test_compiled_runs_equal_eager_runs_with_every_mode(name, mode):
     """Each mode under aot_eager computes what it computes eagerly (bit-identical; N = 3 stages of
     Linear + Tanh, SGD, 6 steps): bf16 masters, autocast, recomputation on v_B (or the stash),
     weight prediction, weight stashing through functional_call on the compiled module, and several
-    chunks per rank."""
+    chunks per rank; and the executor measures the same bytes (``SavedBytes(by_value=True)`` finds
+    autocast's weight copies among the compiled function's saved tensors)."""
     job = dataclasses.replace(PipelineJob(_mlp_stage, _mse, _mlp_batch, _sgd,
                                           get_schedule(name, 3, steps=6, a=2, m=3, v=2)), **mode)
     ref = run_emulator(job)
     assert max(ref.sim_trace.delays().values()) >= (name != "interleaved-1f1b")  # versions differ where they can
-    _assert_states_equal(run_emulator(_compiled(job)).final_states, ref.final_states)
+    got = run_emulator(_compiled(job))
+    _assert_states_equal(got.final_states, ref.final_states)
+    assert got.memory == ref.memory  # measured bytes, weight copies (autocast's casts) included
 
 
 def test_compiled_recompute_replays_dropout():

@@ -248,7 +248,8 @@ class StageExecutor:
             return
         sizes = [0, 0]
         # a recomputed forward's input is already counted as stored
-        with SavedBytes(self.module, exclude=[x] if what == "recomputed" else ()) as saved:
+        with SavedBytes(self.module, exclude=[x] if what == "recomputed" else (),
+                        by_value=self.compile_backend is not None) as saved:
             yield sizes
         sizes[:] = saved.activation_bytes, saved.weight_copy_bytes
         self._sizes[key] = sizes
