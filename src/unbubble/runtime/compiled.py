@@ -2,26 +2,26 @@
 
 [Note: compiled stages]
 A compiled stage is ``torch.compile(module)`` (an ``OptimizedModule`` around the stage's own
-module, which keeps its parameters, names and ``state_dict``); the executor calls it for every
-forward and recomputed forward. The loss is not compiled: the last stage's ``loss_fn`` runs
-eagerly on the compiled module's output (its graph would change with every loss function, and
-the log-softmax over the vocabulary is one kernel either way).
+module, which keeps its parameters, names and ``state_dict``, so checkpoints and evaluation are
+unchanged); the executor calls it for every forward and recomputed forward. The loss is not
+compiled: the last stage's ``loss_fn`` (any user function) runs eagerly on the compiled module's
+output.
 
 Why the semantics of [Note: backward on current weights] (``versions.py``) survive: Dynamo
 lifts the parameters into graph inputs, and AOTAutograd saves what the backward graph needs
-through ``ctx.save_for_backward`` of one autograd function. A saved graph input (or a view of
-one, such as the transposed weight of a ``linear``) is the live parameter itself, so after the
-in-place update (version counters kept by ``keep_version_counters``) the compiled backward reads
-the current weights, as the eager one does. What could break it: a saved tensor *derived* from a
-weight (a contiguous transposed copy, a dtype cast), which would freeze the forward-time weights
-into the backward, or an activation the partitioner rematerialises in the backward from a
-parameter (the weight gradient would then see the current weights instead of the forward-time
-activations). Neither is assumed away: ``tests/unit/test_compile.py`` runs a stage forward,
-updates it in place, runs the backward, and checks the input and weight gradients against the
-eager executor's (which the delayed references pin down) and against the answer with the
-forward-time weights, for ``aot_eager`` and for ``inductor``; bf16-autocast saves its bf16 weight
-casts compiled as eagerly (the input gradient then uses the forward-time bf16 weights, as
-[Note: precision and version semantics] states for eager autocast).
+through ``ctx.save_for_backward`` of one autograd function. A saved graph input is the live
+parameter itself (the tests find both Linear weights of a stage saved with the parameters'
+storage, and no copy), so after the in-place update (version counters kept by
+``keep_version_counters``) the compiled backward reads the current weights, as the eager one
+does. What could break it: a saved tensor *derived* from a weight (a contiguous transposed copy,
+a dtype cast), which would freeze the forward-time weights into the backward, or an activation
+the partitioner rematerialises in the backward from a parameter (the weight gradient would then
+see the current weights instead of the forward-time activations). Neither is assumed away:
+``tests/unit/test_compile.py`` runs a stage forward, updates it in place, runs the backward, and
+checks the input and weight gradients against the eager executor's (which the delayed references
+pin down) and against both wrong answers, for ``aot_eager`` and ``inductor``. bf16-autocast saves
+its bf16 weight casts compiled as eagerly (the input gradient then uses the forward-time bf16
+weights, as [Note: precision and version semantics] states for eager autocast).
 
 Weight stashing calls ``torch.func.functional_call`` on the compiled module with the stashed
 tensors under the ``_orig_mod.`` prefix: the first stashed forward recompiles once (plain
@@ -31,13 +31,15 @@ Recompilation: ``torch.compile``'s default ``dynamic=None`` compiles the first s
 and, when a later call changes a dimension, recompiles once with that dimension symbolic
 ("automatic dynamic shapes"), so micro-batches of varying batch size or length cost at most one
 more graph, not one per shape. Other graphs a stage may need: the no-grad forward of
-``--recompute full`` (grad mode is guarded), and the first stashed forward. :func:`compile_stats`
-reads Dynamo's counters so tests and ``unbubble bench`` can count them. All stages of one model
-class share the cache of its ``forward``, so :func:`compile_stage` raises Dynamo's recompile
-limit to :data:`RECOMPILE_LIMIT` and makes hitting it an error: a stage never falls back to eager
-silently.
+``--recompute full`` (grad mode is guarded), and the first stashed forward. All stages of one
+model class share the cache of its ``forward``, so :func:`compile_stage` raises Dynamo's
+recompile limit to :data:`RECOMPILE_LIMIT` and makes hitting it an error: a stage never falls
+back to eager silently. :func:`compile_stats` reads Dynamo's counters so tests and
+``unbubble bench`` can count the graphs.
 
-Split backward (zb-h1, zb-h2) is refused: see :data:`SPLIT_BACKWARD_SCHEDULES`.
+Memory is measured as for eager stages, except that weight copies are recognised by value
+(``SavedBytes(by_value=True)``): the compiled function's saved tensors have no per-op ``grad_fn``
+chain to follow. Split backward (zb-h1, zb-h2) is refused: see :data:`SPLIT_BACKWARD_SCHEDULES`.
 """
 
 from __future__ import annotations
@@ -98,6 +100,9 @@ def compile_stage(module: nn.Module, backend: str = "inductor") -> nn.Module:
     Args:
         module: the stage's module (its parameters stay the module's own; nothing is copied).
         backend: one of :data:`COMPILE_BACKENDS`.
+
+    Sets two process-wide Dynamo options: ``recompile_limit`` to at least :data:`RECOMPILE_LIMIT`,
+    and ``fail_on_recompile_limit_hit`` (a function past the limit raises instead of running eagerly).
 
     Returns:
         The compiled callable; compilation happens at its first call.
