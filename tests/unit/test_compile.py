@@ -299,7 +299,8 @@ def test_python_api_refuses_split_backward_when_building_a_stage():
 
 def test_cli_compile_flag_trains_and_records_it(tmp_path):
     """``unbubble train --compile --compile-backend aot_eager``: the run trains, config.yaml keeps
-    both keys, summary.json names the backend, and --help lists the flag."""
+    both keys, summary.json names the backend, ``simulate --costs-from`` calibrates on median
+    durations (the first actions include compiling), and --help lists the flag."""
     import json
 
     from click.testing import CliRunner
@@ -316,5 +317,8 @@ def test_cli_compile_flag_trains_and_records_it(tmp_path):
     cfg = load_config(run / "config.yaml")
     assert (cfg.compile, cfg.compile_backend) == (True, "aot_eager")
     assert json.loads((run / "summary.json").read_text())["compile_backend"] == "aot_eager"
+    sim = CliRunner().invoke(cli, ["simulate", "--costs-from", str(run)])  # medians: compiling is not a cost
+    assert sim.exit_code == 0, sim.output
+    assert "compiled with aot_eager: median durations" in sim.output
     help_text = CliRunner().invoke(cli, ["train", "--help"]).output
     assert "--compile / --no-compile" in help_text and "--compile-backend" in help_text
