@@ -19,6 +19,13 @@ What is measured (``unbubble bench``, or ``python benchmarks/bench_runtime.py``)
    the actions F, B, U; torch ``forward_one_chunk``, the loss, ``backward_one_chunk``, the gradient
    scaling and the optimizer step (its P2P waits are outside).
 
+   **Compiled stages** (``compile``, on by default): ``1f1b-flush`` and ``paci`` run a second time with
+   every stage under ``torch.compile`` (``compile_backend``, inductor; the loss eager), in the same
+   rotation, so "compiled / eager" is the median of per-repeat ratios as above. Compilation happens in
+   the untimed warm-up run; the compile time reported is that run's wall time minus the eager
+   warm-up's (same 2 steps), with the graphs each stage compiled there (the compiled ``paci`` reuses
+   the graphs the compiled flush built for the same stages, so its compile time is ≈ 0).
+
 2. **Synthetic stages, N = 8.** Each stage's forward takes F and its backward B (a one-scalar stage,
    tiny messages) by a calibrated sleep: ``time.sleep`` until the measured wake-up overshoot of this
    process (90th percentile, ≥ 0.5 ms) before the deadline, then a spin, so F and B are what the
@@ -81,6 +88,8 @@ def _variant(name: str) -> tuple[str, str]:
     """``"paci dynamic"`` → ``("paci", "dynamic")``; a bare schedule name runs in the default order."""
     schedule, _, order = name.partition(" ")
     return schedule, order or "deterministic"
+#: our schedules also timed with every stage under torch.compile (``--compile``)
+COMPILED = ("1f1b-flush", "paci")
 TORCH = ("ScheduleGPipe", "Schedule1F1B")
 
 
@@ -103,6 +112,8 @@ class BenchConfig:
     sleep_b: float = 0.10  #: synthetic backward (s)
     sleep_m: int = 8  #: synthetic micro-batches per step (PACI: a)
     sleep_steps: int = 3
+    compile: bool = True  #: also time COMPILED with torch.compile'd stages
+    compile_backend: str = "inductor"
     parts: tuple[str, ...] = field(default=("model", "synthetic"))
 
 
@@ -164,7 +175,7 @@ def _adamw(lr: float, params, stage: int) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=lr)
 
 
-def _model_job(cfg: BenchConfig, name: str, steps: int) -> PipelineJob:
+def _model_job(cfg: BenchConfig, name: str, steps: int, compiled: bool = False) -> PipelineJob:
     model = make_config(cfg.model, cfg.vocab_size)
     name, order = _variant(name)
     kw = {"a": cfg.m} if name == "paci" else {"m": cfg.m}
@@ -177,6 +188,7 @@ def _model_job(cfg: BenchConfig, name: str, steps: int) -> PipelineJob:
         tokens_per_mb=cfg.micro_batch_size * cfg.seq_len,
         nan_policy="off",  # torch's schedules do no non-finite checks: the same work on both sides
         order=order,
+        compile_backend=cfg.compile_backend if compiled else None,
     )
 
 
@@ -230,21 +242,26 @@ def _run_torch(cfg: BenchConfig, name: str, rank: int, steps: int) -> dict:
 
 def _model_worker(rank: int, world: int, cfg: BenchConfig, port: int, q) -> None:
     try:
+        from unbubble.runtime.compiled import compile_stats
+
         _init(rank, world, port, cfg.threads)
-        systems = [("unbubble", s) for s in OURS] + [("torch", s) for s in TORCH]
+        systems = [("unbubble", s) for s in OURS] + [("unbubble", f"{s} compiled") for s in COMPILED if cfg.compile] \
+            + [("torch", s) for s in TORCH]
         results = []
-        for rep in range(-1, cfg.repeats):  # rep −1: warm-up of every system in these processes
+        for rep in range(-1, cfg.repeats):  # rep −1: warm-up of every system in these processes (compiles)
             steps = cfg.steps if rep >= 0 else 2
             shift = max(rep, 0) % len(systems)
             for engine, name in systems[shift:] + systems[:shift]:
                 dist.barrier()
                 if engine == "unbubble":
-                    res = _run_ours(_model_job(cfg, name, steps), rank)
+                    graphs = compile_stats()["frames"]
+                    variant = name.removesuffix(" compiled")  # "paci dynamic compiled" → "paci dynamic"
+                    res = _run_ours(_model_job(cfg, variant, steps, compiled=variant != name), rank)
                     res.pop("records")
+                    res["graphs_compiled"] = compile_stats()["frames"] - graphs
                 else:
                     res = _run_torch(cfg, name, rank, steps)
-                if rep >= 0:
-                    results.append({"repeat": rep, "engine": engine, "schedule": name, **res})
+                results.append({"repeat": rep, "engine": engine, "schedule": name, **res})
         dist.destroy_process_group()
         q.put((rank, results))
     except BaseException as exc:  # noqa: BLE001 - reported to the coordinator
@@ -257,9 +274,14 @@ def bench_model(cfg: BenchConfig) -> dict:
     per_rank = _spawn(_model_worker, cfg.n, cfg)
     tokens = cfg.steps * cfg.m * cfg.micro_batch_size * cfg.seq_len
     runs: dict[str, list[dict]] = {}
+    warmup: dict[str, dict] = {}  # system -> the untimed first run (2 steps): wall and graphs compiled
     for i, row in enumerate(per_rank[0]):
         walls = [per_rank[r][i]["wall_s"] for r in range(cfg.n)]
         wall = max(walls)
+        if row["repeat"] < 0:
+            warmup[f"{row['engine']} {row['schedule']}"] = {
+                "wall_s": wall, "graphs_compiled": [per_rank[r][i].get("graphs_compiled", 0) for r in range(cfg.n)]}
+            continue
         runs.setdefault(f"{row['engine']} {row['schedule']}", []).append({
             "repeat": row["repeat"], "wall_s": wall, "tokens_per_s": tokens / wall,
             "utilization": [per_rank[r][i]["busy_s"] / wall for r in range(cfg.n)],
@@ -294,6 +316,15 @@ def bench_model(cfg: BenchConfig) -> dict:
     # the orders' own difference (idle time waiting for the message the order names), likewise free of
     # the machine's load, which changes compute speed from one run to the next by up to 2× here
     ratios["paci deterministic / dynamic utilization"] = util["unbubble paci"] / util["unbubble paci dynamic"]
+    compiled = {}
+    for name in (COMPILED if cfg.compile else ()):
+        eager, comp = f"unbubble {name}", f"unbubble {name} compiled"
+        ratios[f"{name} compiled / eager"] = ratio(comp, eager)
+        # compile time: what the compiled system's warm-up run took beyond the eager one's (same 2 steps);
+        # graphs compiled there per stage (a later system reuses the graphs of the same stages: ≈ 0 s)
+        compiled[name] = {"compile_s": warmup[comp]["wall_s"] - warmup[eager]["wall_s"],
+                          "warmup_wall_s": warmup[comp]["wall_s"], "eager_warmup_wall_s": warmup[eager]["wall_s"],
+                          "graphs_compiled": warmup[comp]["graphs_compiled"]}
     targets = {
         "flush >= 0.95 x torch 1F1B": {"value": ratios["flush / torch 1F1B"], "target": 0.95,
                                          "met": ratios["flush / torch 1F1B"] >= 0.95},
@@ -301,7 +332,7 @@ def bench_model(cfg: BenchConfig) -> dict:
                                                   "met": ratios["paci / torch 1F1B"] >= 0.95 * bubble},
     }
     return {"systems": systems, "ratios": ratios, "bubble_ratio": bubble, "targets": targets,
-            "tokens_per_run": tokens}
+            "tokens_per_run": tokens, "compiled": compiled}
 
 
 # -- part 2: synthetic sleep stages against the simulator -------------------------------------------
@@ -480,6 +511,11 @@ def format_report(res: dict) -> str:
         lines.append(f"{'(m+N-1)/m':40} {mod['bubble_ratio']:>7.3f}")
         for name, t in mod["targets"].items():
             lines.append(f"target {name}: {t['value']:.3f} vs {t['target']:.3f} -> {'met' if t['met'] else 'NOT met'}")
+        for name, c in mod.get("compiled", {}).items():
+            lines.append(f"{name} compiled ({cfg.get('compile_backend', 'inductor')}): {mod['ratios'][name + ' compiled / eager']:.3f} "
+                         f"× eager tokens/s; compile time {c['compile_s']:.1f} s (first run {c['warmup_wall_s']:.1f} s "
+                         f"vs eager {c['eager_warmup_wall_s']:.1f} s; graphs compiled per stage "
+                         f"{' '.join(str(g) for g in c['graphs_compiled'])})")
     if "synthetic" in res:
         syn = res["synthetic"]
         lines.append("")
@@ -507,6 +543,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--m", type=int, default=None)
     p.add_argument("--quick", action="store_true")
     p.add_argument("--only", choices=["model", "synthetic"], default=None)
+    p.add_argument("--no-compile", action="store_true", help="skip the torch.compile variants")
+    p.add_argument("--compile-backend", choices=["inductor", "aot_eager"], default="inductor")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
     cfg = quick_config() if a.quick else BenchConfig()
@@ -515,6 +553,7 @@ def main(argv: list[str] | None = None) -> dict:
             setattr(cfg, name, getattr(a, name))
     if a.only:
         cfg.parts = (a.only,)
+    cfg.compile, cfg.compile_backend = not a.no_compile, a.compile_backend
     res = run(cfg)
     print(format_report(res))
     if a.out:

@@ -15,7 +15,13 @@ One prepared script for a machine with CUDA (``python benchmarks/gpu_check.py``)
    tokens/s of one GPU running every stage in turn (the sum of the action durations), and of the
    pipeline on N GPUs.
 
-Prints one table and writes JSON (``--out``, default ``gpu_check.json``). On a machine without CUDA
+4. with ``--compile`` (the default; ``--no-compile`` skips it): 1F1B-flush and ``--schedule`` in
+   ``--compile-precision`` (bf16) with every stage under ``torch.compile`` (``--compile-backend``,
+   inductor), each beside
+   the same run eager: tokens/s compiled ÷ eager, and the compile time (the compiled run's warm-up
+   steps minus the eager run's).
+
+Prints the tables and writes JSON (``--out``, default ``gpu_check.json``). On a machine without CUDA
 it says so and exits 0. ``--device cpu --model tiny`` runs step 2–3 on the CPU (a smoke test of the
 script itself; the hardware prediction is then not meant to match).
 """
@@ -55,7 +61,7 @@ def _adamw(params, stage):
 
 
 def measure(model: str, schedule: str, n: int, a: int, m: int, b: int, steps: int, warmup: int, precision: str,
-            recompute: str, device: str, hardware: str) -> dict:
+            recompute: str, device: str, hardware: str, compile_backend: str | None = None) -> dict:
     """One run and its prediction; see the module docstring."""
     from unbubble.models.gpt2 import gpt_loss
     from unbubble.models.registry import make_config
@@ -71,7 +77,7 @@ def measure(model: str, schedule: str, n: int, a: int, m: int, b: int, steps: in
     sched = get_schedule(schedule, n, steps=warmup + steps, a=a, m=m)
     job = PipelineJob(functools.partial(_stage, config, n, sched.loss_scale, device), gpt_loss,
                       functools.partial(_batch, config.vocab_size, b, t, device), _adamw, sched,
-                      precision=precision, recompute=recompute)
+                      precision=precision, recompute=recompute, compile_backend=compile_backend)
     if device == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
@@ -92,7 +98,7 @@ def measure(model: str, schedule: str, n: int, a: int, m: int, b: int, steps: in
     pipe = simulate(sched, am.costs, samples_per_mb=b, tokens_per_mb=b * t)
     return {
         "precision": precision, "recompute": recompute, "schedule": schedule, "stages": n, "micro_batch_size": b,
-        "tokens_per_s": tok_per_s, "predicted_tokens_per_s_one_device": b * t / busy,
+        "compile_backend": compile_backend, "warmup_s": t_start, "tokens_per_s": tok_per_s, "predicted_tokens_per_s_one_device": b * t / busy,
         "predicted_tokens_per_s_n_devices": pipe.steady_tokens_per_s,
         "gpu_peak_allocated_bytes": torch.cuda.max_memory_allocated() if device == "cuda" else None,
         "activation_bytes": [mm["activation_bytes"] + mm["weight_copy_bytes"] for mm in res.memory],
@@ -121,6 +127,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--hardware", default="h200")
+    ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile comparison")
+    ap.add_argument("--compile-precision", default="bf16", choices=PRECISIONS)
+    ap.add_argument("--compile-backend", default="inductor", choices=["inductor", "aot_eager"])
     ap.add_argument("--skip-tests", action="store_true", help="do not run tests/gpu first")
     ap.add_argument("--out", default="gpu_check.json")
     o = ap.parse_args(argv)
@@ -158,8 +167,47 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r['precision']:14} {r['recompute']:9} {r['tokens_per_s']:9.0f} "
               f"{r['predicted_tokens_per_s_one_device']:9.0f} {r['predicted_tokens_per_s_n_devices']:9.0f} "
               f"{_mb(r['gpu_peak_allocated_bytes']):>9}  {acts}  |  {ws}")
+    if not o.no_compile:
+        out["compiled"] = compare_compiled(o, rows, out)
     print(f"wrote {o.out}")
     return 0
+
+
+def compare_compiled(o, rows: list[dict], out: dict) -> list[dict]:
+    """Step 4: 1F1B-flush and ``o.schedule``, eager and under torch.compile (``o.compile_backend``), in
+    ``o.compile_precision`` without recomputation; prints tokens/s, the ratio and the compile time."""
+    pairs = []
+    for schedule in dict.fromkeys(("1f1b-flush", o.schedule)):
+        pair = {}
+        for backend in (None, o.compile_backend):
+            known = [r for r in rows if backend is None and schedule == o.schedule and "error" not in r
+                     and (r["precision"], r["recompute"]) == (o.compile_precision, "none")]
+            try:
+                pair[backend or "eager"] = known[0] if known else measure(
+                    o.model, schedule, o.stages, o.a, o.m, o.micro_batch_size, o.steps, o.warmup,
+                    o.compile_precision, "none", o.device, o.hardware, compile_backend=backend)
+            except torch.OutOfMemoryError as exc:
+                pair[backend or "eager"] = {"error": f"out of memory: {exc}"[:200]}
+        eager, comp = pair["eager"], pair[o.compile_backend]
+        ok = "error" not in eager and "error" not in comp
+        pairs.append({"schedule": schedule, "precision": o.compile_precision,
+                      "eager_tokens_per_s": eager.get("tokens_per_s"), "compiled_tokens_per_s": comp.get("tokens_per_s"),
+                      "compiled_over_eager": comp["tokens_per_s"] / eager["tokens_per_s"] if ok else None,
+                      "compile_s": comp["warmup_s"] - eager["warmup_s"] if ok and o.warmup else None,
+                      "errors": [r["error"] for r in (eager, comp) if "error" in r]})
+        out["compiled"] = pairs
+        Path(o.out).write_text(json.dumps(out, indent=2) + "\n")
+    print(f"\ntorch.compile ({o.compile_backend}) against eager, {o.compile_precision}, recompute none; compile time = the "
+          f"compiled run's {o.warmup} warm-up step(s) minus the eager run's")
+    print(f"{'schedule':12} {'eager tok/s':>12} {'compiled':>10} {'ratio':>6} {'compile s':>10}")
+    for p in pairs:
+        if p["errors"]:
+            print(f"{p['schedule']:12} {'; '.join(p['errors'])}")
+            continue
+        cs = "—" if p["compile_s"] is None else f"{p['compile_s']:.1f}"
+        print(f"{p['schedule']:12} {p['eager_tokens_per_s']:12.0f} {p['compiled_tokens_per_s']:10.0f} "
+              f"{p['compiled_over_eager']:6.3f} {cs:>10}")
+    return pairs
 
 
 if __name__ == "__main__":

@@ -22,7 +22,8 @@ OPTIMIZERS = ("adamw", "basis-rotation", "nesterov", "nadam", "pipedream-lr", "s
 
 
 #: Options ``unbubble train --resume`` lets change: how the run executes, not what it computes.
-RESUME_OVERRIDES = ("engine", "threads_per_stage", "timeout_s", "cache_dir", "final_checkpoint")
+RESUME_OVERRIDES = ("engine", "threads_per_stage", "timeout_s", "cache_dir", "final_checkpoint", "compile",
+                    "compile_backend")
 
 
 @dataclass(kw_only=True)
@@ -73,6 +74,8 @@ class TrainConfig:
     nan_lr_factor: float = field(default=0.5, metadata={"help": "Learning-rate factor per dropped micro-batch with --nan-policy lower-lr, in (0, 1]."})
     precision: Literal["fp32", "bf16-autocast", "bf16"] = field(default="fp32", metadata={"help": "fp32; bf16-autocast (fp32 weights, forwards under torch.autocast: an in-flight micro-batch's input gradient uses its forward-time bf16 weights and holds a bf16 copy of them); bf16 (bf16 weights updated in place from fp32 master copies and fp32 moments, gradients summed in fp32: the backward uses the current weights, as in fp32)."})
     recompute: Literal["none", "full"] = field(default="none", metadata={"help": "full: each stage keeps only its input per in-flight micro-batch and re-runs its forward, on the weights the backward uses (v_B) and with the forward's RNG state, right before the backward (one more forward per backward)."})
+    compile: bool = field(default=False, metadata={"help": "torch.compile each stage's module (the loss stays eager) with --compile-backend. The compiled backward reads the current weights as the eager one does, so every schedule keeps its weight-version semantics (tested against the eager runtime), except zb-h1 and zb-h2, which are refused (a compiled backward cannot be split into I and W). Compiles during the first micro-batches (inductor: seconds to minutes per stage; with the processes engine raise --timeout-s above that)."})
+    compile_backend: Literal["inductor", "aot_eager"] = field(default="inductor", metadata={"help": "torch.compile backend of --compile: inductor (generated kernels) or aot_eager (AOTAutograd graphs run op by op: compiles in well under a second; for checking that a model traces)."})
     timeout_s: float = field(default=60.0, metadata={"help": "Seconds a stage process waits for a neighbour before the run fails (processes engine, torchrun)."})
     threads_per_stage: int = field(default=1, metadata={"help": 'torch threads in each stage process (processes engine), and in the emulator.'})
     cache_dir: str = field(default_factory=lambda: os.environ.get("UNBUBBLE_CACHE_DIR", "~/.cache/unbubble"),
@@ -161,6 +164,11 @@ class TrainConfig:
                 raise ConfigError(f"predict_weights={self.predict_weights!r} is invalid with recompute="
                                   f"{self.recompute!r}: a recomputed forward runs on the backward's weights, so the "
                                   "predicted forward would not be the one differentiated (set --recompute none)")
+        from unbubble.runtime.compiled import check_backend, check_compile
+
+        check_backend(self.compile_backend)
+        if self.compile:
+            check_compile(self.compile_backend, self.schedule)
         if self.tokenizer not in TOKENIZERS:
             raise ConfigError(f"tokenizer={self.tokenizer!r} is unknown{did_you_mean(self.tokenizer, TOKENIZERS)}: valid tokenizers are "
                               f"{', '.join(TOKENIZERS)} (set --tokenizer)")

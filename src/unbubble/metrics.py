@@ -181,6 +181,7 @@ class RunWriter:
             "drift_bound": [sched.drift_bound(s) for s in range(sched.n_stages)],
             "optimizer": self.cfg.optimizer,
             "precision": self.job.precision, "recompute": self.job.recompute,
+            "compile_backend": self.job.compile_backend,  # None: eager stages
             # per stage, measured by the executor (StageExecutor.memory_bytes): parameter, fp32 master,
             # gradient, optimizer-state, peak activation and weight-copy bytes
             "memory": result.memory,

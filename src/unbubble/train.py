@@ -141,6 +141,7 @@ def build_job(cfg: TrainConfig, tokens: TokenData) -> tuple[PipelineJob, ModelCo
         recompute=cfg.recompute,
         predict_weights=cfg.predict_weights,
         order=cfg.order,
+        compile_backend=cfg.compile_backend if cfg.compile else None,
     )
     return job, model
 

@@ -44,6 +44,19 @@ def test_paci_replay_is_bit_identical_to_emulator_and_live_run_respects_bound():
     assert replayed.max_drift() == emu.max_drift() == [2, 1, 1, 0]
 
 
+def test_compiled_paci_processes_replay_the_eager_emulator_bit_identically():
+    """--compile with the process engine: each stage process compiles its own stage (aot_eager runs
+    the same aten ops), and a replay of the eager emulator's order gives its weights bit for bit."""
+    import dataclasses
+
+    job = tiny_gpt_job(get_schedule("paci", 2, steps=6, a=2))
+    emu = run_emulator(job)
+    replayed = run_processes(dataclasses.replace(job, compile_backend="aot_eager"), replay=emu.trace.order())
+    for e, p in zip(emu.final_states, replayed.final_states):
+        assert all(torch.equal(e[name], p[name]) for name in e)
+    assert replayed.step_losses == emu.step_losses
+
+
 def test_paci_default_order_is_reproducible_and_equals_the_emulator():
     """[Note: deterministic order]: two live runs (no replay) give the same losses and weights,
     bit for bit, and both equal the emulator's run."""

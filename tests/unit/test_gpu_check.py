@@ -31,3 +31,19 @@ def test_measurement_beside_the_prediction_on_cpu(recompute):
     for got, want in zip(r["activation_bytes"], r["predicted_activation_bytes"]):
         assert abs(got - want) <= 0.10 * want
     assert r["tokens_per_s"] > 0
+
+
+def test_compiled_comparison_on_cpu(capsys, tmp_path):
+    """Step 4 on the CPU with aot_eager (tiny, 2 stages, 1 step after 1 warm-up): both schedules are
+    timed eager and compiled, the ratio and the compile time are reported."""
+    import argparse
+
+    torch.set_num_threads(1)
+    o = argparse.Namespace(model="tiny", schedule="paci", stages=2, a=2, m=2, micro_batch_size=1, steps=1, warmup=1,
+                           device="cpu", hardware="h200", compile_precision="fp32", compile_backend="aot_eager",
+                           out=str(tmp_path / "g.json"))
+    pairs = gpu_check.compare_compiled(o, [], {})
+    assert [p["schedule"] for p in pairs] == ["1f1b-flush", "paci"]
+    for p in pairs:
+        assert p["errors"] == [] and p["compiled_over_eager"] > 0 and p["compile_s"] is not None
+    assert "torch.compile (aot_eager) against eager" in capsys.readouterr().out

@@ -43,15 +43,22 @@ def load_bench_module():
 @click.option("--quick", is_flag=True, help="A smoke run: 1 repeat, fewer steps (≈ 1 min).")
 @click.option("--only", type=click.Choice(["model", "synthetic"]), default=None,
               help="Run one part: the model against torch, or the synthetic stages against the simulator.")
+@click.option("--compile/--no-compile", "compile_", default=True,
+              help="Also time 1f1b-flush and paci with every stage under torch.compile: tokens/s compiled ÷ eager "
+                   "in the same processes, and the compile time (the compiled warm-up run's extra seconds).")
+@click.option("--compile-backend", type=click.Choice(["inductor", "aot_eager"]), default="inductor",
+              help="torch.compile backend of the compiled variants.")
 @click.option("--out", type=click.Path(dir_okay=False), default="bench_runtime.json", help="JSON results file.")
 def bench(repeats: int | None, steps: int | None, n: int | None, m: int | None, quick: bool, only: str | None,
-          out: str) -> None:
+          compile_: bool, compile_backend: str, out: str) -> None:
     """Throughput of 1f1b-flush, gpipe and paci against torch.distributed.pipelining's ScheduleGPipe and
     Schedule1F1B (same model, micro-batches and N = 2 gloo processes): tokens/s, ratios, per-stage
     utilization, medians over repeats; then synthetic sleep stages (N = 8) against the simulator's
     makespan. PACI runs in both action orders in both parts, its default deterministic one (paci) and
-    the arrival-driven one (paci dynamic, --order dynamic): the ratio is the cost of reproducibility. Targets are reported, not asserted: flush ≥ 0.95 × torch 1F1B, PACI ≥ 0.95 × (m+N−1)/m ×
-    torch 1F1B, synthetic within 5 %. About 3 minutes on 2 CPU cores.
+    the arrival-driven one (paci dynamic, --order dynamic): the ratio is the cost of reproducibility.
+    With --compile (the default) 1f1b-flush and paci also run with torch.compile'd stages: compiled ÷
+    eager tokens/s, compile time apart. Targets are reported, not asserted: flush ≥ 0.95 × torch 1F1B,
+    PACI ≥ 0.95 × (m+N−1)/m × torch 1F1B, synthetic within 5 %. About 4 minutes on 2 CPU cores.
     """
     mod = load_bench_module()
     cfg = mod.quick_config() if quick else mod.BenchConfig()
@@ -60,6 +67,7 @@ def bench(repeats: int | None, steps: int | None, n: int | None, m: int | None, 
             setattr(cfg, name, value)
     if only:
         cfg.parts = (only,)
+    cfg.compile, cfg.compile_backend = compile_, compile_backend
     res = mod.run(cfg)
     click.echo(mod.format_report(res))
     Path(out).write_text(json.dumps(res, indent=1))

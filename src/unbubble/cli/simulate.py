@@ -72,7 +72,9 @@ class CostSource:
             from unbubble.sim.measured import load_run, measured_costs, measured_memory
 
             run = load_run(opts["costs_from"])
-            self.measured = measured_costs(run.trace)
+            compiled = run.summary.get("compile_backend")
+            # a compiled run's first forwards and backwards include compiling: medians leave them out
+            self.measured = measured_costs(run.trace, statistic="median" if compiled else "mean")
             run_precision, run_recompute = run.summary.get("precision", "fp32"), run.summary.get("recompute", "none")
             if opts["precision"] not in (None, run_precision):
                 raise ConfigError(f"precision={opts['precision']!r} differs from the calibration run's {run_precision!r}: "
@@ -95,7 +97,8 @@ class CostSource:
                 raise ConfigError(f"stages={opts['stages']} differs from the calibration run's "
                                   f"{run.schedule.n_stages} stages (set --stages {run.schedule.n_stages})")
             self.samples_per_mb, self.tokens_per_mb = run.samples_per_mb, run.tokens_per_mb
-            self.description = (f"costs measured in {run.path} ({run_precision}, recompute {run_recompute})"
+            self.description = (f"costs measured in {run.path} ({run_precision}, recompute {run_recompute}"
+                                + (f", compiled with {compiled}: median durations)" if compiled else ")")
                                 + (", + one forward per backward (--recompute full)"
                                    if self.recompute and run_recompute == "none" else ""))
         elif self.kind == "analytic":

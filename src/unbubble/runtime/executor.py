@@ -12,6 +12,7 @@ from torch import nn
 from torch.func import functional_call
 
 from unbubble.errors import NonFiniteError
+from unbubble.runtime.compiled import COMPILED_PREFIX, compile_stage
 from unbubble.runtime.precision import SavedBytes, check_modes, compute_context, copy_masters, device_type, \
     fold_grads, replayed_rng, rng_state, tensor_bytes
 from unbubble.runtime.versions import keep_version_counters
@@ -79,6 +80,9 @@ class StageExecutor:
             mean drift Δ this stage has measured so far; the backward still uses the current
             weights with the forward-time activations ([Note: weight prediction]).
         predict_bound: s under ``"bound"`` (updates, ≥ 0).
+        compile_backend: ``None`` (eager) or a ``torch.compile`` backend (``"inductor"``,
+            ``"aot_eager"``): every forward calls ``torch.compile(module)``; the loss stays eager
+            ([Note: compiled stages] in ``compiled.py``).
 
     Memory is measured, not estimated (:meth:`memory_bytes`): the bytes autograd saves in a
     forward (``precision.SavedBytes``, once per input shape and dtype), split into activations
@@ -95,7 +99,7 @@ class StageExecutor:
                  velocity_decay: float = 0.9, grad_sync: Callable[[list, float | None], float | None] | None = None,
                  device: torch.device | None = None, nan_policy: str = "skip", nan_lr_factor: float = 0.5,
                  precision: str = "fp32", masters: list[nn.Parameter] | None = None, recompute: str = "none",
-                 predict_weights: str = "none", predict_bound: int = 0):
+                 predict_weights: str = "none", predict_bound: int = 0, compile_backend: str | None = None):
         check_modes(precision, recompute, device)
         if predict_weights not in ("none", "bound", "measured"):
             raise ValueError(f"predict_weights={predict_weights!r} is invalid: must be none, bound or measured")
@@ -148,6 +152,10 @@ class StageExecutor:
         self.last_update = [torch.zeros_like(p) for p in self.params] if predict_weights != "none" else None
         self._scratch = [torch.empty_like(p) for p in self.params] if predict_weights != "none" else None
         self.drift_sum = self.drift_count = 0  # backwards' Δ on this stage (for predict_weights="measured")
+        #: what a forward calls: the module, or torch.compile of it (same parameters)
+        self.compile_backend = compile_backend
+        self._call = module if compile_backend is None else compile_stage(module, compile_backend)
+        self._prefix = "" if compile_backend is None else COMPILED_PREFIX
 
     @property
     def is_first(self) -> bool:
@@ -203,9 +211,10 @@ class StageExecutor:
         """
         with compute_context(self.precision, self._device_type):
             if self.backward_weights == "stashed":
-                out = functional_call(self.module, self.stash[self.fwd_version[k]][0], (x,))
+                stash = self.stash[self.fwd_version[k]][0]
+                out = functional_call(self._call, {self._prefix + n: t for n, t in stash.items()}, (x,))
             else:
-                out = self.module(x)
+                out = self._call(x)
             if not self.is_last:
                 return out, None
             if out.is_floating_point() and out.dtype != torch.float32:
@@ -239,7 +248,8 @@ class StageExecutor:
             return
         sizes = [0, 0]
         # a recomputed forward's input is already counted as stored
-        with SavedBytes(self.module, exclude=[x] if what == "recomputed" else ()) as saved:
+        with SavedBytes(self.module, exclude=[x] if what == "recomputed" else (),
+                        by_value=self.compile_backend is not None) as saved:
             yield sizes
         sizes[:] = saved.activation_bytes, saved.weight_copy_bytes
         self._sizes[key] = sizes

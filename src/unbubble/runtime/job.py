@@ -12,6 +12,7 @@ from torch import nn
 from unbubble.errors import ConfigError, did_you_mean
 from unbubble.runtime.checkpoint import Checkpointing, DamagedCheckpoint, check_fingerprint, fingerprint, load_stage, \
     rng_state, save_stage, set_rng_state
+from unbubble.runtime.compiled import check_compile
 from unbubble.runtime.data_parallel import replica_batch
 from unbubble.runtime.executor import BatchFn, LossFn, StageExecutor
 from unbubble.runtime.precision import check_modes, to_bf16
@@ -80,6 +81,9 @@ class PipelineJob:
             processes the order follows arrival times and varies run to run). Both keep the
             back-pressure q_i < N+1−i and the drift bound ⌈(N−i)/a⌉; synchronous schedules
             follow their lists either way.
+        compile_backend: ``None`` runs every stage eagerly; ``"inductor"`` or ``"aot_eager"`` runs each
+            stage's module under ``torch.compile`` with that backend (the loss stays eager); [Note:
+            compiled stages] in ``runtime/compiled.py``.
     """
 
     stage_fn: StageFn
@@ -103,6 +107,7 @@ class PipelineJob:
     recompute: str = "none"
     predict_weights: str = "none"
     order: str = "deterministic"
+    compile_backend: str | None = None
 
     def __post_init__(self) -> None:
         if self.order not in ORDERS:  # here, before any stage process starts
@@ -124,6 +129,8 @@ class PipelineJob:
         if device is not None:
             module = module.to(device)
         check_modes(self.precision, self.recompute, device)
+        if self.compile_backend is not None:
+            check_compile(self.compile_backend, self.schedule.name)
         masters = to_bf16(module) if self.precision == "bf16" else None
         # (name, parameter) pairs: torch optimizers accept them, and Basis Rotation uses the
         # names to keep embeddings and the head on AdamW; under bf16 the optimizer steps the fp32 masters
@@ -146,6 +153,7 @@ class PipelineJob:
             nan_policy=self.nan_policy, nan_lr_factor=self.nan_lr_factor,
             precision=self.precision, masters=masters, recompute=self.recompute,
             predict_weights=self.predict_weights, predict_bound=self.schedule.delay_bound(stage),
+            compile_backend=self.compile_backend,
         )
 
     # -- checkpoints ([Note: the checkpoint cut]) --------------------------------------------------

@@ -212,12 +212,18 @@ class SavedBytes:
     Args:
         module: the stage's module (its parameters and buffers are excluded).
         exclude: tensors already counted elsewhere (a recomputed forward's kept input).
+        by_value: also count as a weight copy a saved tensor equal by value to a parameter (or its
+            transpose) cast to its dtype. A compiled stage ([Note: compiled stages] in
+            ``compiled.py``) saves tensors made inside one compiled function, with no per-op
+            ``grad_fn`` chain to follow; this finds its copies instead (it compares each saved
+            tensor with the parameters of its shape: meant for the one measured forward per shape).
     """
 
     _CAST_OR_VIEW = ("ToCopyBackward0", "TBackward0", "ViewBackward0", "TransposeBackward0", "ExpandBackward0",
                      "PermuteBackward0", "UnsqueezeBackward0", "SqueezeBackward0")
 
-    def __init__(self, module: nn.Module, exclude: Sequence[torch.Tensor] = ()):
+    def __init__(self, module: nn.Module, exclude: Sequence[torch.Tensor] = (), by_value: bool = False):
+        self._by_value = [p.detach() for p in module.parameters()] if by_value else None
         self._shared = {t.untyped_storage().data_ptr() for t in [*module.parameters(), *module.buffers(), *exclude]}
         self._params = {id(p) for p in module.parameters()}
         self._seen: set[int] = set()
@@ -241,6 +247,18 @@ class SavedBytes:
         return packed if self._outer is None else self._outer[1](packed)
 
     def _is_weight_copy(self, t: torch.Tensor) -> bool:
+        return self._copy_by_grad_fn(t) or (self._by_value is not None and self._copy_by_value(t))
+
+    def _copy_by_value(self, t: torch.Tensor) -> bool:
+        if not t.is_floating_point() or t.requires_grad:  # a leaf passed in as weights (a stashed version)
+            return False
+        for p in self._by_value:
+            for cand in (p, p.t()) if p.dim() == 2 else (p,):
+                if cand.shape == t.shape and torch.equal(cand.to(t.dtype), t.detach()):
+                    return True
+        return False
+
+    def _copy_by_grad_fn(self, t: torch.Tensor) -> bool:
         fn, cast = t.grad_fn, False
         for _ in range(4):
             if fn is None or type(fn).__name__ not in self._CAST_OR_VIEW:

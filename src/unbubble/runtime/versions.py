@@ -8,7 +8,8 @@ current weights, weight gradients use forward-time activations) — but stock Py
 refuses with "one of the variables needed for gradient computation has been modified by
 an inplace operation". We restore each parameter's version counter after the step so the
 check passes, and never copy a weight. Only parameters go through here: activations are
-never modified in place, so the check still protects them.
+never modified in place, so the check still protects them. A stage under ``torch.compile`` keeps
+this (its compiled backward holds the live parameters too): [Note: compiled stages] in ``compiled.py``.
 """
 
 from __future__ import annotations
