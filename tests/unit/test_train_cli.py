@@ -241,6 +241,14 @@ def test_resume_continues_the_run_folder_bit_identically(tmp_path, cache_dir):
     from unbubble.runtime.checkpoint import complete_steps, load_stage
 
     run = tmp_path / "run"
+
+    def assert_same_step_20(other):
+        """Every stage's step-20 weights of ``other`` equal the uninterrupted run's."""
+        for s in range(4):
+            a = load_stage(run / "checkpoints", 20, s)["executor"]["model"]
+            b = load_stage(other / "checkpoints", 20, s)["executor"]["model"]
+            assert all(torch.equal(a[k], b[k]) for k in a), (other, s)
+
     res = CliRunner().invoke(cli, ["-q", "train", "--engine", "emulator", "--steps", "20", "--checkpoint-every", "10",
                                    "--seq-len", "32", "--eval-interval", "10", "--eval-batches", "1",
                                    "--run-dir", str(run), "--cache-dir", cache_dir, "--no-tensorboard"])
@@ -257,10 +265,7 @@ def test_resume_continues_the_run_folder_bit_identically(tmp_path, cache_dir):
     assert res.exit_code == 0, res.output
     assert f"resuming run {cut} from step 10 of 20 (checkpoint {cut}/checkpoints/step-00000010)" in said.lines
     assert complete_steps(cut / "checkpoints", 4) == [10, 20]
-    for s in range(4):
-        a = load_stage(run / "checkpoints", 20, s)["executor"]["model"]
-        b = load_stage(cut / "checkpoints", 20, s)["executor"]["model"]
-        assert all(torch.equal(a[k], b[k]) for k in a)
+    assert_same_step_20(cut)
     lines = [json.loads(x) for x in (cut / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in lines if "loss" in r] == list(range(1, 21))
     assert [r["step"] for r in lines if "val_loss" in r] == [0, 10, 20]
@@ -287,10 +292,7 @@ def test_resume_continues_the_run_folder_bit_identically(tmp_path, cache_dir):
     assert any(f"checkpoint file '{newest}' cannot be read" in x and x.endswith("resuming from the previous "
                                                                               "checkpoint, step 10") for x in said.lines)
     assert f"resuming run {torn} from step 10 of 20 (checkpoint {torn}/checkpoints/step-00000010)" in said.lines
-    for s in range(4):
-        a = load_stage(run / "checkpoints", 20, s)["executor"]["model"]
-        b = load_stage(torn / "checkpoints", 20, s)["executor"]["model"]
-        assert all(torch.equal(a[k], b[k]) for k in a)
+    assert_same_step_20(torn)
 
     # a run cut off before its first checkpoint restarts from step 0 in the same folder
     fresh = tmp_path / "fresh"
@@ -301,10 +303,7 @@ def test_resume_continues_the_run_folder_bit_identically(tmp_path, cache_dir):
     assert res.exit_code == 0, res.output
     lines = [json.loads(x) for x in (fresh / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in lines if "val_loss" in r] == [0, 10, 20]
-    for s in range(4):
-        a = load_stage(run / "checkpoints", 20, s)["executor"]["model"]
-        b = load_stage(fresh / "checkpoints", 20, s)["executor"]["model"]
-        assert all(torch.equal(a[k], b[k]) for k in a)
+    assert_same_step_20(fresh)
 
 
 def test_a_short_run_writes_no_checkpoint_unless_asked_and_a_finished_run_is_not_resumed(tmp_path, cache_dir):
