@@ -275,13 +275,13 @@ def test_too_many_stages_error_text():
 
 def test_unknown_preset_lists_names():
     msg = (
-        "model='gpt3' is invalid (did you mean 'gpt2'?): must be one of tiny, small-cpu, deep-cpu, deep32-cpu, gpt2, gpt2-medium, "
+        "model='gpt3' is invalid (did you mean 'gpt2'?): must be one of tiny, small-cpu, deep-cpu, deep32-cpu, wide-cpu, gpt2, gpt2-medium, "
         "gpt2-large, gpt2-xl, llama-tiny, llama-deep-cpu, llama-1b, llama-8b, moe-tiny, moe-deep-cpu, "
         "mixtral-8x7b (set --model)"
     )
     with pytest.raises(ConfigError, match=re.escape(msg)):
         make_config("gpt3", 50257)
-    assert set(PRESETS) == {"tiny", "small-cpu", "deep-cpu", "deep32-cpu", "gpt2", "gpt2-medium", "gpt2-large",
+    assert set(PRESETS) == {"tiny", "small-cpu", "deep-cpu", "wide-cpu", "deep32-cpu", "gpt2", "gpt2-medium", "gpt2-large",
                             "gpt2-xl", "llama-tiny", "llama-deep-cpu", "llama-1b", "llama-8b", "moe-tiny",
                             "moe-deep-cpu", "mixtral-8x7b"}
     xl = make_config("gpt2-xl", 50257)

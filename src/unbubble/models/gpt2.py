@@ -170,6 +170,7 @@ PRESETS: dict[str, dict[str, int]] = {
     "small-cpu": dict(n_layer=6, n_head=8, n_embd=256, block_size=256),
     "deep-cpu": dict(n_layer=8, n_head=4, n_embd=64, block_size=64),  # 8 stages of one block: N=8 experiments on a CPU
     "deep32-cpu": dict(n_layer=32, n_head=2, n_embd=32, block_size=32),  # up to 32 stages: delay-scaling experiments
+    "wide-cpu": dict(n_layer=8, n_head=4, n_embd=128, block_size=64),  # deep-cpu at twice the width: does the delay gap shrink?
     "gpt2": dict(n_layer=12, n_head=12, n_embd=768, block_size=1024),  # 124M with V=50257
     "gpt2-medium": dict(n_layer=24, n_head=16, n_embd=1024, block_size=1024),  # 350M
     "gpt2-large": dict(n_layer=36, n_head=20, n_embd=1280, block_size=1024),  # 774M
