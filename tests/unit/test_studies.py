@@ -2,6 +2,7 @@
 
 import csv
 import math
+import re
 
 import pytest
 
@@ -231,6 +232,11 @@ def test_sweep_cli_dry_run_and_a_bad_spec(tmp_path):
     summary = next(line for line in lines if line.startswith("2 runs will train, up to 1 more may; about "))
     assert "calibration run of flush (2 updates, start-up included)" in summary
     assert not (tmp_path / "runs").exists()  # the calibration run leaves nothing behind
+    # nothing that may train: no "up to 0 more may", and one figure rather than a range "21–21"
+    (tmp_path / "fixed.yaml").write_text(yaml.safe_dump({**spec, "extend_grid": 0}))
+    lines = CliRunner().invoke(cli, ["sweep", str(tmp_path / "fixed.yaml"), "--dry-run"]).output.splitlines()
+    summary = next(line for line in lines if line.startswith("2 runs will train; about "))
+    assert re.match(r"2 runs will train; about \d+ min with 2 worker\(s\) \(", summary), summary
     (tmp_path / "bad.yaml").write_text(yaml.safe_dump({**spec, "stages": []}))
     result = CliRunner().invoke(cli, ["sweep", str(tmp_path / "bad.yaml")])
     assert result.exit_code == 2 and result.output.strip().endswith("error: sweep stages=[] is invalid: give at least one")

@@ -78,6 +78,7 @@ def _dry_run(s, folder: Path, workers: int, runs: list[tuple[str, int, str]]) ->
         how = f"a calibration run of {first.method} ({steps} updates, start-up included)"
     low = sum(will) * per_mb / workers
     high = low + sum(may) * per_mb / workers
-    click.echo(f"{len(will)} runs will train, up to {sum(int(c.split()[-1]) for _, _, c in runs if c.startswith('up to'))} "
-               f"more may; about {low / 60:.0f}–{high / 60:.0f} min with {workers} worker(s) "
-               f"({per_mb * 1e3:.1f} ms per micro-batch from {how})")
+    more = sum(int(c.split()[-1]) for _, _, c in runs if c.startswith('up to'))
+    span = f"{low / 60:.0f}" if round(low / 60) == round(high / 60) else f"{low / 60:.0f}–{high / 60:.0f}"
+    click.echo(f"{len(will)} runs will train" + (f", up to {more} more may" if more else "") +
+               f"; about {span} min with {workers} worker(s) ({per_mb * 1e3:.1f} ms per micro-batch from {how})")
