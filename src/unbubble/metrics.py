@@ -50,6 +50,7 @@ class RunWriter:
         self.dir, self.cfg, self.job = run_dir, cfg, job
         self.info: dict[str, Any] = {}
         self.resume_step = resume_step
+        self._elapsed_before = 0.0
         if resume_step is None:
             (run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
             (run_dir / "config.yaml").write_text(config_to_yaml(cfg))
@@ -57,7 +58,11 @@ class RunWriter:
             path = run_dir / "metrics.jsonl"
             lines = path.read_text().splitlines(keepends=True) if path.exists() else []
             # from step 0 nothing is kept: the run evaluates version 0 again
-            path.write_text("".join(ln for ln in lines if resume_step and _step_of(ln) <= resume_step))
+            kept = [ln for ln in lines if resume_step and _step_of(ln) <= resume_step]
+            path.write_text("".join(kept))
+            # training seconds before the resume: elapsed_s continues from them, so loss-against-time
+            # curves of a resumed run keep rising (start-ups excluded, as within one invocation)
+            self._elapsed_before = max((json.loads(ln).get("elapsed_s", 0.0) for ln in kept), default=0.0)
         self.loggers = open_loggers(run_dir, cfg)
         self._metrics = open(run_dir / "metrics.jsonl", "w" if resume_step is None else "a")
         self.last: dict[str, Any] = {}
@@ -107,6 +112,8 @@ class RunWriter:
 
     # Listener ---------------------------------------------------------------------------
     def on_step(self, step: int, loss: float, info: dict[str, Any]) -> None:
+        if "elapsed_s" in info and self._elapsed_before:
+            info = {**info, "elapsed_s": info["elapsed_s"] + self._elapsed_before}
         self.last = {"step": step, "loss": loss, **info}
         self._metrics.write(json.dumps({"step": step, "loss": loss, **info}) + "\n")
         self._metrics.flush()
@@ -202,6 +209,9 @@ class RunWriter:
             "final_val_loss": val[-1][1] if val else None,
             "steps_done": train[-1][0] if train else 0,
             "resumed_from_step": self.resume_step,
+            # the whole run across resumes (tokens, train_wall_s and tokens_per_s count this invocation)
+            "run_tokens": (train[-1][0] if train else 0) * self.info.get("tokens_per_step", 0),
+            "run_train_wall_s": self._elapsed_before + result.wall_s,
             "stopped_at_step": result.stopped_at,
             "nonfinite_dropped": [{k: e[k] for k in ("stage", "mb", "version", "what")} for e in result.events],
             # mixture of experts: load per expert and dropped assignments over the whole run (None if dense)

@@ -274,8 +274,14 @@ def test_resume_continues_the_run_folder_bit_identically(tmp_path, cache_dir):
     # the summary covers the whole run, not only the part after the resume
     assert summary == {**json.loads((run / "summary.json").read_text()), **{
         k: summary[k] for k in ("resumed_from_step", "tokens", "train_wall_s", "total_wall_s", "tokens_per_s",
-                                "utilization", "simulated_utilization", "startup_s")}}
+                                "utilization", "simulated_utilization", "startup_s", "run_train_wall_s")}}
     assert summary["tokens"] == 10 * 4 * 8 * 32 and summary["steps_done"] == 20
+    # the whole run across the resume: all 20 steps' tokens, training seconds that keep rising
+    assert summary["run_tokens"] == 20 * 4 * 8 * 32 == json.loads((run / "summary.json").read_text())["run_tokens"]
+    elapsed = [r["elapsed_s"] for r in lines if "elapsed_s" in r]
+    assert len(elapsed) == 20 and elapsed == sorted(elapsed) and summary["run_train_wall_s"] >= elapsed[-1]
+    report = CliRunner().invoke(cli, ["report", str(cut), str(run), "--out", str(tmp_path / "report")])
+    assert report.exit_code == 0 and "differ" not in report.output, report.output
 
     # a damaged newest checkpoint (a file cut short) is passed over for the previous one, saying so
     torn = tmp_path / "torn"

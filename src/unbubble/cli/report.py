@@ -268,7 +268,7 @@ _COMPARED: tuple[tuple[str, Any], ...] = (
     ("tokenizer", lambda r: r.config.get("tokenizer")),
     ("corpus", lambda r: r.config.get("corpus")),
     ("tokens per step", lambda r: r.summary.get("tokens_per_step")),
-    ("tokens trained", lambda r: r.summary.get("tokens")),
+    ("tokens trained", lambda r: r.summary.get("run_tokens", r.summary.get("tokens"))),
 )
 
 
@@ -322,7 +322,8 @@ def summary_markdown(runs: list[ReportRun], pictures: list[Path], warning: str |
         lines.append(" | ".join([
             f"| {r.label}", r.model, str(s.get("schedule")), str(s.get("stages")), str(s.get("mb_per_step")),
             str(s.get("optimizer", "–")), str(s.get("engine", "–")), _steps_text(r),
-            f"{s.get('tokens', 0):,}", _fmt(s.get("train_wall_s"), ".1f"), _fmt(tps, ",.0f"),
+            f"{s.get('run_tokens', s.get('tokens', 0)):,}", _fmt(s.get("run_train_wall_s", s.get("train_wall_s")), ".1f"),
+            _fmt(tps, ",.0f"),
             _fmt(speed, ".2f") + "×" if speed else "–", _fmt(sum(tail) / len(tail)), *_eval_text(r),
             f"{r.run.trace.max_drift()} ({s.get('drift_bound', '–')})", util_text]) + " |")
     lines += ["", "Steps done/planned: fewer done than planned when the run was stopped. Train loss (last 10 %): "
