@@ -64,7 +64,7 @@ def _copy_run(src, dst, config=None, summary=None, last_step=None):
 def test_report_of_a_stopped_run_shows_steps_done_of_planned_and_the_eval_step(two_runs, tmp_path):
     # evaluated at steps 0 and 2 (eval_interval 2), stopped after step 3 of 4
     stopped = _copy_run(two_runs[0], tmp_path / "stopped", last_step=3,
-                        summary=dict(steps_done=3, stopped_at_step=3, tokens=3 * 512))
+                        summary=dict(steps_done=3, stopped_at_step=3, tokens=3 * 512, run_tokens=3 * 512))
     res = CliRunner().invoke(cli, ["report", str(two_runs[0]), str(stopped), "--out", str(tmp_path / "out")])
     assert res.exit_code == 0, res.output
     (row,) = [line for line in res.stdout.splitlines() if line.startswith("| stopped |")]
