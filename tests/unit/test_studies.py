@@ -56,6 +56,7 @@ def test_tuned_lr_is_the_lowest_final_loss_and_a_diverged_run_loses():
 def test_lr_from_takes_the_nearest_tuned_depth_on_a_log_scale_and_seed_phases():
     spec = SweepSpec.from_dict(_spec(
         stages=[1, 32], seeds=[0, 1, 2], seed_stages=[32], lrs=[1e-3, 3e-3],
+        base={**_spec()["base"], "model": "deep32-cpu"},  # 32 blocks for 32 stages (planned only)
         methods=[{"label": "a", "schedule": "pipedream"},
                  {"label": "b", "schedule": "pipedream", "stages": [4, 8, 16], "lr_from": "a", "extra_seeds": False}]))
     best = {("a", 1): 1e-3, ("a", 32): 3e-3}
@@ -252,6 +253,15 @@ def test_sweep_cli_dry_run_and_a_bad_spec(tmp_path):
     ({"base": {"seed": 3}}, "base: key 'seed' is set by the sweep for every run: give seeds"),
     ({"method": []}, "sweep key 'method' is unknown (did you mean 'methods'?)"),
     ({"methods": [{"label": "p", "schedule": "paci", "a": 0}]}, "method 'p' at N=2: a=0 is invalid: must be an integer ≥ 1 (key a)"),
+    # YAML scalars where lists belong, words where numbers belong: one line, never a Python TypeError
+    ({"seeds": 0}, "sweep seeds=0 is invalid: must be a list of integers"),
+    ({"lrs": 0.01}, "sweep lrs=0.01 is invalid: must be a list of numbers"),
+    ({"lrs": ["abc"]}, "sweep lrs=['abc'] is invalid: must be a list of numbers"),
+    ({"micro_batches": "forty"}, "sweep micro_batches='forty' is invalid: must be an integer"),
+    ({"extend_grid": True}, "sweep extend_grid=True is invalid: must be an integer"),
+    ({"evals": -1}, "sweep evals=-1 is invalid: must be ≥ 1"),
+    ({"stages": [9]}, "method 'flush' at N=9: stages=9 is invalid: model 'tiny' has 4 blocks, so at most 4 pipeline"),
+    ({"methods": [{"label": "p", "schedule": "paci", "stages": 2}]}, "method 'p': stages=2 is invalid: must be a list"),
 ])
 def test_spec_errors_name_the_key_and_suggest_one(change, message):
     with pytest.raises(ConfigError) as info:

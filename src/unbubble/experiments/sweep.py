@@ -162,6 +162,11 @@ class SweepSpec:
             if key not in d:
                 raise ConfigError(f"sweep key {key!r} is missing")
         _check_keys("base", d.get("base") or {}, _train_fields())
+        for key, kind in _SPEC_TYPES.items():
+            if key in d and not (key in _OPTIONAL and d[key] is None):
+                _check_type("sweep", key, d[key], kind)
+        if not isinstance(d.get("base", {}) or {}, dict):
+            raise ConfigError(f"sweep base={d['base']!r} is invalid: must be a mapping of unbubble train options")
         methods = []
         for i, m in enumerate(d["methods"]):
             if not isinstance(m, dict) or "label" not in m:
@@ -169,6 +174,9 @@ class SweepSpec:
             m = dict(m)
             label = m.pop("label")
             _check_keys(f"method {label!r}", m, set(_method_keys()))
+            for key, kind in _METHOD_TYPES.items():
+                if key in m and m[key] is not None:
+                    _check_type(f"method {label!r}:", key, m[key], kind)
             st, lrs = m.pop("stages", None), m.pop("lrs", None)
             budgets = m.pop("budgets", None)
             methods.append(Method(label, m, tuple(st) if st else None, tuple(float(x) for x in lrs) if lrs else None,
@@ -212,13 +220,15 @@ class SweepSpec:
                                   "method's tokens, > 0 and ≠ 1 (1 is the method's own run)")
         if self.extend_grid < 0:
             raise ConfigError(f"extend_grid={self.extend_grid} is invalid: give 0 (off) or more rounds")
-        if self.micro_batches < 1 or self.evals < 1:
-            raise ConfigError(f"micro_batches={self.micro_batches} and evals={self.evals} must be ≥ 1")
+        for key in ("micro_batches", "evals"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"sweep {key}={getattr(self, key)} is invalid: must be ≥ 1")
         for m in self.methods:
             for n in m.stages or self.stages:
                 try:
-                    self.config(RunSpec(m.label, m.overrides, n, (m.lrs or self.lrs)[0], self.seeds[0], "tune"),
-                                Path("unused"))
+                    cfg = self.config(RunSpec(m.label, m.overrides, n, (m.lrs or self.lrs)[0], self.seeds[0], "tune"),
+                                      Path("unused"))
+                    _check_depth(cfg)
                 except (ConfigError, TypeError) as exc:
                     raise ConfigError(f"method {m.label!r} at N={n}: {_spec_message(exc)}") from None
 
@@ -349,6 +359,45 @@ METHOD_KEYS = ("label", "stages", "lrs", "lr_from", "extra_seeds", "horizon", "b
 # method or base that gave them would be overridden silently, so they are unknown keys there.
 SWEEP_SETS = {"lr": "lrs (or a method's lrs)", "seed": "seeds", "steps": "micro_batches (and a method's horizon)",
               "eval_interval": "evals", "run_dir": "--out"}
+
+
+_KINDS = {  # kind -> (test, what is valid)
+    "str": (lambda v: isinstance(v, str), "a string"),
+    "bool": (lambda v: isinstance(v, bool), "true or false"),
+    "int": (lambda v: isinstance(v, int) and not isinstance(v, bool), "an integer"),
+    "number": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool), "a number"),
+    "ints": (lambda v: isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in v),
+             "a list of integers, e.g. [2, 8]"),
+    "numbers": (lambda v: isinstance(v, list) and all(isinstance(x, (int, float)) and not isinstance(x, bool)
+                                                      for x in v), "a list of numbers, e.g. [0.001, 0.003]"),
+    "dicts": (lambda v: isinstance(v, list), "a list of methods (mappings with a label)"),
+}
+_SPEC_TYPES = {"name": "str", "methods": "dicts", "stages": "ints", "lrs": "numbers", "seeds": "ints",
+               "micro_batches": "int", "evals": "int", "tune": "bool", "seed_stages": "ints",
+               "keep_train_curve": "bool", "extend_grid": "int", "budgets": "numbers"}
+_OPTIONAL = {"seed_stages"}
+_METHOD_TYPES = {"stages": "ints", "lrs": "numbers", "lr_from": "str", "extra_seeds": "bool", "horizon": "number",
+                 "baseline": "str", "budgets": "numbers"}
+
+
+def _check_depth(cfg) -> None:
+    """Raises ConfigError when ``cfg``'s model has fewer blocks than its pipeline has stages (found
+    here, before a calibration or a first run reads the corpus)."""
+    from unbubble.models.registry import make_config
+
+    layers = make_config(cfg.model).n_layer
+    chunks = cfg.stages * (cfg.v if cfg.schedule == "interleaved-1f1b" else 1)
+    if chunks > layers:
+        raise ConfigError(f"stages={cfg.stages} is invalid: model {cfg.model!r} has {layers} blocks, so at most "
+                          f"{layers} pipeline stages{' × v' if chunks != cfg.stages else ''} (key stages, or a deeper model)")
+
+
+def _check_type(where: str, key: str, value: Any, kind: str) -> None:
+    """Raises ConfigError unless ``value`` is of ``kind`` (a YAML scalar where a list belongs, a word
+    where a number belongs), naming the key and what is valid."""
+    test, valid = _KINDS[kind]
+    if not test(value):
+        raise ConfigError(f"{where} {key}={value!r} is invalid: must be {valid}")
 
 
 def _check_keys(where: str, keys, valid: set[str]) -> None:
