@@ -157,9 +157,13 @@ class TrainConfig:
                               f"{', '.join(PREDICT_MODES)} (set --predict-weights)")
         if self.predict_weights != "none":
             if self.schedule not in PREDICT_SCHEDULES:
-                raise ConfigError(f"predict_weights={self.predict_weights!r} needs a schedule whose backward runs on "
-                                  f"newer weights than its forward ({', '.join(PREDICT_SCHEDULES)}): schedule="
-                                  f"{self.schedule!r} has no delay to predict across (set --predict-weights none)")
+                why = ("corrects the delay with its own velocity estimate (PipeMare's T2)"
+                       if self.schedule == "pipemare" else "has no drift to predict across: its backward runs on "
+                       "the weights of its forward" if self.schedule in ("pipedream", "pipedream-2bw", "paci-stashed")
+                       else "is synchronous: no delay to predict across")
+                raise ConfigError(f"predict_weights={self.predict_weights!r} is for the never-flushed schedules whose "
+                                  f"backward runs on the current weights ({', '.join(PREDICT_SCHEDULES)}): schedule="
+                                  f"{self.schedule!r} {why} (set --predict-weights none)")
             if self.recompute != "none":
                 raise ConfigError(f"predict_weights={self.predict_weights!r} is invalid with recompute="
                                   f"{self.recompute!r}: a recomputed forward runs on the backward's weights, so the "

@@ -30,9 +30,14 @@ class StartupInterrupted(PipelineFailure):
 
 
 def did_you_mean(word: object, valid) -> str:
-    """``" (did you mean 'x'?)"`` for the closest of ``valid`` to ``word`` (difflib's ratio ≥ 0.6),
-    or ``""`` when none is close: the hint every "unknown name" error ends with."""
+    """``" (did you mean 'x'?)"`` for the name of ``valid`` that equals ``word`` but for case, else
+    the closest one ignoring case (difflib's ratio ≥ 0.6), or ``""`` when none is close: the hint
+    every "unknown name" error carries."""
     import difflib
 
-    close = difflib.get_close_matches(str(word), [str(v) for v in valid], n=1)
-    return f" (did you mean {close[0]!r}?)" if close else ""
+    names = [str(v) for v in valid]
+    by_case = {n.lower(): n for n in names}  # a case slip ('PACI', 'adamW') is the likeliest typo
+    if str(word).lower() in by_case:
+        return f" (did you mean {by_case[str(word).lower()]!r}?)"
+    close = difflib.get_close_matches(str(word).lower(), list(by_case), n=1)
+    return f" (did you mean {by_case[close[0]]!r}?)" if close else ""

@@ -226,7 +226,9 @@ def attach_checkpoints(job: PipelineJob, cfg: TrainConfig, run_dir: Path, resume
                 candidate.read_checkpoint(s, job.stage_fn(s))
         except DamagedCheckpoint as exc:
             if not older:
-                raise
+                raise DamagedCheckpoint(f"{exc}; there is no older checkpoint: delete "
+                                        f"{str(directory / f'step-{step:08d}')!r} to start the run again from step 0") \
+                    from None
             log.warning("%s; resuming from the previous checkpoint, step %d", exc, older[-1])
             step = older.pop()
             continue

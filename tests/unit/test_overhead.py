@@ -139,8 +139,12 @@ def test_prediction_keeps_the_schedule_and_its_drift_but_changes_the_losses():
 
 
 @pytest.mark.parametrize("fields,message", [
-    ({"schedule": "1f1b-flush", "predict_weights": "bound"}, "predict_weights='bound' needs a schedule whose backward"),
-    ({"schedule": "pipedream", "predict_weights": "measured"}, "predict_weights='measured' needs a schedule"),
+    ({"schedule": "1f1b-flush", "predict_weights": "bound"}, "predict_weights='bound' is for the never-flushed "
+     "schedules whose backward runs on the current weights (paci, async-1f1b): schedule='1f1b-flush' is synchronous: no delay to predict across (set --predict-weights none)"),
+    ({"schedule": "pipedream", "predict_weights": "measured"}, "predict_weights='measured' is for the never-flushed "
+     "schedules whose backward runs on the current weights (paci, async-1f1b): schedule='pipedream' has no drift to predict across: its backward runs on the weights of its forward"),
+    ({"schedule": "pipemare", "predict_weights": "bound"}, "predict_weights='bound' is for the never-flushed "
+     "schedules whose backward runs on the current weights (paci, async-1f1b): schedule='pipemare' corrects the delay with its own velocity estimate (PipeMare's T2)"),
     ({"predict_weights": "bound", "recompute": "full"}, "predict_weights='bound' is invalid with recompute='full'"),
     ({"predict_weights": "ahead"}, "predict_weights='ahead' is invalid: must be one of none, bound, measured"),
     ({"muon_momentum": 1.0}, "muon_momentum=1.0 is invalid: must be in [0, 1)"),

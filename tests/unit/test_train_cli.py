@@ -138,13 +138,15 @@ BAD = [
     (["--resume", "{tmp}/nowhere"], "resume='{tmp}/nowhere' does not exist: give the folder of a previous"),
     (["--resume", "{tmp}"], "resume='{tmp}' is not a run folder: '{tmp}/config.yaml' is missing"),
     (["--schedule", "paci-stash"], "schedule='paci-stash' is unknown (did you mean 'paci-stashed'?)"),
+    (["--schedule", "PACI"], "schedule='PACI' is unknown (did you mean 'paci'?)"),
+    (["--optimizer", "adamW"], "optimizer='adamW' is invalid (did you mean 'adamw'?)"),
     (["--resume", "{tmp}/emptydir"], "is not a run folder"),
     (["--resume", "{tmp}/run-edited"], "lr was edited in"),
     (["--run-dir", "{tmp}/empty.txt/run"], "cannot be created"),
     (["--resume", "{tmp}/run-nockpt", "--steps", "40"], "steps cannot change on --resume"),
     (["--resume", "{tmp}/run-nockpt", "--config", "{tmp}/run-nockpt/config.yaml"], "--config and --resume exclude"),
     (["--resume", "{tmp}/run-2stages"], "was written with stages=2 but this run has stages=4"),
-    (["--resume", "{tmp}/run-damaged"], "stage-000.pt' cannot be read"),
+    (["--resume", "{tmp}/run-damaged"], "stage-000.pt' cannot be read: it is cut short or not a torch.save file (RuntimeError); there is no older checkpoint: delete"),
 ]
 
 

@@ -158,8 +158,9 @@ def load_stage(directory: str | Path, step: int, stage: int) -> dict[str, Any]:
         raise DamagedCheckpoint(f"checkpoint file {str(path)!r} is missing: the checkpoint of step {step} is "
                                 "incomplete") from None
     except Exception as exc:  # noqa: BLE001 - any unpickling error means a damaged file
-        raise DamagedCheckpoint(f"checkpoint file {str(path)!r} cannot be read ({type(exc).__name__}: {exc})") \
-            from None
+        # torch's own text advises re-saving the file, which a user resuming a run cannot do
+        raise DamagedCheckpoint(f"checkpoint file {str(path)!r} cannot be read: it is cut short or not a torch.save "
+                                f"file ({type(exc).__name__})") from None
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise ConfigError(f"checkpoint file {str(path)!r} is not an unbubble checkpoint of format {FORMAT}")
     return data
