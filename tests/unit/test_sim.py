@@ -403,7 +403,9 @@ def test_cli_simulate_balanced_stages_blame_the_schedule(tmp_path):
     (["--schedule", "nope"], "error: schedule='nope' is unknown: valid schedules are"),
     (["--hardware", "tpu"], "error: hardware='tpu' is unknown: valid presets are a100-80g, h100, h200"),
     (["--model", "gpt5"], "error: model='gpt5' is unknown (did you mean 'gpt2'?): valid models are tiny"),
-    (["--uniform", "1"], "error: uniform='1' is invalid: expected seconds as F:B[:U], e.g. 1:2"),
+    (["--uniform", "1"], "error: uniform='1' is invalid: expected seconds as F:B[:U] with F, B > 0 and U ≥ 0"),
+    (["--uniform", "0:0"], "error: uniform='0:0' is invalid: expected seconds"),  # was a numpy traceback
+    (["--uniform", "-1:2"], "error: uniform='-1:2' is invalid: expected seconds"),
     (["--straggler", "9:2", "--uniform", "1:2", "--jitter", "0.1"], "error: straggler stage=9 is invalid"),
     (["--uniform", "1:2", "--costs-from", "x"], "error: --uniform and --costs-from are exclusive"),
 ])

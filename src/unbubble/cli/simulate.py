@@ -42,14 +42,18 @@ def _parse_layers(text: str | None) -> list[int] | None:
 
 
 def _parse_uniform(text: str):
+    import math
+
     from unbubble.sim.costs import UniformCosts
 
     try:
         vals = [float(x) for x in text.split(":")]
-        if not 2 <= len(vals) <= 3:
+        # F and B take time (a zero-length pipeline has no timeline to draw); U may be 0
+        if not 2 <= len(vals) <= 3 or not all(math.isfinite(v) for v in vals) or min(vals[:2]) <= 0 or min(vals) < 0:
             raise ValueError
     except ValueError:
-        raise ConfigError(f"uniform={text!r} is invalid: expected seconds as F:B[:U], e.g. 1:2 or 1:2:0.1 (set --uniform)") \
+        raise ConfigError(f"uniform={text!r} is invalid: expected seconds as F:B[:U] with F, B > 0 and U ≥ 0, e.g. 1:2 or "
+                          "1:2:0.1 (set --uniform)") \
             from None
     return UniformCosts(f=vals[0], b=vals[1], u=vals[2] if len(vals) > 2 else 0.0)
 
