@@ -334,3 +334,17 @@ def test_a_short_run_writes_no_checkpoint_unless_asked_and_a_finished_run_is_not
     assert res.stderr.strip().splitlines()[-1] == (
         f"error: run '{tmp_path / 'short'}' already finished: its summary.json has all 6 steps (start a new run to "
         "train longer)")
+
+
+def test_the_end_line_names_the_step_of_the_final_evaluation():
+    """Regression: a run stopped at step 86 before its first evaluation after step 0 printed
+    'validation loss 5.5675 -> 5.5675', which reads as no progress."""
+    from unbubble.cli.train import validation_line
+
+    base = {"initial_val_loss": 5.5675, "steps_done": 86}
+    assert validation_line({**base, "val_losses": [[0, 5.5675]], "final_val_loss": 5.5675}, 100) == \
+        "validation loss 5.5675 at step 0; no evaluation since (--eval-interval 100)"
+    assert validation_line({**base, "val_losses": [[0, 5.5675], [50, 3.0]], "final_val_loss": 3.0}, 50) == \
+        "validation loss 5.5675 -> 3.0000 at step 50 (ppl 20.09)"
+    assert validation_line({**base, "steps_done": 50, "val_losses": [[0, 5.5675], [50, 3.0]], "final_val_loss": 3.0},
+                           50) == "validation loss 5.5675 -> 3.0000 (ppl 20.09)"

@@ -134,6 +134,21 @@ def _effective_config(kwargs: dict) -> TrainConfig:
     return load_config(path, overrides=_given(kwargs))
 
 
+def validation_line(summary: dict, eval_interval: int) -> str:
+    """The end-of-run validation line from ``summary.json``: the step of the final evaluation when it
+    is not the last step done, and no "5.57 -> 5.57" when the run stopped before any evaluation after
+    step 0 (that would read as no progress)."""
+    from unbubble.loggers import perplexity
+
+    last = summary["val_losses"][-1][0]  # the version the final validation loss evaluated
+    if last == 0:
+        return (f"validation loss {summary['initial_val_loss']:.4f} at step 0; no evaluation since "
+                f"(--eval-interval {eval_interval})")
+    at = "" if last == summary["steps_done"] else f" at step {last}"
+    return (f"validation loss {summary['initial_val_loss']:.4f} -> {summary['final_val_loss']:.4f}{at} "
+            f"(ppl {perplexity(summary['final_val_loss']):.4g})")
+
+
 @click.command(context_settings={"show_default": True})
 @click.option("--config", "config", default=None, type=click.Path(dir_okay=False),
               help="YAML file of options (a run folder's config.yaml, or --print-config output); flags given "
@@ -160,7 +175,6 @@ def train(print_config: bool, resume: str | None, **kwargs) -> None:
     stops at the next step boundary after a checkpoint (exit code 130), and
     `unbubble train --resume RUN` continues. A second signal stops at once.
     """
-    from unbubble.loggers import perplexity
     from unbubble.runtime.telemetry import process_start_epoch
     from unbubble.train import resume_config, train as run_training
 
@@ -209,8 +223,7 @@ def train(print_config: bool, resume: str | None, **kwargs) -> None:
         lst.close()
     click.echo(f"run folder: {run_dir}")
     if summary["val_losses"]:
-        click.echo(f"validation loss {summary['initial_val_loss']:.4f} -> {summary['final_val_loss']:.4f} "
-                   f"(ppl {perplexity(summary['final_val_loss']):.4g})")
+        click.echo(validation_line(summary, cfg.eval_interval))
     util = (result.sim_trace or result.trace).utilization()
     kind = "simulated utilization" if result.sim_trace is not None else "utilization"
     click.echo(f"tokens/s {result.tokens_per_s:,.0f} | max Δ per stage {result.max_drift()} | "
