@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Literal
@@ -121,8 +122,8 @@ class TrainConfig:
         if isinstance(self.timeout_s, bool) or not (isinstance(self.timeout_s, (int, float)) and self.timeout_s > 0):
             raise ConfigError(f"timeout_s={self.timeout_s!r} is invalid: must be a number of seconds > 0 "
                               "(set --timeout-s)")
-        if not (isinstance(self.lr, (int, float)) and self.lr > 0):
-            raise ConfigError(f"lr={self.lr!r} is invalid: must be > 0 (set --lr)")
+        if isinstance(self.lr, bool) or not (isinstance(self.lr, (int, float)) and 0 < self.lr < math.inf):
+            raise ConfigError(f"lr={self.lr!r} is invalid: must be a finite number > 0 (set --lr)")
         for name in ("beta1", "beta2", "min_lr_ratio", "warmup_frac"):
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and 0 <= v < 1 + (name == "min_lr_ratio")):
