@@ -138,6 +138,9 @@ class TrainConfig:
             raise ConfigError(f"clip_grad_norm={self.clip_grad_norm!r} is invalid: must be > 0 or unset")
         if self.engine not in ENGINES:
             raise ConfigError(f"engine={self.engine!r} is unknown{did_you_mean(self.engine, ENGINES)}: valid engines are {', '.join(ENGINES)} (set --engine)")
+        if self.dp > 1 and self.engine == "emulator":  # an option conflict: found before any file is read
+            raise ConfigError(f"dp={self.dp} is invalid with engine='emulator' (one replica): use --engine processes "
+                              "or --dp 1")
         if self.order not in ORDERS:
             raise ConfigError(f"order={self.order!r} is invalid{did_you_mean(self.order, ORDERS)}: must be one of "
                               f"{', '.join(ORDERS)} (set --order)")

@@ -103,9 +103,6 @@ def build_job(cfg: TrainConfig, tokens: TokenData) -> tuple[PipelineJob, ModelCo
                           f"{schedule.n_stages} model chunks but model {cfg.model!r} has {model.n_layer} layers "
                           "(lower --v or --stages, or pick a deeper --model)")
     partition_layers(model, schedule.n_stages, cfg.seq_len)  # raises on stages > layers
-    if cfg.dp > 1 and cfg.engine == "emulator":
-        raise ConfigError(f"dp={cfg.dp} is invalid with engine='emulator' (one replica): use --engine processes "
-                          "or --dp 1")
     data = _Data(str(tokens.meta["dir"]) + "/train.bin", str(tokens.meta["dir"]) + "/val.bin",
                  cfg.micro_batch_size, cfg.seq_len, cfg.seed, cfg.eval_batches)
     check_split_sizes(tokens.train.size, tokens.val.size, cfg.seq_len)

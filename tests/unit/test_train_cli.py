@@ -161,6 +161,13 @@ def test_bad_input_prints_no_configuration_before_its_error(args, cache_dir):
     assert "config:" not in res.output and res.stderr.strip().splitlines()[-1].startswith("error: ")
 
 
+def test_an_option_conflict_is_the_only_line_even_without_q(cache_dir):
+    """Regression: --dp 2 with the emulator was refused after the corpus had been read (an INFO line)."""
+    res = CliRunner().invoke(cli, ["train", "--engine", "emulator", "--dp", "2", "--cache-dir", cache_dir])
+    assert res.exit_code == 2 and res.output.strip().splitlines() == [
+        "error: dp=2 is invalid with engine='emulator' (one replica): use --engine processes or --dp 1"]
+
+
 @pytest.mark.parametrize("args,message", BAD)
 def test_bad_input_one_clear_line_and_nothing_overwritten(args, message, bad_files, cache_dir):
     run_dir = bad_files / "existing-run"

@@ -226,7 +226,8 @@ def train(print_config: bool, resume: str | None, **kwargs) -> None:
         click.echo(validation_line(summary, cfg.eval_interval))
     util = (result.sim_trace or result.trace).utilization()
     kind = "simulated utilization" if result.sim_trace is not None else "utilization"
-    click.echo(f"tokens/s {result.tokens_per_s:,.0f} | max Δ per stage {result.max_drift()} | "
+    per = "virtual stage" if len(result.max_drift()) != len(util) else "stage"  # interleaved: v chunks per rank
+    click.echo(f"tokens/s {result.tokens_per_s:,.0f} | max Δ per {per} {result.max_drift()} | "
                f"{kind} {' '.join(f'{u:.2f}' for u in util)}")
     line = _break_even_line(cfg, result)
     if line:
