@@ -233,6 +233,11 @@ def test_sweep_cli_dry_run_and_a_bad_spec(tmp_path):
     summary = next(line for line in lines if line.startswith("2 runs will train, up to 1 more may; about "))
     assert "calibration run of flush (2 updates, start-up included)" in summary
     assert not (tmp_path / "runs").exists()  # the calibration run leaves nothing behind
+    # micro_batches not a multiple of m = 2: the plan shows what each run trains (4 of 5), not 5
+    (tmp_path / "odd.yaml").write_text(yaml.safe_dump({**spec, "micro_batches": 5}))
+    output = CliRunner().invoke(cli, ["sweep", str(tmp_path / "odd.yaml"), "--dry-run"]).output
+    assert "    will  flush-N2-lr0.001-s0  (4 micro-batches)" in output.splitlines()
+    assert "5 micro-batches is not a multiple of its 2 per" in " ".join(output.split())
     # nothing that may train: no "up to 0 more may", and one figure rather than a range "21–21"
     (tmp_path / "fixed.yaml").write_text(yaml.safe_dump({**spec, "extend_grid": 0}))
     lines = CliRunner().invoke(cli, ["sweep", str(tmp_path / "fixed.yaml"), "--dry-run"]).output.splitlines()

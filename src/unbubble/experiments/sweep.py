@@ -29,6 +29,7 @@ rewritten from them at the end: they are all an analysis needs.
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 import logging
 import math
@@ -226,9 +227,13 @@ class SweepSpec:
         for m in self.methods:
             for n in m.stages or self.stages:
                 try:
-                    cfg = self.config(RunSpec(m.label, m.overrides, n, (m.lrs or self.lrs)[0], self.seeds[0], "tune"),
-                                      Path("unused"))
+                    run = RunSpec(m.label, m.overrides, n, (m.lrs or self.lrs)[0], self.seeds[0], "tune")
+                    cfg = self.config(run, Path("unused"))
                     _check_depth(cfg)
+                    if self.micro_batches_of(run) % cfg.mb_per_step:
+                        log.warning("method %r at N=%d: %d micro-batches is not a multiple of its %d per update: each "
+                                    "run trains %d", m.label, n, self.micro_batches_of(run), cfg.mb_per_step,
+                                    cfg.steps * cfg.mb_per_step)
                 except (ConfigError, TypeError) as exc:
                     raise ConfigError(f"method {m.label!r} at N={n}: {_spec_message(exc)}") from None
 
@@ -473,11 +478,15 @@ def plan(spec: SweepSpec) -> list[tuple[str, int, str]]:
     """Every run the sweep will or may train, before any has: ``(what, micro-batches, certainty)``
     with certainty ``"will"`` (tuning, seeds, ``lr_from``) or ``"up to"`` (grid extensions and
     token budgets, which depend on results); "what" is a run id or a description."""
-    out = [(r.run_id, spec.micro_batches_of(r), "will") for r in spec.tuning_runs()]
+    def trained(run: RunSpec) -> int:  # whole updates only: what the run's TrainConfig will train
+        cfg = spec.config(run, Path("unused"))
+        return cfg.steps * cfg.mb_per_step
+
+    out = [(r.run_id, trained(r), "will") for r in spec.tuning_runs()]
     for m in spec.methods:
         for n in m.stages or spec.stages:
             probe = RunSpec(m.label, m.overrides, n, (m.lrs or spec.lrs)[0], spec.seeds[0], "tune")
-            mb = spec.micro_batches_of(probe)
+            mb = trained(probe)
             if m.lr_from is None and spec.tune and spec.extend_grid and len(m.lrs or spec.lrs) > 1:
                 out.append((f"{m.label} N={n}: grid extension beyond its best lr", mb, f"up to {spec.extend_grid}"))
             more = m.extra_seeds and (spec.seed_stages is None or n in spec.seed_stages)
@@ -488,8 +497,8 @@ def plan(spec: SweepSpec) -> list[tuple[str, int, str]]:
             budgets = spec.method_budgets(m)
             if budgets and spec.tune:
                 n_seeds = len(spec.seeds if more else spec.seeds[:1])
-                out += [(f"{m.label} N={n} budget {b:g}× (each seed)", round(mb * b), f"up to {n_seeds}")
-                        for b in budgets]
+                out += [(f"{m.label} N={n} budget {b:g}× (each seed)", trained(dataclasses.replace(probe, budget=b)),
+                         f"up to {n_seeds}") for b in budgets]
     return out
 
 
