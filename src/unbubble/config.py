@@ -6,7 +6,7 @@ import dataclasses
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from unbubble.errors import ConfigError, did_you_mean
 from unbubble.schedules.policy import ORDERS  # [Note: deterministic order]
@@ -324,14 +324,40 @@ def load_config(path: str | os.PathLike, overrides: dict | None = None) -> Train
                           "config.yaml (set --config)") from None
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"config={where!r} cannot be read: {type(exc).__name__}: {exc}".splitlines()[0]) from None
+    data = read_yaml(text, where)
+    return config_from_dict({} if data is None else data, overrides, where)
+
+
+def read_yaml(text: str, where: str) -> Any:
+    """``text`` parsed as YAML (safe types only), refusing a key given twice in one mapping (PyYAML
+    would keep the last silently).
+
+    Raises:
+        ConfigError: not YAML (with the line and column) or a duplicate key (with both lines).
+    """
+    import yaml
+
+    class _Strict(yaml.SafeLoader):
+        pass
+
+    def mapping(loader, node):
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = loader.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            if key in seen:
+                raise ConfigError(f"{where}: key {key!r} is given twice (lines {seen[key]} and {line}): keep one")
+            seen[key] = line
+        return yaml.SafeLoader.construct_mapping(loader, node, deep=True)
+
+    _Strict.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, mapping)
     try:
-        data = yaml.safe_load(text)
+        return yaml.load(text, Loader=_Strict)  # noqa: S506 - a SafeLoader subclass
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
         raise ConfigError(f"{where}: not valid YAML{at}: {problem}") from None
-    return config_from_dict({} if data is None else data, overrides, where)
 
 
 def config_to_yaml(cfg: TrainConfig) -> str:

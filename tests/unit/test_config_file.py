@@ -73,7 +73,9 @@ def test_file_values_types_and_overrides(tmp_path):
     ("a: 0", "run.yaml: a=0 is invalid: must be an integer ≥ 1 (set --a)"),
     ("- steps: 3", "expected a mapping of option names to values (key: value lines), got a list"),
     ("steps: [3", "not valid YAML at line 1, column 10"),
-    ("steps: 3\nsteps: 4\nsteps: 3\nmicro_batch_size: 2\nmicro-batch-size: 2", "key 'micro_batch_size' is given twice"),
+    ("steps: 3\nmicro_batch_size: 2\nmicro-batch-size: 2", "key 'micro_batch_size' is given twice"),
+    # PyYAML keeps the last of duplicate keys silently
+    ("steps: 3\nseed: 1\nsteps: 4", "run.yaml: key 'steps' is given twice (lines 1 and 3): keep one"),
 ])
 def test_bad_files_one_clear_line(tmp_path, text, message):
     path = tmp_path / "run.yaml"

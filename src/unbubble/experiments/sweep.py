@@ -532,18 +532,14 @@ def load_spec(path: str | Path) -> SweepSpec:
     """Reads a YAML sweep spec.
 
     Raises:
-        ConfigError: the file is missing, not YAML, or not a valid spec.
+        ConfigError: the file is missing, not YAML (or a key given twice), or not a valid spec.
     """
-    import yaml
-
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"spec={str(p)!r} is not a file: give a YAML sweep spec")
-    try:
-        data = yaml.safe_load(p.read_text())
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{p} is not valid YAML: {exc}") from None
-    return SweepSpec.from_dict(data)
+    from unbubble.config import read_yaml
+
+    return SweepSpec.from_dict(read_yaml(p.read_text(), str(p)))
 
 
 def _stage_costs(trace) -> tuple[list[float], list[float], list[float]]:
