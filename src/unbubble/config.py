@@ -52,7 +52,8 @@ class TrainConfig:
     optimizer: Literal["adamw", "basis-rotation", "nesterov", "nadam", "pipedream-lr", "staleness-lr", "muon"] = field(
         default="muon", metadata={"help": "muon (the default: the optimizer overhead-study supports for PACI, docs/results.md#overhead-study; torch.optim.Muon on hidden matrices, AdamW on embeddings, head, norms and biases, arXiv 2502.16982); adamw; basis-rotation (Adam in a rotated eigenbasis, arXiv 2602.03515); "
                                            "nesterov (PipeNAG delay correction); nadam; pipedream-lr (AdamW with the "
-                                           "stage's lr ÷ τ_s^(1−min(t/K,1))); staleness-lr (AdamW with the stage's lr ÷ "
+                                           "stage's lr ÷ τ_s^(1−min(t/K,1)), K = steps/10: it equals adamw where τ_s ≤ 1, "
+                                           "e.g. PACI with a ≥ N−1, or when K ≤ 1); staleness-lr (AdamW with the stage's lr ÷ "
                                            "(1 + τ_s), staleness-aware SGD, arXiv 1511.05950)."})
     br_source: Literal["2nd", "1st"] = field(default="2nd", metadata={"help": "Basis Rotation: eigenbasis from EMA(GGᵀ), EMA(GᵀG) (2nd) or from the momentum (1st)."})
     br_geometry: Literal["bilateral", "unilateral"] = field(default="bilateral", metadata={"help": "Basis Rotation: rotate both sides of each matrix, or only the smaller one."})
