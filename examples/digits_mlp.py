@@ -113,8 +113,12 @@ def make_job(schedule: str = "paci", stages: int = 4, steps: int = 300, a: int =
     """
     sched = get_schedule(schedule, stages, steps, a=a, m=m, v=2)
     if not 1 <= sched.n_stages <= len(BLOCK_STARTS) + 1:
+        most = len(BLOCK_STARTS) + 1
+        chunks = sched.n_stages // stages  # interleaved-1f1b: 2 model chunks per rank
         raise ValueError(f"stages={stages} is invalid for this 4-block MLP: the pipeline has {sched.n_stages} "
-                         f"stages, at most {len(BLOCK_STARTS) + 1} are possible")
+                         f"stages, at most {most} are possible" +
+                         (f" (interleaved-1f1b runs {chunks} chunks per rank: give --stages {most // chunks} or fewer)"
+                          if chunks > 1 else ""))
     cuts = BLOCK_STARTS[len(BLOCK_STARTS) - (sched.n_stages - 1):]
     builder = StageBuilder(functools.partial(mlp, width), cut_points=cuts, seed=seed)
     if optimizer == "sgd":

@@ -144,7 +144,9 @@ def test_digits_example_script(example, capsys):
 
 
 @pytest.mark.parametrize("args, message", [(["--stages", "5"], "stages=5 is invalid for this 4-block MLP"),
-                                           (["--optimizer", "sgdx"], "optimizer='sgdx' is invalid")])
+                                           (["--optimizer", "sgdx"], "optimizer='sgdx' is invalid"),
+                                           (["--schedule", "interleaved-1f1b"],
+                                            "(interleaved-1f1b runs 2 chunks per rank: give --stages 2 or fewer)")])
 def test_digits_example_bad_options_one_line(example, capsys, args, message):
     with pytest.raises(SystemExit) as exc:
         example.main(args)
