@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from unbubble.errors import ConfigError, did_you_mean
-from unbubble.schedules.policy import ORDERS  # [Note: deterministic order]
+from unbubble.schedules.policy import check_order  # [Note: deterministic order]
 from unbubble.schedules.registry import SCHEDULES
 
 ENGINES = ("emulator", "processes")
@@ -142,9 +142,7 @@ class TrainConfig:
         if self.dp > 1 and self.engine == "emulator":  # an option conflict: found before any file is read
             raise ConfigError(f"dp={self.dp} is invalid with engine='emulator' (one replica): use --engine processes "
                               "or --dp 1")
-        if self.order not in ORDERS:
-            raise ConfigError(f"order={self.order!r} is invalid{did_you_mean(self.order, ORDERS)}: must be one of "
-                              f"{', '.join(ORDERS)} (set --order)")
+        check_order(self.order)
         for name, valid in (("optimizer", OPTIMIZERS), ("br_source", ("2nd", "1st")),
                             ("br_geometry", ("bilateral", "unilateral")),
                             ("br_allocation", ("uniform", "stage-aware", "inverse"))):
@@ -162,10 +160,10 @@ class TrainConfig:
                               f"{', '.join(PREDICT_MODES)} (set --predict-weights)")
         if self.predict_weights != "none":
             if self.schedule not in PREDICT_SCHEDULES:
-                why = ("corrects the delay with its own velocity estimate (PipeMare's T2)"
-                       if self.schedule == "pipemare" else "has no drift to predict across: its backward runs on "
-                       "the weights of its forward" if self.schedule in ("pipedream", "pipedream-2bw", "paci-stashed")
-                       else "is synchronous: no delay to predict across")
+                stashed = "has no drift to predict across: its backward runs on the weights of its forward"
+                why = {"pipemare": "corrects the delay with its own velocity estimate (PipeMare's T2)",
+                       "pipedream": stashed, "pipedream-2bw": stashed, "paci-stashed": stashed,
+                       }.get(self.schedule, "is synchronous: no delay to predict across")
                 raise ConfigError(f"predict_weights={self.predict_weights!r} is for the never-flushed schedules whose "
                                   f"backward runs on the current weights ({', '.join(PREDICT_SCHEDULES)}): schedule="
                                   f"{self.schedule!r} {why} (set --predict-weights none)")
@@ -277,7 +275,6 @@ def config_from_dict(data: dict, overrides: dict | None = None, where: str = "co
         ConfigError: an unknown key (named, with the closest valid key and all valid keys), a
             wrong type, or any error of :meth:`TrainConfig.validate`.
     """
-
     if not isinstance(data, dict):
         raise ConfigError(f"{where}: expected a mapping of option names to values (key: value lines), "
                           f"got a {type(data).__name__}")
@@ -315,8 +312,6 @@ def load_config(path: str | os.PathLike, overrides: dict | None = None) -> Train
         ConfigError: a missing or unreadable file, invalid YAML (with line and column), an unknown
             key, a wrong type, or an invalid value; always one line.
     """
-    import yaml
-
     where = str(path)
     try:
         text = open(path, encoding="utf-8").read()

@@ -143,8 +143,6 @@ def build_job(cfg: TrainConfig, tokens: TokenData) -> tuple[PipelineJob, ModelCo
     return job, model
 
 
-
-
 def resume_config(run_dir: str | Path, overrides: dict | None = None) -> TrainConfig:
     """The configuration of the run in ``run_dir`` (its ``config.yaml``), with ``overrides``
     of :data:`RESUME_OVERRIDES` only.

@@ -263,17 +263,23 @@ def test_resume_continues_the_run_folder_bit_identically(tmp_path, cache_dir):
                                    "--seq-len", "32", "--eval-interval", "10", "--eval-batches", "1",
                                    "--run-dir", str(run), "--cache-dir", cache_dir, "--no-tensorboard"])
     assert res.exit_code == 0, res.output
-    cut = tmp_path / "cut"
-    shutil.copytree(run, cut)
-    shutil.rmtree(cut / "checkpoints" / "step-00000020")  # as if the machine died after step 10's checkpoint
-    (cut / "summary.json").unlink()
-    said = _Messages("unbubble.train")
-    try:
-        res = CliRunner().invoke(cli, ["train", "--resume", str(cut), "--cache-dir", cache_dir])
-    finally:
-        said.close()
-    assert res.exit_code == 0, res.output
-    assert f"resuming run {cut} from step 10 of 20 (checkpoint {cut}/checkpoints/step-00000010)" in said.lines
+    def resume_a_copy(name, damage):
+        """Copies the finished run, damages the copy as a crash would, resumes it; the logged lines."""
+        copy = tmp_path / name
+        shutil.copytree(run, copy)
+        damage(copy)
+        (copy / "summary.json").unlink()
+        said = _Messages("unbubble.train")
+        try:
+            res = CliRunner().invoke(cli, ["train", "--resume", str(copy), "--cache-dir", cache_dir])
+        finally:
+            said.close()
+        assert res.exit_code == 0, res.output
+        return copy, said.lines
+
+    # as if the machine died after step 10's checkpoint
+    cut, lines_said = resume_a_copy("cut", lambda c: shutil.rmtree(c / "checkpoints" / "step-00000020"))
+    assert f"resuming run {cut} from step 10 of 20 (checkpoint {cut}/checkpoints/step-00000010)" in lines_said
     assert complete_steps(cut / "checkpoints", 4) == [10, 20]
     assert_same_step_20(cut)
     lines = [json.loads(x) for x in (cut / "metrics.jsonl").read_text().splitlines()]
@@ -294,29 +300,19 @@ def test_resume_continues_the_run_folder_bit_identically(tmp_path, cache_dir):
     assert report.exit_code == 0 and "differ" not in report.output, report.output
 
     # a damaged newest checkpoint (a file cut short) is passed over for the previous one, saying so
-    torn = tmp_path / "torn"
-    shutil.copytree(run, torn)
+    def cut_short(copy):
+        newest = copy / "checkpoints" / "step-00000020" / "stage-002.pt"
+        newest.write_bytes(newest.read_bytes()[:1000])
+
+    torn, lines_said = resume_a_copy("torn", cut_short)
     newest = torn / "checkpoints" / "step-00000020" / "stage-002.pt"
-    newest.write_bytes(newest.read_bytes()[:1000])
-    (torn / "summary.json").unlink()
-    said = _Messages("unbubble.train")
-    try:
-        res = CliRunner().invoke(cli, ["train", "--resume", str(torn), "--cache-dir", cache_dir])
-    finally:
-        said.close()
-    assert res.exit_code == 0, res.output
     assert any(f"checkpoint file '{newest}' cannot be read" in x and x.endswith("resuming from the previous "
-                                                                              "checkpoint, step 10") for x in said.lines)
-    assert f"resuming run {torn} from step 10 of 20 (checkpoint {torn}/checkpoints/step-00000010)" in said.lines
+                                                                              "checkpoint, step 10") for x in lines_said)
+    assert f"resuming run {torn} from step 10 of 20 (checkpoint {torn}/checkpoints/step-00000010)" in lines_said
     assert_same_step_20(torn)
 
     # a run cut off before its first checkpoint restarts from step 0 in the same folder
-    fresh = tmp_path / "fresh"
-    shutil.copytree(run, fresh)
-    shutil.rmtree(fresh / "checkpoints")
-    (fresh / "summary.json").unlink()
-    res = CliRunner().invoke(cli, ["-q", "train", "--resume", str(fresh), "--cache-dir", cache_dir])
-    assert res.exit_code == 0, res.output
+    fresh, _ = resume_a_copy("fresh", lambda c: shutil.rmtree(c / "checkpoints"))
     lines = [json.loads(x) for x in (fresh / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in lines if "val_loss" in r] == [0, 10, 20]
     assert_same_step_20(fresh)

@@ -325,7 +325,7 @@ def overhead_study(out: Path, size: str = "default", seeds: list[int] | None = N
           "F/B/U durations measured in these runs; the twin runs on the fastest synchronous schedule (1F1B-flush, "
           "ZB-H1, ZB-H2; interleaved needs m to be a multiple of N), which computes flush's updates.\n\n"
           + md_table(rows) + "\n\n"
-          + (f"Longer horizon (the 1× tuned lr, budgets not trained; 'read on the curve' reads the intermediate "
+          + ("Longer horizon (the 1× tuned lr, budgets not trained; 'read on the curve' reads the intermediate "
              "point of PACI's own cosine run, which favours the baseline):\n\n" + md_table(longer) + "\n\n"
              if longer else "")
           + "Break-even: the throughput ratio PACI (a = m) buys over the fastest synchronous schedule (simulator, "

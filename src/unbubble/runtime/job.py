@@ -9,7 +9,6 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from unbubble.errors import ConfigError, did_you_mean
 from unbubble.runtime.checkpoint import Checkpointing, DamagedCheckpoint, check_fingerprint, fingerprint, load_stage, \
     rng_state, save_stage, set_rng_state
 from unbubble.runtime.compiled import check_compile
@@ -17,7 +16,7 @@ from unbubble.runtime.data_parallel import replica_batch
 from unbubble.runtime.executor import BatchFn, LossFn, StageExecutor
 from unbubble.runtime.precision import check_modes, to_bf16
 from unbubble.optim.lr_rescheduling import PipeDreamLR, StalenessLR
-from unbubble.schedules.policy import ORDERS, Cuts
+from unbubble.schedules.policy import Cuts, check_order
 from unbubble.schedules.registry import Schedule
 
 StageFn = Callable[[int], nn.Module]
@@ -110,9 +109,7 @@ class PipelineJob:
     compile_backend: str | None = None
 
     def __post_init__(self) -> None:
-        if self.order not in ORDERS:  # here, before any stage process starts
-            raise ConfigError(f"order={self.order!r} is invalid{did_you_mean(self.order, ORDERS)}: must be one of "
-                              f"{', '.join(ORDERS)} (set --order)")
+        check_order(self.order)  # here, before any stage process starts
 
     def build_executor(self, stage: int, module: nn.Module | None = None, replica: int = 0,
                        grad_sync=None, device: torch.device | None = None) -> StageExecutor:

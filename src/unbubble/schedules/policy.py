@@ -202,6 +202,15 @@ class OrderedPaciPolicy(PaciPolicy):
 ORDERS = ("deterministic", "dynamic")
 
 
+def check_order(order: str) -> None:
+    """Raises ConfigError unless ``order`` is one of :data:`ORDERS` (with a did-you-mean)."""
+    from unbubble.errors import ConfigError, did_you_mean
+
+    if order not in ORDERS:
+        raise ConfigError(f"order={order!r} is invalid{did_you_mean(order, ORDERS)}: must be one of "
+                          f"{', '.join(ORDERS)} (set --order)")
+
+
 class ListPolicy:
     """Follows a fixed per-stage action list, waiting until each action's inputs arrive.
 

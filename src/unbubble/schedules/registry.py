@@ -12,7 +12,7 @@ from typing import Literal
 
 from unbubble.errors import ConfigError, did_you_mean
 from unbubble.schedules.actions import Action
-from unbubble.schedules.policy import ORDERS, ListPolicy, OrderedPaciPolicy, PaciPolicy, Policy
+from unbubble.schedules.policy import ListPolicy, OrderedPaciPolicy, PaciPolicy, Policy, check_order
 from unbubble.schedules import static
 
 #: name -> one line of semantics (shown by ``unbubble schedules``).
@@ -95,9 +95,7 @@ class Schedule:
         Raises:
             ConfigError: ``order`` is not one of :data:`ORDERS`.
         """
-        if order not in ORDERS:
-            raise ConfigError(f"order={order!r} is invalid{did_you_mean(order, ORDERS)}: must be one of "
-                              f"{', '.join(ORDERS)} (set --order)")
+        check_order(order)
         if self.asynchronous:
             cls = OrderedPaciPolicy if order == "deterministic" else PaciPolicy
             return cls(rank, self.n_stages, self.mb_per_step)

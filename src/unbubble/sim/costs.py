@@ -21,10 +21,13 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from unbubble.errors import ConfigError
 from unbubble.schedules.actions import Action, ActionKind
+
+if TYPE_CHECKING:  # numpy is imported where it is used (cost models need it only for jitter)
+    import numpy as np
 
 #: Engine-internal index of each action kind (F, B, I, W, U), used by the duration tables.
 KIND_INDEX: dict[ActionKind, int] = {ActionKind.F: 0, ActionKind.B: 1, ActionKind.I: 2, ActionKind.W: 3, ActionKind.U: 4}
