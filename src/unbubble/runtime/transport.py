@@ -46,6 +46,16 @@ makes its compute stream wait on that event and marks the payload as used by it
 ``isend`` orders itself after the compute stream's work that produced the tensor
 (ProcessGroupNCCL does), and finished sends are reaped with ``Work.is_completed()``, which polls
 an event instead of waiting.
+
+[Note: reaping gloo sends]
+A frame must stay alive until its ``isend`` has finished, and gloo's send ``Work`` reports that
+only through ``wait()`` (``is_completed()`` stays False until then). The stage's own thread must
+not wait, so a reaper thread (``SendReaper``) waits for the sends in issue order and drops each
+frame as soon as its send is done. Reaping only on the stage's thread, past a cap of pending
+sends, kept up to that many frames alive for the whole run: 256 × the activation size, +128 MiB
+per stage process of the default run. The cap still bounds the sends in flight (a send blocks
+while ``MAX_PENDING_SENDS`` are unfinished), and a failed send is raised on the stage's thread at
+its next send or at ``close()``.
 """
 
 from __future__ import annotations
@@ -202,6 +212,62 @@ def frame_payload(frame: torch.Tensor, meta: TensorMeta | None = None) -> torch.
 MAX_PENDING_SENDS = 256
 
 
+class SendReaper:
+    """Keeps each sent frame alive until its ``isend`` is done, waiting on a thread of its own
+    ([Note: reaping gloo sends]).
+
+    Args:
+        cap: at most this many sends unfinished; ``submit`` blocks while that many are.
+
+    ``submit(work, frame)`` hands over one started send (any object with ``wait()``) and the
+    buffer it reads; the reaper waits for them in submission order and then releases the frame.
+    ``close()`` waits for every submitted send and ends the thread.
+
+    Raises:
+        The first exception a ``wait()`` raised, from the next ``submit`` or from ``close``.
+    """
+
+    def __init__(self, cap: int = MAX_PENDING_SENDS) -> None:
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._slots = threading.BoundedSemaphore(cap)
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+
+    def _loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            work, _frame = item
+            try:
+                if self._error is None:  # after a failure the rest are only released
+                    work.wait()
+            except BaseException as exc:  # noqa: BLE001 - raised on the stage's thread
+                self._error = exc
+            del item, work, _frame  # the frame's memory goes back now, not at the next send
+            self._slots.release()
+
+    def submit(self, work: Any, frame: torch.Tensor) -> None:
+        self._raise()
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="send-reaper", daemon=True)
+            self._thread.start()
+        self._slots.acquire()
+        self._queue.put((work, frame))
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join()
+            self._thread = None
+        self._raise()
+
+    def _raise(self) -> None:
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+
 def encode_header(stage: int, k: int) -> int:
     """The int64 header of a message for ``stage`` carrying micro-batch ``k``."""
     if not 0 <= k < 2**_K_BITS or not 0 <= stage < 2**(62 - _K_BITS):
@@ -276,7 +342,8 @@ class P2PTransport:
         self.cuda = self.device.type == "cuda"
         self.stages = list(range(rank, n_stages, n_ranks))
         self.inbox: queue.Queue = queue.Queue()
-        self._pending_sends: collections.deque = collections.deque()
+        self._pending_sends: collections.deque = collections.deque()  # CUDA: polled with is_completed()
+        self._reaper = None if self.cuda else SendReaper()  # gloo: [Note: reaping gloo sends]
         self._threads: list[threading.Thread] = []
         self._capacity = {True: 0, False: 0}  # payload bytes of the frames this rank sends (forward?)
         # [Note: one process group per channel]: (direction, replica, source rank) -> group
@@ -364,11 +431,18 @@ class P2PTransport:
         meta = TensorMeta.of(tensor, dst_stage, k)  # raises before anything is sent
         self._fit(forward, tensor.numel() * tensor.element_size(), dst)
         frame = pack_frame(tensor, dst_stage, k, frame_bytes(self._capacity[forward]), meta)
+        self._submit(dist.isend(frame, self.base + dst, group=self._send_group[forward]), frame)
+
+    def _submit(self, work: Any, frame: torch.Tensor) -> None:
+        """Keeps ``frame`` alive until its send ``work`` is done, without waiting here: NCCL's
+        sends are polled ([Note: CUDA without host synchronisation]), gloo's are waited for
+        by the reaper thread ([Note: reaping gloo sends])."""
+        if self._reaper is not None:
+            self._reaper.submit(work, frame)
+            return
         pending = self._pending_sends
-        pending.append((dist.isend(frame, self.base + dst, group=self._send_group[forward]), frame))
-        # reap without waiting where the backend can tell (NCCL polls an event; gloo's sends
-        # report completion only through wait(), so the oldest are waited for past the cap)
-        while pending and (len(pending) > MAX_PENDING_SENDS or (self.cuda and pending[0][0].is_completed())):
+        pending.append((work, frame))
+        while pending and (len(pending) > MAX_PENDING_SENDS or pending[0][0].is_completed()):
             pending.popleft()[0].wait()
 
     def _fit(self, forward: bool, nbytes: int, dst: int) -> None:
@@ -379,7 +453,7 @@ class P2PTransport:
             return
         new = grown_capacity(old, nbytes)
         frame = announce_frame(frame_bytes(old), new, self.device)
-        self._pending_sends.append((dist.isend(frame, self.base + dst, group=self._send_group[forward]), frame))
+        self._submit(dist.isend(frame, self.base + dst, group=self._send_group[forward]), frame)
         self._capacity[forward] = new
 
     def send_end(self, forward: bool, step: int) -> None:
@@ -393,9 +467,11 @@ class P2PTransport:
             return  # no receiver thread on a loop-back channel
         size = frame_bytes(self._capacity[forward])
         frame = pack_frame(torch.zeros(0, device=self.device), dst_stage, _END_BASE + step, size)
-        self._pending_sends.append((dist.isend(frame, self.base + dst, group=self._send_group[forward]), frame))
+        self._submit(dist.isend(frame, self.base + dst, group=self._send_group[forward]), frame)
 
     def _reap(self) -> None:
+        if self._reaper is not None:
+            self._reaper.close()
         while self._pending_sends:
             self._pending_sends.popleft()[0].wait()
 
