@@ -226,6 +226,17 @@ def generator(seed: int, component: int) -> torch.Generator:
 
 
 @torch.no_grad()
+def allocate_on_cpu(module: nn.Module) -> nn.Module:
+    """Gives every meta-device parameter and buffer of ``module`` uninitialised CPU storage of its
+    shape and dtype (what ``module.to_empty(device="cpu")`` does), in place; returns ``module``.
+
+    ``to_empty`` goes through ``torch.empty_like`` of meta tensors, whose Python reference
+    implementation imports sympy (~37 MiB per stage process, [Note: eager stage processes without
+    Dynamo] in ``runtime/lazy_dynamo.py``); ``torch.empty`` of the shape needs nothing.
+    """
+    return module._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device="cpu") if t.is_meta else t)
+
+
 def _init_block(block: Block, config: GPTConfig, g: torch.Generator) -> None:
     """Initialise one block from its generator, in a fixed draw order (c_attn, attn.c_proj, c_fc,
     mlp.c_proj). Weights N(0, 0.02), residual projections N(0, 0.02/sqrt(2 * n_layer)) (GPT-2 §2.3,
@@ -302,7 +313,7 @@ class GPTStage(nn.Module):
             if last:
                 self.ln_f = nn.LayerNorm(config.n_embd, bias=config.bias)
                 self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)  # (V, C) weight
-        self.to_empty(device="cpu")
+        allocate_on_cpu(self)
         if first and last:
             self.lm_head.weight = self.wte.weight  # GPT-2 weight tying, only possible on one stage
         self._init_weights()

@@ -33,7 +33,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from unbubble.errors import ConfigError
-from unbubble.models.gpt2 import EMBEDDING_COMPONENT, INIT_STD, check_stage_args, generator
+from unbubble.models.gpt2 import EMBEDDING_COMPONENT, INIT_STD, allocate_on_cpu, check_stage_args, generator
 
 # ----------------------------------------------------------------------------------------------
 # Config
@@ -248,7 +248,7 @@ class LlamaStage(nn.Module):
             if last:
                 self.norm = nn.RMSNorm(config.n_embd, eps=config.norm_eps)
                 self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)  # (V, C) weight
-        self.to_empty(device="cpu")
+        allocate_on_cpu(self)
         if first and last and config.tie_embeddings:
             self.lm_head.weight = self.wte.weight
         cos, sin = rope_tables(config)

@@ -35,6 +35,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from unbubble.errors import ConfigError, NonFiniteError, PipelineFailure, StartupInterrupted
+from unbubble.runtime import lazy_dynamo
 from unbubble.runtime.job import PipelineJob
 from unbubble.runtime.telemetry import Listener, RunResult, Telemetry
 from unbubble.runtime.worker import from_bytes, run_stage
@@ -191,6 +192,8 @@ def _stage_entry(rank: int, job: PipelineJob, replay, q, port: int, threads: int
     try:
         device, control = _init(backend, rank, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=job.dp * job.schedule.n_ranks, timeout=timedelta(seconds=timeout_s))
+        if job.compile_backend is None:  # after init_process_group, which touches a loaded torch._dynamo, and
+            lazy_dynamo.defer()  # before any optimizer exists: [Note: eager stage processes without Dynamo]
         run_stage(job, rank, q.put, replay, recv_timeout_s=timeout_s, device=device, control_group=control,
                   cuts=cuts, on_action=on_action if slot is not None else None)
         dist.destroy_process_group()
