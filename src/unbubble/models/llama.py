@@ -33,7 +33,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from unbubble.errors import ConfigError
-from unbubble.models.gpt2 import EMBEDDING_COMPONENT, INIT_STD, allocate_on_cpu, check_stage_args, generator
+from unbubble.models.gpt2 import EMBEDDING_COMPONENT, INIT_STD, allocate_on_cpu, check_stage_args, generator, \
+    meta_embedding
 
 # ----------------------------------------------------------------------------------------------
 # Config
@@ -243,7 +244,7 @@ class LlamaStage(nn.Module):
         self.config, self.layers, self.first, self.last, self.seed = config, layers, first, last, seed
         with torch.device("meta"):  # allocate nothing and skip PyTorch's default (global-RNG) init
             if first:
-                self.wte = nn.Embedding(config.vocab_size, config.n_embd)  # (V, C)
+                self.wte = meta_embedding(config.vocab_size, config.n_embd)  # (V, C)
             self.h = nn.ModuleDict({str(j): self.make_block(config) for j in layers})
             if last:
                 self.norm = nn.RMSNorm(config.n_embd, eps=config.norm_eps)
