@@ -470,6 +470,8 @@ def run_torchrun(job: PipelineJob, replay: list[list[Action]] | None = None, lis
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     backend = choose_backend(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), backend)
     device, control = _init(backend, local_rank, timeout=timedelta(seconds=timeout_s))
+    if job.compile_backend is None:  # [Note: eager stage processes without Dynamo]
+        lazy_dynamo.defer()
     rank = dist.get_rank()
     messages: list[tuple] = []
     cuts = job.cuts()
