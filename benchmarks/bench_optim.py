@@ -168,11 +168,20 @@ def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else 1e3 * seconds
 
 
+#: The training-step comparison: AdamW first (the reference), Basis Rotation as the paper runs it (2nd,
+#: bilateral), two cheaper members (sides ≤ 768 rotated, SOAP's max_precond_dim knob; unilateral: the
+#: smaller side only; both change the preconditioner, see BasisRotation), and SOAP.
+TRAIN_STEP_VARIANTS: list[tuple[str, dict[str, Any]]] = [
+    ("adamw", {}), ("basis-rotation", {}), ("br max_precond_dim=768", {"max_precond_dim": 768}),
+    ("br unilateral", {"geometry": "unilateral"}), ("soap", {}),
+]
+
+
 def time_training_steps(k: int, steps: int, a: int, batch: int, seq_len: int) -> list[dict[str, Any]]:
     """Time of one local step (a x (F + B) + U) of a GPT-2-small block as a middle stage, per optimizer.
 
-    AdamW, Basis Rotation (2nd, bilateral; matrices rotated, biases and norms AdamW) and SOAP, each
-    on its own copy of the stage, interleaved step by step. Returns mean and median over ``steps``
+    AdamW, Basis Rotation (2nd, bilateral; matrices rotated, biases and norms AdamW), the cheaper members
+    of ``TRAIN_STEP_VARIANTS`` and SOAP, each on its own copy of the stage, interleaved step by step. Returns mean and median over ``steps``
     steps after a cold-start step (with k = 10 and 10 steps, exactly one refresh is included).
     """
     from unbubble.models.gpt2 import GPTStage, make_config
@@ -182,7 +191,7 @@ def time_training_steps(k: int, steps: int, a: int, batch: int, seq_len: int) ->
     x = torch.randn(batch, seq_len, config.n_embd, generator=g)  # (B, T, C) from the previous stage
     grad_out = torch.randn(batch, seq_len, config.n_embd, generator=g) * 1e-3  # dL/d(output), next stage
     runs = []
-    for name in ("adamw", "basis-rotation", "soap"):
+    for name, options in TRAIN_STEP_VARIANTS:
         stage = GPTStage(config, range(1, 2), first=False, last=False, seed=0)
         params = [p for p in stage.parameters() if p.requires_grad]
         if name == "adamw":
@@ -193,7 +202,7 @@ def time_training_steps(k: int, steps: int, a: int, batch: int, seq_len: int) ->
             matrices = [p for p in params if p.dim() == 2]
             rest = [p for p in params if p.dim() != 2]
             opt = BasisRotation([{"params": matrices}, {"params": rest, "rotate": False, "weight_decay": 0.0}],
-                                lr=1e-4, betas=(0.9, 0.999), weight_decay=0.01, update_freq=k)
+                                lr=1e-4, betas=(0.9, 0.999), weight_decay=0.01, update_freq=k, **options)
         runs.append({"optimizer": name, "stage": stage, "opt": opt, "times": []})
 
     def one_step(run: dict[str, Any]) -> float:
@@ -220,6 +229,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--quick", action="store_true", help="fewer timed steps (smoke check)")
     parser.add_argument("--no-train-step", action="store_true", help="skip the training-step overhead part")
+    parser.add_argument("--train-step-only", action="store_true", help="run only the training-step overhead part")
     parser.add_argument("--a", type=int, default=4, help="micro-batches per local step (PACI a; CPU demo: 4)")
     parser.add_argument("--micro-batch-size", type=int, default=8, help="sequences per micro-batch (CPU demo: 8)")
     parser.add_argument("--seq-len", type=int, default=128, help="tokens per sequence (CPU demo: 128)")
@@ -235,8 +245,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
           f"block {BLOCK_SHAPES[0]}x4 + {BLOCK_SHAPES[4]} + {BLOCK_SHAPES[5]} "
           f"({sum(a * b for a, b in BLOCK_SHAPES) / 1e6:.2f}M params), k in {ks}", flush=True)
 
-    families = {"soap": ks, "br-2nd-bilateral": ks}
-    families.update({f"br-{s}-{g}": ks for s, g in VARIANTS[1:]})
+    families = {} if args.train_step_only else {"soap": ks, "br-2nd-bilateral": ks}
+    families.update({} if args.train_step_only else {f"br-{s}-{g}": ks for s, g in VARIANTS[1:]})
     specs = [("adamw", 1, 5 if args.quick else 20)]
     specs += [(name, k, n_for(k)) for name, fam_ks in families.items() for k in fam_ks]
     runs = time_interleaved(specs)
@@ -274,11 +284,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(f"\nTraining step of a GPT-2-small block as a middle stage: a={args.a} micro-batches of "
               f"{args.micro_batch_size}x{args.seq_len} tokens (F+B each) + update, k=10 ({steps} steps, "
               f"one refresh included in the mean)")
-        print(f"{'optimizer':<16}{'mean ms':>9}{'min ms':>9}{'overhead vs AdamW (mean)':>26}{'(min)':>8}")
+        print(f"{'optimizer':<24}{'mean ms':>9}{'min ms':>9}{'overhead vs AdamW (mean)':>26}{'(min)':>8}")
         for t in train:
             t["overhead_vs_adamw_mean"] = t["step_ms_mean"] / base["step_ms_mean"] - 1
             t["overhead_vs_adamw_min"] = t["step_ms_min"] / base["step_ms_min"] - 1
-            print(f"{t['optimizer']:<16}{t['step_ms_mean']:>9.0f}{t['step_ms_min']:>9.0f}"
+            print(f"{t['optimizer']:<24}{t['step_ms_mean']:>9.0f}{t['step_ms_min']:>9.0f}"
                   f"{100 * t['overhead_vs_adamw_mean']:>25.0f}%{100 * t['overhead_vs_adamw_min']:>7.0f}%")
 
     load_end = os.getloadavg()

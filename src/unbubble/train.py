@@ -122,6 +122,7 @@ def build_job(cfg: TrainConfig, tokens: TokenData) -> tuple[PipelineJob, ModelCo
             stage_optimizer, "adamw" if cfg.optimizer in ("pipedream-lr", "staleness-lr") else cfg.optimizer, cfg.lr,
             (cfg.beta1, cfg.beta2), cfg.weight_decay, tuple(schedule.delay_bound(s) for s in range(schedule.n_stages)),
             (("br_source", cfg.br_source), ("br_geometry", cfg.br_geometry), ("br_freq", cfg.br_freq),
+             ("br_max_precond_dim", cfg.br_max_precond_dim),
              ("br_allocation", cfg.br_allocation), ("muon_momentum", cfg.muon_momentum))),
         schedule=schedule,
         lr_lambda=functools.partial(warmup_cosine, total=cfg.steps, warmup=warmup, min_ratio=cfg.min_lr_ratio),

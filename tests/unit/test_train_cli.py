@@ -4,6 +4,7 @@ import json
 import logging
 
 import pytest
+import torch
 from click.testing import CliRunner
 
 from unbubble.cli import cli
@@ -352,3 +353,24 @@ def test_the_end_line_names_the_step_of_the_final_evaluation():
         "validation loss 5.5675 -> 3.0000 at step 50 (ppl 20.09)"
     assert validation_line({**base, "steps_done": 50, "val_losses": [[0, 5.5675], [50, 3.0]], "final_val_loss": 3.0},
                            50) == "validation loss 5.5675 -> 3.0000 (ppl 20.09)"
+
+
+def test_br_max_precond_dim_reaches_every_stages_basis_rotation(tmp_path):
+    from unbubble.data import prepare_tokens
+    from unbubble.optim import keys as K
+    from unbubble.train import build_job
+
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("In the beginning God created the heaven and the earth. " * 400)
+    tokens = prepare_tokens(str(corpus), "byte", tmp_path)
+    for limit, want_left in ((128, False), (10_000, True)):
+        cfg = TrainConfig(optimizer="basis-rotation", br_max_precond_dim=limit, cache_dir=str(tmp_path))
+        job, _ = build_job(cfg, tokens)
+        stage = job.stage_fn(1)
+        opt = job.optimizer_fn(list(stage.named_parameters()), 1)
+        qkv = stage.h["1"].attn.c_attn.weight  # (384, 128) in the tiny preset
+        assert qkv.shape == (384, 128)
+        qkv.grad = torch.randn_like(qkv)
+        opt.step()
+        state = opt.state[qkv]
+        assert (K.BASIS_LEFT in state) is want_left and state[K.BASIS_RIGHT].shape == (128, 128)
