@@ -1,6 +1,8 @@
 """[Note: eager stage processes without Dynamo] (runtime/lazy_dynamo.py): a fresh interpreter trains a
 stage with every optimizer on the stand-in and must get the same weights as this process, which has
-the real torch._dynamo; anything beyond the stand-in loads the real package."""
+the real torch._dynamo; anything beyond the stand-in loads the real package, whose submodules are
+executed once (regression: ``import torch._dynamo.config`` on the stand-in executed config.py again,
+and ``torch.compile`` then failed on a backend registered twice) and found by ``find_spec``."""
 
 import json
 import subprocess
@@ -42,8 +44,15 @@ def train(name):
 out = {name: train(name) for name in sys.argv[1:]}
 out["deferred"] = lazy_dynamo.is_deferred() and "torch._dynamo.config" not in sys.modules
 out["sympy_or_dynamo_modules"] = sorted(m for m in sys.modules if m.startswith("torch._dynamo."))
-import torch._dynamo.config  # a submodule: the real package comes first
+import importlib.util
+out["spec_while_deferred"] = importlib.util.find_spec("torch._dynamo").name == "torch._dynamo" \
+    and lazy_dynamo.is_deferred()
+import torch._dynamo.config  # a submodule: the real package comes first, and executes it once
 out["limit"] = torch._dynamo.config.cache_size_limit
+out["one_config"] = sys.modules["torch._dynamo.config"] is torch._dynamo.config \
+    and torch._dynamo.config.__spec__.origin.endswith("config.py")
+import torch._dynamo.profiler  # one the package does not import itself: bound on the real package
+out["profiler"] = torch._dynamo.profiler is sys.modules["torch._dynamo.profiler"]
 out["real_after"] = not lazy_dynamo.is_deferred() and torch._dynamo.disable.__module__ == "torch._dynamo.decorators"
 out["compiled"] = torch.compile(lambda t: t * 2, backend="eager")(torch.ones(2)).tolist()
 print(json.dumps(out))
@@ -78,5 +87,6 @@ def test_a_stage_trains_on_the_stand_in_exactly_as_with_dynamo_and_never_imports
             assert got[name] == _train_here(name), name  # bit for bit
     finally:
         torch.set_num_threads(threads)
+    assert got["spec_while_deferred"] and got["one_config"] and got["profiler"]
     assert isinstance(got["limit"], int) and got["real_after"]
     assert got["compiled"] == [2.0, 2.0]
