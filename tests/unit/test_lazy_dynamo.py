@@ -1,8 +1,8 @@
 """[Note: eager stage processes without Dynamo] (runtime/lazy_dynamo.py): a fresh interpreter trains a
 stage with every optimizer on the stand-in and must get the same weights as this process, which has
 the real torch._dynamo; anything beyond the stand-in loads the real package, whose submodules are
-executed once (regression: ``import torch._dynamo.config`` on the stand-in executed config.py again,
-and ``torch.compile`` then failed on a backend registered twice) and found by ``find_spec``."""
+executed once, and ``importlib.util.find_spec`` finds it meanwhile (regression: the stand-in had no
+``__spec__``, so find_spec raised ValueError)."""
 
 import json
 import subprocess

@@ -35,40 +35,13 @@ import torch
 _NAME = "torch._dynamo"
 
 
-class _Existing(importlib.abc.Loader):
-    """Hands back a module the real package has already imported (no second execution)."""
-
-    def __init__(self, spec: Any) -> None:
-        self.spec = spec
-
-    def create_module(self, spec: Any) -> types.ModuleType:
-        return sys.modules[spec.name]
-
-    def exec_module(self, module: types.ModuleType) -> None:
-        types.ModuleType.__setattr__(module, "__spec__", self.spec)  # its own again (torch's config
-        # modules refuse a plain setattr)
-
-
 class _Finder(importlib.abc.MetaPathFinder):
-    """Keeps ``torch._dynamo.*`` submodules single when an import of one began on the stand-in.
+    """Imports the real package before any ``torch._dynamo.*`` submodule is looked up."""
 
-    Such an import reads the stand-in's ``__path__``, which loads the real package, and that
-    usually imports the submodule itself; the import machinery would then execute it a second
-    time (it returns the ``__spec__`` of a module already in ``sys.modules``, and loads from it).
-    The module is handed back through ``_Existing`` instead. A submodule the package does not
-    import is loaded normally and bound on the real package (``_Standin.__setattr__``).
-    """
-
-    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
-        if not fullname.startswith(_NAME + "."):
-            return None
-        _load()
-        existing = sys.modules.get(fullname)
-        if existing is None:
-            return None
-        spec = importlib.util.spec_from_loader(fullname, _Existing(existing.__spec__))
-        types.ModuleType.__setattr__(existing, "__spec__", spec)  # what the import machinery reads back
-        return spec
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> None:
+        if fullname.startswith(_NAME + "."):
+            _load()
+        return None  # the normal finders continue, now under the real package
 
 
 _FINDER = _Finder()
@@ -90,19 +63,14 @@ class _Standin(types.ModuleType):
     def __getattr__(self, name: str) -> Any:
         return getattr(_load(), name)
 
-    def __setattr__(self, name: str, value: Any) -> None:
-        real = sys.modules.get(_NAME)
-        if real is not None and real is not self and not isinstance(real, _Standin):
-            setattr(real, name, value)  # e.g. a submodule the import machinery binds on its parent
-        else:
-            super().__setattr__(name, value)
-
 
 def _load() -> types.ModuleType:
     """Replaces the stand-in by the real ``torch._dynamo`` (once) and returns it."""
     module = sys.modules.get(_NAME)
     if module is not None and not isinstance(module, _Standin):
         return module
+    if _FINDER in sys.meta_path:
+        sys.meta_path.remove(_FINDER)
     sys.modules.pop(_NAME, None)
     if isinstance(torch.__dict__.get("_dynamo"), _Standin):
         del torch._dynamo
@@ -122,8 +90,7 @@ def defer() -> bool:
     standin.__spec__ = importlib.util.find_spec(_NAME)  # the real package's (found, not imported)
     sys.modules[_NAME] = standin
     torch._dynamo = standin  # type: ignore[attr-defined]  # what `import torch._dynamo` binds
-    if _FINDER not in sys.meta_path:
-        sys.meta_path.insert(0, _FINDER)  # stays: it passes every other name on at once
+    sys.meta_path.insert(0, _FINDER)
     return True
 
 
