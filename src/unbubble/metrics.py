@@ -192,8 +192,10 @@ class RunWriter:
             # per stage, measured by the executor (StageExecutor.memory_bytes): parameter, fp32 master,
             # gradient, optimizer-state, peak activation and weight-copy bytes
             "memory": result.memory,
-            # process engine: each stage process's resident memory after its last action and its peak
-            # (the emulator runs every stage in the command's own process: None)
+            # process engine: per stage, the resident memory of the process hosting it after its last
+            # action, and its peak; interleaved stages of one rank repeat their process's figures, and
+            # with --dp only replica 0's processes are listed (the emulator runs every stage in the
+            # command's own process: None)
             "rss_bytes": [m.get("process_rss_bytes") for m in result.memory] if self.cfg.engine != "emulator" else None,
             "peak_rss_bytes": [m.get("process_peak_rss_bytes") for m in result.memory]
             if self.cfg.engine != "emulator" else None,

@@ -74,11 +74,16 @@ def test_sigint_stops_at_a_checkpoint_and_the_run_resumes(tmp_path):
     assert all(torch.isfinite(v).all() for st in resumed.final_states for v in st.values())
 
 
-@pytest.mark.parametrize("sig,stage,message", [
-    (signal.SIGKILL, 2, r"stage 2 was killed by SIGKILL without a report; its last action was 2[FBU]\d*"),
-    (signal.SIGSTOP, 1, r"stage 1 stopped responding \(no heartbeat for \d+ s\); its last action was 1[FBU]\d*"),
-], ids=["killed", "hung"])
-def test_a_dead_or_hung_stage_stops_every_rank_naming_its_last_action(sig, stage, message):
+@pytest.mark.parametrize("sig,stage,message,limits", [
+    (signal.SIGKILL, 2, r"stage 2 was killed by SIGKILL without a report; its last action was 2[FBU]\d*",
+     {"hang_s": 4.0}),
+    (signal.SIGSTOP, 1, r"stage 1 stopped responding \(no heartbeat for \d+ s\); its last action was 1[FBU]\d*",
+     {"hang_s": 4.0}),
+    # regression: with a receive timeout below hang_s a neighbour's timeout came first and was blamed
+    (signal.SIGSTOP, 1, r"stage 1 stopped responding \(no heartbeat for \d+ s\); its last action was 1[FBU]\d*",
+     {"timeout_s": 8.0}),
+], ids=["killed", "hung", "hung-short-timeout"])
+def test_a_dead_or_hung_stage_stops_every_rank_naming_its_last_action(sig, stage, message, limits):
     job = tiny_gpt_job(get_schedule("paci", 4, 5000, a=2))
 
     def strike():
@@ -87,6 +92,6 @@ def test_a_dead_or_hung_stage_stops_every_rank_naming_its_last_action(sig, stage
 
     t0 = time.monotonic()
     with pytest.raises(PipelineFailure, match=message):
-        run_processes(job, listener=_OnFirstStep(strike), hang_s=4.0)
+        run_processes(job, listener=_OnFirstStep(strike), **limits)
     assert time.monotonic() - t0 < 60
     assert not _stage_processes()

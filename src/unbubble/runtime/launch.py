@@ -296,7 +296,9 @@ def run_processes(job: PipelineJob, replay: list[list[Action]] | None = None, li
             (seconds; also the process-group set-up timeout).
         backend: ``"gloo"`` or ``"nccl"``; default :func:`choose_backend` (NCCL when CUDA has
             a device per process).
-        hang_s: seconds without a heartbeat after which a stage counts as hung.
+        hang_s: seconds without a heartbeat after which a stage counts as hung; at most half of
+            ``timeout_s`` (and at least 3 s), so a hung stage is named before a neighbour's receive
+            times out and would be blamed instead.
 
     Returns:
         A :class:`RunResult`; ``trace`` holds wall-clock times (seconds since the shared
@@ -312,6 +314,7 @@ def run_processes(job: PipelineJob, replay: list[list[Action]] | None = None, li
     n = job.schedule.n_ranks
     world = job.dp * n
     backend = choose_backend(world, backend)
+    hang_s = min(hang_s, max(3.0, timeout_s / 2))  # the hung stage, not its waiting neighbour
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = _free_port()
