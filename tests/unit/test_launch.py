@@ -6,6 +6,8 @@ import sys
 import textwrap
 import time
 
+import pytest
+
 SCRIPT = textwrap.dedent('''
     import torch
     from unbubble.runtime.job import PipelineJob
@@ -64,3 +66,28 @@ def test_stage_processes_of_the_console_script_do_not_re_import_the_cli(tmp_path
     other.write_text(script.read_text())
     out = subprocess.run([sys.executable, str(other)], capture_output=True, text=True, timeout=120)
     assert out.stdout.split() == [str(other), "None"], out.stderr
+
+
+def test_a_stop_signal_sent_twice_at_once_is_one_stop_and_a_later_one_stops_at_once():
+    # regression: `timeout -s INT` signals the command and its process group; the echo stopped the run
+    # at once, without a checkpoint
+    import signal
+    import time
+
+    from unbubble.runtime.launch import ECHO_S, install_stop_handlers
+    from unbubble.schedules.policy import Cuts
+
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        cuts = Cuts(mb_per_step=4)
+        install_stop_handlers(cuts, announce=False)
+        handler = signal.getsignal(signal.SIGINT)
+        handler(signal.SIGINT, None)
+        assert cuts.stop_requested
+        handler(signal.SIGINT, None)  # the echo: ignored
+        time.sleep(ECHO_S + 0.05)
+        with pytest.raises(KeyboardInterrupt, match="second SIGINT: stopped at once"):
+            handler(signal.SIGINT, None)
+    finally:
+        for sig, h in saved.items():
+            signal.signal(sig, h)

@@ -173,7 +173,8 @@ def train(print_config: bool, resume: str | None, **kwargs) -> None:
     Checkpoints go to RUN/checkpoints every --checkpoint-every steps and at the last step of a run
     at least that long (a shorter one writes none unless stopped, or with --final-checkpoint); Ctrl-C (SIGINT) or SIGTERM
     stops at the next step boundary after a checkpoint (exit code 130), and
-    `unbubble train --resume RUN` continues. A second signal stops at once.
+    `unbubble train --resume RUN` continues. A second signal stops at once (one within 0.25 s of the first is
+    the same stop sent twice, as `timeout -s INT` does, and is ignored).
     """
     from unbubble.runtime.telemetry import process_start_epoch
     from unbubble.train import resume_config, train as run_training

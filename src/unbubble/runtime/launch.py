@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import math
 import os
 import queue
 import signal
@@ -133,6 +134,9 @@ def _rank_name(job: PipelineJob, rank: int) -> int | str:
 
 #: Seconds without a heartbeat after which the launcher declares a stage process hung.
 HANG_S = 20.0
+#: A stop signal within this many seconds of the previous one is the same stop delivered twice:
+#: GNU ``timeout -s INT`` (without --foreground) signals the command and then its process group.
+ECHO_S = 0.25
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
@@ -148,8 +152,15 @@ def _die_with_parent() -> None:
 
 def install_stop_handlers(cuts: Cuts, announce: bool = True) -> None:
     """SIGINT/SIGTERM ask the run to stop at its next cut (checkpoint, then exit); a second
-    signal stops at once (the previous complete checkpoint stays). ``announce`` logs the first."""
+    signal stops at once (the previous complete checkpoint stays), unless it follows the first
+    within ``ECHO_S`` seconds (one stop sent twice). ``announce`` logs the first."""
+    last = [-math.inf]  # time.monotonic() of the previous signal
+
     def handler(signum, frame):
+        now, previous = time.monotonic(), last[0]
+        last[0] = now
+        if now - previous < ECHO_S:
+            return  # the same stop, delivered twice (ECHO_S)
         if cuts.stop_requested:
             raise KeyboardInterrupt(f"second {signal.Signals(signum).name}: stopped at once, without a checkpoint")
         cuts.stop_requested = True
@@ -343,7 +354,13 @@ def run_processes(job: PipelineJob, replay: list[list[Action]] | None = None, li
         return StartupInterrupted(f"{signal.Signals(signum).name} before the first step: every stage process "
                                   "was ended (nothing to save; the newest checkpoint, if any, is unchanged)")
 
+    signal_times: list[float] = []
+
     def on_signal(signum, frame):
+        now = time.monotonic()
+        if signal_times and now - signal_times[-1] < ECHO_S:
+            return  # the same stop, delivered twice (ECHO_S)
+        signal_times.append(now)
         signals.append(signum)
         if starting[0]:  # raising inside Process.start would cut a child's pickled input short
             return  # (its "EOFError: Ran out of input" traceback): raised once all have started
