@@ -515,7 +515,9 @@ def format_report(res: dict) -> str:
             lines.append(f"{name} compiled ({cfg.get('compile_backend', 'inductor')}): {mod['ratios'][name + ' compiled / eager']:.3f} "
                          f"× eager tokens/s; compile time {c['compile_s']:.1f} s (first run {c['warmup_wall_s']:.1f} s "
                          f"vs eager {c['eager_warmup_wall_s']:.1f} s; graphs compiled per stage "
-                         f"{' '.join(str(g) for g in c['graphs_compiled'])})")
+                         f"{' '.join(str(g) for g in c['graphs_compiled'])}"
+                         + (": the stage processes reuse the graphs an earlier variant compiled, same model "
+                            "and shapes" if not any(c["graphs_compiled"]) else "") + ")")
     if "synthetic" in res:
         syn = res["synthetic"]
         lines.append("")
