@@ -64,3 +64,35 @@ def test_bench_sim_baseline_loads_a_second_copy_beside_this_one():
     traces = [api.run_policies(api.get_schedule("zb-h1", 3, steps=2, m=4), mod._costs(api, "jitter", 3))
               for api in (base, this)]
     assert mod._digest(traces[0]) == mod._digest(traces[1]) and len(traces[0]) == 3 * 2 * (3 * 4 + 1)
+
+
+def test_bench_startup_reports_medians_and_ratios_of_alternating_runs(tmp_path, monkeypatch):
+    """``bench_startup.py``: runs alternate between the checkouts, medians per checkout, this ÷ baseline."""
+    import importlib.util
+    from pathlib import Path
+
+    import pytest
+
+    root = Path(__file__).resolve().parents[2]
+    spec = importlib.util.spec_from_file_location("bench_startup", root / "benchmarks" / "bench_startup.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    base = tmp_path / "base"
+    (base / "src" / "unbubble").mkdir(parents=True)
+    order = []
+    figures = {root: iter([(300, 4.0), (320, 4.4), (310, 4.1)]), base.resolve(): iter([(500, 5.5), (480, 5.9), (470, 5.2)])}
+
+    def fake_run(checkout, steps, work):
+        order.append(checkout)
+        rss, startup = next(figures[checkout])
+        return {"rss_mib": [rss + 10, rss - 10], "peak_rss_mib": [rss + 40] * 2, "mean_rss_mib": rss,
+                "mean_peak_rss_mib": rss + 40, "startup_s": startup}
+
+    monkeypatch.setattr(mod, "run_once", fake_run)
+    report = mod.main(["--baseline", str(base), "--out", str(tmp_path / "out.json")])
+    assert order == [root, base.resolve()] * 3
+    assert report["this"]["mean_rss_mib"] == 310 and report["baseline"]["mean_rss_mib"] == 480
+    assert report["this"]["max_stage_rss_mib"] == 320 and report["this"]["startup_s"] == 4.1
+    assert report["baseline"]["startup_s"] == 5.5
+    with pytest.raises(SystemExit, match="no src/unbubble there"):
+        mod.main(["--baseline", str(tmp_path), "--out", str(tmp_path / "x.json")])
