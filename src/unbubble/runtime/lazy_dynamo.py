@@ -6,9 +6,10 @@ built or stepped, although an eager process never compiles: ``add_param_group``,
 ``state_dict`` and the functional kernels are wrapped in ``torch._disable_dynamo``, whose first
 call imports the package to build ``torch._dynamo.disable(fn)``, and ``step`` is wrapped in
 ``_use_grad_for_differentiable``, which imports it to call ``torch._dynamo.graph_break()``. In a
-stage process of the default run that import is about 70 MiB of resident memory (of ~370) and
-about 1 s of CPU at start-up (``python -c "import torch, torch._dynamo"`` against
-``import torch``), paid by every stage process at once.
+stage process of the default run that import is about 70 MiB of resident memory with sympy (35 MiB
+for Dynamo itself on the stages where ``backward(grad)`` imports sympy anyway) and about 1 s of CPU
+at start-up (``python -c "import torch, torch._dynamo"`` against ``import torch``), paid by every
+stage process at once.
 
 ``defer()`` puts a stand-in module under ``sys.modules["torch._dynamo"]`` that answers those two
 calls as Dynamo itself does when nothing is being compiled: ``disable(fn)`` only switches Dynamo's
@@ -18,7 +19,8 @@ does nothing outside a trace. Anything else (another attribute, a submodule impo
 it, so correctness never depends on the stand-in; only the memory saving does. Functions that
 were resolved through the stand-in keep running without Dynamo's disable wrapper, which matters
 only inside a compiled region — hence ``defer()`` is used only in processes that compile nothing
-(stage processes with ``compile_backend=None``, before any torch optimizer exists).
+(stage processes with ``compile_backend=None``, before any torch optimizer exists, and after
+``init_process_group``, which touches an imported ``torch._dynamo``).
 """
 
 from __future__ import annotations
