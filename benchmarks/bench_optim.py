@@ -14,7 +14,8 @@ What is measured, in one process and one run:
 2. **Extra optimizer memory** beyond AdamW's two moments, as a multiple of the parameters.
 3. **Training-step overhead**: one local optimizer step of a GPT-2-small block as a middle pipeline
    stage at the CPU demo's batch (a micro-batches of B x T tokens, forward + backward each, then
-   the update), with AdamW, Basis Rotation (2nd, bilateral) and SOAP at k = 10.
+   the update), with AdamW, Basis Rotation (2nd, bilateral; also with only the sides ≤ 768 rotated,
+   and unilateral) and SOAP at k = 10.
 
 Results are printed as tables and written as JSON (``--out``). Medians of ``--repeats`` style
 samples are used throughout; ratios are against AdamW's median step and against SOAP at equal k.
@@ -23,6 +24,7 @@ Usage::
 
     python benchmarks/bench_optim.py                    # full run, ~5 min on 2 CPU cores
     python benchmarks/bench_optim.py --quick            # fewer steps, for a smoke check
+    python benchmarks/bench_optim.py --train-step-only --ks 10 --threads 2   # part 3 alone, ~1.5 min
     python benchmarks/bench_optim.py --out results.json --threads 2
 
 Requires ``pip install -e .[bench]`` (``pytorch-optimizer``).
@@ -228,8 +230,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--ks", type=int, nargs="+", default=[1, 10, 100], help="refresh intervals k")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--quick", action="store_true", help="fewer timed steps (smoke check)")
-    parser.add_argument("--no-train-step", action="store_true", help="skip the training-step overhead part")
-    parser.add_argument("--train-step-only", action="store_true", help="run only the training-step overhead part")
+    parts = parser.add_mutually_exclusive_group()
+    parts.add_argument("--no-train-step", action="store_true", help="skip the training-step overhead part")
+    parts.add_argument("--train-step-only", action="store_true", help="run only the training-step overhead part")
     parser.add_argument("--a", type=int, default=4, help="micro-batches per local step (PACI a; CPU demo: 4)")
     parser.add_argument("--micro-batch-size", type=int, default=8, help="sequences per micro-batch (CPU demo: 8)")
     parser.add_argument("--seq-len", type=int, default=128, help="tokens per sequence (CPU demo: 128)")
@@ -245,36 +248,38 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
           f"block {BLOCK_SHAPES[0]}x4 + {BLOCK_SHAPES[4]} + {BLOCK_SHAPES[5]} "
           f"({sum(a * b for a, b in BLOCK_SHAPES) / 1e6:.2f}M params), k in {ks}", flush=True)
 
-    families = {} if args.train_step_only else {"soap": ks, "br-2nd-bilateral": ks}
-    families.update({} if args.train_step_only else {f"br-{s}-{g}": ks for s, g in VARIANTS[1:]})
-    specs = [("adamw", 1, 5 if args.quick else 20)]
-    specs += [(name, k, n_for(k)) for name, fam_ks in families.items() for k in fam_ks]
-    runs = time_interleaved(specs)
-    adamw_ms = _ms(statistics.median(runs[0]["all_s"]))
-    results: dict[str, dict[int, dict[str, Any]]] = {
-        name: summarize([r for r in runs if r["name"] == name], fam_ks) for name, fam_ks in families.items()
-    }
+    results: dict[str, dict[int, dict[str, Any]]] = {}
+    adamw_ms = adamw_min = None
+    if not args.train_step_only:
+        families = {"soap": ks, "br-2nd-bilateral": ks, **{f"br-{s}-{g}": ks for s, g in VARIANTS[1:]}}
+        specs = [("adamw", 1, 5 if args.quick else 20)]
+        specs += [(name, k, n_for(k)) for name, fam_ks in families.items() for k in fam_ks]
+        runs = time_interleaved(specs)
+        adamw_ms = _ms(statistics.median(runs[0]["all_s"]))
+        results = {
+            name: summarize([r for r in runs if r["name"] == name], fam_ks) for name, fam_ks in families.items()
+        }
 
-    adamw_min = _ms(min(runs[0]["all_s"]))
-    print("\nOptimizer step, one GPT-2-small block. amortized = plain + (refresh - plain) / k, from medians "
-          "(and minima); direct = measured mean over whole refresh periods; ratios at equal k")
-    header = (f"{'optimizer':<18}{'k':>4}{'plain ms':>10}{'refresh ms':>11}{'amort. ms':>10}{'(min)':>8}"
-              f"{'direct':>8}{'x AdamW':>9}{'(min)':>7}{'x SOAP':>8}{'(min)':>7}{'mem':>7}")
-    print(header)
-    print("-" * len(header))
-    print(f"{'adamw':<18}{'-':>4}{adamw_ms:>10.1f}{'-':>11}{adamw_ms:>10.1f}{adamw_min:>8.1f}{adamw_ms:>8.1f}"
-          f"{1.0:>8.1f}x{1.0:>6.1f}x{'-':>8}{'-':>7}{0.0:>6.1f}x")
-    for name, per_k in results.items():
-        for k, r in per_k.items():
-            soap = results["soap"][k]
-            r["x_adamw_median"] = r["amortized_ms_median"] / adamw_ms
-            r["x_adamw_min"] = r["amortized_ms_min"] / adamw_min
-            r["x_soap_median"] = r["amortized_ms_median"] / soap["amortized_ms_median"]
-            r["x_soap_min"] = r["amortized_ms_min"] / soap["amortized_ms_min"]
-            print(f"{name:<18}{k:>4}{_f(r['plain_ms_median'], 10)}{_f(r['refresh_ms_median'], 11)}"
-                  f"{r['amortized_ms_median']:>10.1f}{r['amortized_ms_min']:>8.1f}{_f(r['direct_ms'], 8, '.0f')}"
-                  f"{r['x_adamw_median']:>8.1f}x{r['x_adamw_min']:>6.1f}x{r['x_soap_median']:>7.2f}x"
-                  f"{r['x_soap_min']:>6.2f}x{r['extra_per_param']:>6.1f}x")
+        adamw_min = _ms(min(runs[0]["all_s"]))
+        print("\nOptimizer step, one GPT-2-small block. amortized = plain + (refresh - plain) / k, from medians "
+              "(and minima); direct = measured mean over whole refresh periods; ratios at equal k")
+        header = (f"{'optimizer':<18}{'k':>4}{'plain ms':>10}{'refresh ms':>11}{'amort. ms':>10}{'(min)':>8}"
+                  f"{'direct':>8}{'x AdamW':>9}{'(min)':>7}{'x SOAP':>8}{'(min)':>7}{'mem':>7}")
+        print(header)
+        print("-" * len(header))
+        print(f"{'adamw':<18}{'-':>4}{adamw_ms:>10.1f}{'-':>11}{adamw_ms:>10.1f}{adamw_min:>8.1f}{adamw_ms:>8.1f}"
+              f"{1.0:>8.1f}x{1.0:>6.1f}x{'-':>8}{'-':>7}{0.0:>6.1f}x")
+        for name, per_k in results.items():
+            for k, r in per_k.items():
+                soap = results["soap"][k]
+                r["x_adamw_median"] = r["amortized_ms_median"] / adamw_ms
+                r["x_adamw_min"] = r["amortized_ms_min"] / adamw_min
+                r["x_soap_median"] = r["amortized_ms_median"] / soap["amortized_ms_median"]
+                r["x_soap_min"] = r["amortized_ms_min"] / soap["amortized_ms_min"]
+                print(f"{name:<18}{k:>4}{_f(r['plain_ms_median'], 10)}{_f(r['refresh_ms_median'], 11)}"
+                      f"{r['amortized_ms_median']:>10.1f}{r['amortized_ms_min']:>8.1f}{_f(r['direct_ms'], 8, '.0f')}"
+                      f"{r['x_adamw_median']:>8.1f}x{r['x_adamw_min']:>6.1f}x{r['x_soap_median']:>7.2f}x"
+                      f"{r['x_soap_min']:>6.2f}x{r['extra_per_param']:>6.1f}x")
 
     train: list[dict[str, Any]] = []
     if not args.no_train_step:

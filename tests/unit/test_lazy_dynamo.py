@@ -10,25 +10,17 @@ import sys
 
 import torch
 
-from unbubble.models.registry import make_config
-from unbubble.optim import build_optimizer
-from unbubble.train import gpt_stage
-
 OPTIMIZERS = ("muon", "adamw", "basis-rotation", "nesterov", "nadam")
 
-# Builds a stage and steps each optimizer (state_dict round trip and zero_grad included), printing the
-# weights and whether the stand-in survived; then uses what only the real package has.
-SCRIPT = r"""
-import json, sys
-import torch
-torch.set_num_threads(1)
-from unbubble.runtime import lazy_dynamo
-assert lazy_dynamo.defer()
-from unbubble.models.registry import make_config
-from unbubble.optim import build_optimizer
-from unbubble.train import gpt_stage
-
+# Builds a stage and steps each optimizer (state_dict round trip and zero_grad included); the same
+# source runs in the fresh interpreter (on the stand-in) and in this process (on the real package).
+TRAIN = r"""
 def train(name):
+    import torch
+    from unbubble.models.registry import make_config
+    from unbubble.optim import build_optimizer
+    from unbubble.train import gpt_stage
+
     torch.manual_seed(0)
     stage = gpt_stage(make_config("tiny", 257), 4, 0, 128, 1)
     opt = build_optimizer(name, list(stage.named_parameters()), 1, 4, 1, 1e-2, (0.9, 0.95), 0.1,
@@ -40,10 +32,20 @@ def train(name):
         opt.zero_grad()
     opt.load_state_dict(opt.state_dict())
     return [p.detach().flatten().tolist() for p in stage.parameters()]
+"""
 
+# Trains with each optimizer on the stand-in and prints the weights and whether the stand-in survived;
+# then uses what only the real package has.
+SCRIPT = r"""
+import json, sys
+import torch
+torch.set_num_threads(1)
+from unbubble.runtime import lazy_dynamo
+assert lazy_dynamo.defer()
+""" + TRAIN + r"""
 out = {name: train(name) for name in sys.argv[1:]}
 out["deferred"] = lazy_dynamo.is_deferred() and "torch._dynamo.config" not in sys.modules
-out["sympy_or_dynamo_modules"] = sorted(m for m in sys.modules if m.startswith("torch._dynamo."))
+out["dynamo_submodules"] = sorted(m for m in sys.modules if m.startswith("torch._dynamo."))
 import importlib.util
 out["spec_while_deferred"] = importlib.util.find_spec("torch._dynamo").name == "torch._dynamo" \
     and lazy_dynamo.is_deferred()
@@ -60,17 +62,9 @@ print(json.dumps(out))
 
 
 def _train_here(name):
-    torch.manual_seed(0)
-    stage = gpt_stage(make_config("tiny", 257), 4, 0, 128, 1)
-    opt = build_optimizer(name, list(stage.named_parameters()), 1, 4, 1, 1e-2, (0.9, 0.95), 0.1,
-                          br_stage_delays=[1, 1, 1, 0], br_freq=2)
-    x = torch.randn(2, 16, 128)
-    for _ in range(3):
-        stage(x).backward(torch.randn(2, 16, 128))
-        opt.step()
-        opt.zero_grad()
-    opt.load_state_dict(opt.state_dict())
-    return [p.detach().flatten().tolist() for p in stage.parameters()]
+    namespace: dict = {}
+    exec(TRAIN, namespace)  # noqa: S102 - the test's own source, shared with the fresh interpreter
+    return namespace["train"](name)
 
 
 def test_a_stage_trains_on_the_stand_in_exactly_as_with_dynamo_and_never_imports_it():
@@ -79,7 +73,7 @@ def test_a_stage_trains_on_the_stand_in_exactly_as_with_dynamo_and_never_imports
     proc = subprocess.run([sys.executable, "-c", SCRIPT, *OPTIMIZERS], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     got = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert got["deferred"] and got["sympy_or_dynamo_modules"] == []
+    assert got["deferred"] and got["dynamo_submodules"] == []
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the same reductions as the fresh interpreter's
     try:

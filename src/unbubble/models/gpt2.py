@@ -225,7 +225,6 @@ def generator(seed: int, component: int) -> torch.Generator:
     return g
 
 
-@torch.no_grad()
 def allocate_on_cpu(module: nn.Module) -> nn.Module:
     """Gives every meta-device parameter and buffer of ``module`` uninitialised CPU storage of its
     shape and dtype (what ``module.to_empty(device="cpu")`` does), in place; returns ``module``.
@@ -244,6 +243,7 @@ def meta_embedding(num: int, dim: int) -> nn.Embedding:
     return nn.Embedding(num, dim, _weight=torch.empty(num, dim))
 
 
+@torch.no_grad()
 def _init_block(block: Block, config: GPTConfig, g: torch.Generator) -> None:
     """Initialise one block from its generator, in a fixed draw order (c_attn, attn.c_proj, c_fc,
     mlp.c_proj). Weights N(0, 0.02), residual projections N(0, 0.02/sqrt(2 * n_layer)) (GPT-2 §2.3,

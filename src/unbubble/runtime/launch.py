@@ -150,17 +150,27 @@ def _die_with_parent() -> None:
             pass
 
 
+class _Echoes:
+    """Tells a stop signal from its echo: one within ``ECHO_S`` seconds of the previous signal."""
+
+    def __init__(self) -> None:
+        self._last = -math.inf  # time.monotonic() of the previous signal
+
+    def __call__(self) -> bool:
+        now = time.monotonic()
+        echo, self._last = now - self._last < ECHO_S, now
+        return echo
+
+
 def install_stop_handlers(cuts: Cuts, announce: bool = True) -> None:
     """SIGINT/SIGTERM ask the run to stop at its next cut (checkpoint, then exit); a second
     signal stops at once (the previous complete checkpoint stays), unless it follows the first
     within ``ECHO_S`` seconds (one stop sent twice). ``announce`` logs the first."""
-    last = [-math.inf]  # time.monotonic() of the previous signal
+    echo = _Echoes()
 
     def handler(signum, frame):
-        now, previous = time.monotonic(), last[0]
-        last[0] = now
-        if now - previous < ECHO_S:
-            return  # the same stop, delivered twice (ECHO_S)
+        if echo():
+            return  # the same stop, delivered twice
         if cuts.stop_requested:
             raise KeyboardInterrupt(f"second {signal.Signals(signum).name}: stopped at once, without a checkpoint")
         cuts.stop_requested = True
@@ -354,13 +364,11 @@ def run_processes(job: PipelineJob, replay: list[list[Action]] | None = None, li
         return StartupInterrupted(f"{signal.Signals(signum).name} before the first step: every stage process "
                                   "was ended (nothing to save; the newest checkpoint, if any, is unchanged)")
 
-    signal_times: list[float] = []
+    echo = _Echoes()
 
     def on_signal(signum, frame):
-        now = time.monotonic()
-        if signal_times and now - signal_times[-1] < ECHO_S:
-            return  # the same stop, delivered twice (ECHO_S)
-        signal_times.append(now)
+        if echo():
+            return  # the same stop, delivered twice
         signals.append(signum)
         if starting[0]:  # raising inside Process.start would cut a child's pickled input short
             return  # (its "EOFError: Ran out of input" traceback): raised once all have started
