@@ -3,18 +3,29 @@ precise, and the report renders the targets (the timed parts run in ``unbubble b
 
 import time
 
+import pytest
+
 from click.testing import CliRunner
 
 from unbubble.cli import cli
 from unbubble.cli.bench import bench, load_bench_module
 
 
-def test_bench_module_loads_and_its_sleep_is_calibrated():
+def test_bench_module_loads_and_its_sleep_is_calibrated(monkeypatch):
+    # what the sleep does, not how long a busy machine lets it take: it sleeps until the calibrated
+    # margin before the deadline, spins to the deadline, and never returns early
     mod = load_bench_module()
     margin = mod.sleep_margin(samples=5, probe_s=0.001)
+    assert margin >= 0.0005
+    slept = []
+    real_sleep = time.sleep
+    monkeypatch.setattr(mod.time, "sleep", lambda s: (slept.append(s), real_sleep(s)))
     t = time.perf_counter()
-    mod.calibrated_sleep(0.01, margin)
-    assert 0.01 <= time.perf_counter() - t < 0.02
+    mod.calibrated_sleep(0.01 + margin, margin)
+    assert time.perf_counter() - t >= 0.01 + margin and slept == [pytest.approx(0.01)]
+    slept.clear()
+    mod.calibrated_sleep(margin / 2, margin)  # shorter than the margin: spins only
+    assert slept == []
 
 
 def test_report_names_the_targets_and_the_simulator_ratio():

@@ -4,7 +4,6 @@ it without a ``__main__`` guard (in a subprocess, as a user runs it)."""
 import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
 
@@ -38,9 +37,9 @@ SCRIPT = textwrap.dedent('''
 def test_a_script_without_main_guard_stops_at_once_with_one_line(tmp_path):
     script = tmp_path / "train_it.py"
     script.write_text(SCRIPT)
-    t0 = time.monotonic()
+    # no stage process is started, none waited for: the script's own output once, one traceback
+    # (the caller's), and no hang (the timeout)
     res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
-    assert time.monotonic() - t0 < 30  # no stage process is started, none waited for
     assert res.returncode == 1 and res.stdout == "a guarded call is accepted\n"
     assert res.stderr.count("Traceback") == 1  # the caller's own, not the stages'
     assert res.stderr.strip().splitlines()[-1] == (
