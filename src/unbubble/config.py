@@ -22,6 +22,44 @@ PREDICT_SCHEDULES = ("paci", "async-1f1b")
 OPTIMIZERS = ("adamw", "basis-rotation", "nesterov", "nadam", "pipedream-lr", "staleness-lr", "muon")
 
 
+#: The schedule options and the schedules that read them (``get_schedule``); every other schedule
+#: ignores them, so a flag given for one of those is refused (:func:`check_schedule_options`).
+SCHEDULE_OPTIONS: dict[str, tuple[tuple[str, ...], str]] = {
+    "a": (("paci", "paci-stashed"), "backward passes per update"),
+    "m": (("gpipe", "1f1b-flush", "interleaved-1f1b", "zb-h1", "zb-h2", "pipedream-2bw"), "micro-batches per step"),
+    "v": (("interleaved-1f1b",), "virtual stages per device"),
+}
+_UPDATE_EVERY_BACKWARD = ("async-1f1b", "pipedream", "pipemare")
+
+
+def check_schedule_options(schedules, given: dict) -> None:
+    """Refuses ``--a``, ``--m`` or ``--v`` given explicitly (``given``: option -> value) when none of
+    ``schedules`` reads it: the run would silently do something else than asked.
+
+    Raises:
+        ConfigError: one line naming the value, the schedules that take the option, and what the
+            given schedule uses instead.
+    """
+    schedules = list(schedules)
+    for opt, (takers, meaning) in SCHEDULE_OPTIONS.items():
+        if opt not in given or any(s in takers for s in schedules):
+            continue
+        if len(schedules) == 1:
+            s = schedules[0]
+            what = f"schedule={s!r}"
+            if s in _UPDATE_EVERY_BACKWARD and opt != "v":
+                what += ", which updates after every backward"
+            elif opt == "a" and s in SCHEDULE_OPTIONS["m"][0]:
+                what += ", whose micro-batches per step are --m"
+            elif opt == "m" and s in SCHEDULE_OPTIONS["a"][0]:
+                what += ", whose backward passes per update are --a"
+        else:
+            what = f"schedules {', '.join(schedules)}"
+        takes = "takes" if len(takers) == 1 else "take"
+        raise ConfigError(f"{opt}={given[opt]} has no effect on {what}: only {', '.join(takers)} {takes} --{opt} "
+                          f"({meaning}); drop --{opt} or change --schedule")
+
+
 #: Options ``unbubble train --resume`` lets change: how the run executes, not what it computes.
 RESUME_OVERRIDES = ("engine", "threads_per_stage", "timeout_s", "cache_dir", "final_checkpoint", "compile",
                     "compile_backend")
@@ -177,6 +215,9 @@ class TrainConfig:
         check_backend(self.compile_backend)
         if self.compile:
             check_compile(self.compile_backend, self.schedule)
+        if self.run_dir is not None and os.path.exists(self.run_dir) and not os.path.isdir(self.run_dir):
+            raise ConfigError(f"run_dir={self.run_dir!r} is a file, not a folder: give a new folder (set --run-dir); "
+                              "nothing was overwritten")
         if self.tokenizer not in TOKENIZERS:
             raise ConfigError(f"tokenizer={self.tokenizer!r} is unknown{did_you_mean(self.tokenizer, TOKENIZERS)}: valid tokenizers are "
                               f"{', '.join(TOKENIZERS)} (set --tokenizer)")
@@ -319,7 +360,11 @@ def load_config(path: str | os.PathLike, overrides: dict | None = None) -> Train
     except FileNotFoundError:
         raise ConfigError(f"config={where!r} does not exist: give a YAML file such as a run folder's "
                           "config.yaml (set --config)") from None
-    except (OSError, UnicodeDecodeError) as exc:
+    except UnicodeDecodeError as exc:  # an image, a checkpoint, ...: say what it is not, not the codec's words
+        raise ConfigError(f"config={where!r} is not a text file (byte {exc.object[exc.start]:#04x} at offset "
+                          f"{exc.start} is not UTF-8): give a YAML file such as a run folder's config.yaml "
+                          "(set --config)") from None
+    except OSError as exc:
         raise ConfigError(f"config={where!r} cannot be read: {type(exc).__name__}: {exc}".splitlines()[0]) from None
     data = read_yaml(text, where)
     return config_from_dict({} if data is None else data, overrides, where)

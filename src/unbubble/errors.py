@@ -29,15 +29,50 @@ class StartupInterrupted(PipelineFailure):
     is unchanged)."""
 
 
+class SecondSignal(KeyboardInterrupt):
+    """A second stop signal (not the first one's echo) ended the run at once; ``signame`` names it
+    (``"SIGINT"``). The engines turn it into a :class:`PipelineFailure` that says which checkpoint
+    is kept (:func:`unbubble.runtime.launch.stopped_at_once`)."""
+
+    def __init__(self, signame: str):
+        super().__init__(f"second {signame}: stopped at once")
+        self.signame = signame
+
+
+#: Names people commonly type for a valid one: ``did_you_mean`` offers the meaning (``adam`` is AdamW here, an
+#: ``a100`` the 80 GB preset), which edit distance gets wrong ('adam' is closest to 'nadam', 'a100x' to 'h100').
+#: An alias is offered only where its target is among the valid names of that option.
+ALIASES: dict[str, str] = {
+    # --optimizer
+    "adam": "adamw",
+    # --hardware
+    "a100": "a100-80g", "a100-80gb": "a100-80g", "a100-sxm": "a100-80g",
+    "h100-80g": "h100", "h100-sxm": "h100", "h200-141g": "h200", "h200-sxm": "h200",
+    # --precision
+    "bfloat16": "bf16", "float32": "fp32", "autocast": "bf16-autocast", "amp": "bf16-autocast",
+    # --schedule
+    "1f1b": "1f1b-flush", "interleaved": "interleaved-1f1b", "zero-bubble": "zb-h1", "pipedream-flush": "1f1b-flush",
+    # --tokenizer
+    "bpe": "gpt2", "tiktoken": "gpt2",
+}
+
+
 def did_you_mean(word: object, valid) -> str:
-    """``" (did you mean 'x'?)"`` for the name of ``valid`` that equals ``word`` but for case, else
-    the closest one ignoring case (difflib's ratio ≥ 0.6), or ``""`` when none is close: the hint
-    every "unknown name" error carries."""
+    """``" (did you mean 'x'?)"`` for the name of ``valid`` that equals ``word`` but for case, else the
+    one a common alias of :data:`ALIASES` means, else the closest spelling ignoring case (difflib's
+    ratio ≥ 0.6) among the valid names and their aliases (so 'a100x' finds 'a100-80g' through 'a100'),
+    or ``""`` when none is close: the hint every "unknown name" error carries."""
     import difflib
 
     names = [str(v) for v in valid]
     by_case = {n.lower(): n for n in names}  # a case slip ('PACI', 'adamW') is the likeliest typo
-    if str(word).lower() in by_case:
-        return f" (did you mean {by_case[str(word).lower()]!r}?)"
-    close = difflib.get_close_matches(str(word).lower(), list(by_case), n=1)
-    return f" (did you mean {by_case[close[0]]!r}?)" if close else ""
+    low = str(word).lower()
+    if low in by_case:
+        return f" (did you mean {by_case[low]!r}?)"
+    # each spelling (a valid name or an alias of one) -> the valid name it stands for
+    spellings = {**{a: by_case[t.lower()] for a, t in ALIASES.items() if t.lower() in by_case},
+                 **{n: v for n, v in by_case.items()}}
+    if low in spellings:
+        return f" (did you mean {spellings[low]!r}?)"
+    close = difflib.get_close_matches(low, list(spellings), n=1)
+    return f" (did you mean {spellings[close[0]]!r}?)" if close else ""

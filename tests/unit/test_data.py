@@ -296,7 +296,8 @@ def test_load_bin(tmp_path):
     arr = load_bin(good, 50257)
     assert isinstance(arr, np.memmap) and arr.dtype == np.uint16
     assert arr.tolist() == [1, 2, 50256, 7]
-    with pytest.raises(ConfigError, match=r"token id 50256 \(first bad id at position 2\) >= vocab_size=257"):
+    with pytest.raises(ConfigError, match=r"holds token id 50256 at position 2, not below vocab_size=257: give a "
+                                          r"vocab_size above 50256, or re-tokenize the file$"):
         load_bin(good, 257)
     odd = tmp_path / "odd.bin"
     odd.write_bytes(b"\x01\x00\x02")

@@ -90,3 +90,21 @@ def test_a_stop_signal_sent_twice_at_once_is_one_stop_and_a_later_one_stops_at_o
     finally:
         for sig, h in saved.items():
             signal.signal(sig, h)
+
+
+def test_a_second_signal_names_what_is_kept(tmp_path):
+    # the line a second stop signal ends the run with says which checkpoint --resume continues from; the
+    # first signal's own checkpoint counts once every stage's file is there
+    from unbubble.runtime.checkpoint import Checkpointing, save_stage
+    from unbubble.runtime.launch import stopped_at_once
+
+    ck = Checkpointing(str(tmp_path / "checkpoints"), 5)
+    assert stopped_at_once("SIGINT", None, 2) == "second SIGINT: stopped at once; checkpoints are off, so no step was kept"
+    assert stopped_at_once("SIGTERM", ck, 2) == (
+        "second SIGTERM: stopped at once, before any checkpoint was complete: --resume starts again from step 0")
+    for stage in (0, 1):
+        save_stage(ck.directory, 5, stage, {"x": stage})
+    save_stage(ck.directory, 7, 0, {"x": 0})  # stage 1's file of the stop's checkpoint was cut short
+    assert stopped_at_once("SIGINT", ck, 2, run_dir=tmp_path) == (
+        f"second SIGINT: stopped at once; the newest complete checkpoint, step 5 ({tmp_path}/checkpoints/step-00000005), "
+        f"is kept: unbubble train --resume {tmp_path} continues from it")

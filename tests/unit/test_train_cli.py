@@ -134,7 +134,9 @@ BAD = [
     # pre-tokenised data files
     (["--corpus", "{tmp}/bin-empty"], "bin-empty/train.bin' is empty"),
     (["--corpus", "{tmp}/bin-odd"], "has odd size 8001 bytes, not a whole number of uint16 ids"),
-    (["--corpus", "{tmp}/bin-vocab"], "holds token id 300 (first bad id at position 1234) >= vocab_size=257"),
+    (["--corpus", "{tmp}/bin-vocab"], "holds token id 300 at position 1234, not below the byte tokenizer's "
+                                       "vocab_size=257: its ids fit gpt2's 50257, so it is likely a gpt2 file (set "
+                                       "--tokenizer gpt2)"),
     (["--corpus", "{tmp}/bin-noval"], "bin-noval/val.bin' does not exist"),
     # resuming
     (["--resume", "{tmp}/nowhere"], "resume='{tmp}/nowhere' does not exist: give the folder of a previous"),

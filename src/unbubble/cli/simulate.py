@@ -230,6 +230,25 @@ def simulate(**o) -> None:
         if name not in SCHEDULES:
             raise ConfigError(f"schedule={name!r} is unknown{did_you_mean(name, SCHEDULES)}: valid schedules are {', '.join(SCHEDULES)} "
                               "(set --schedule / --compare)")
+    for opt in ("a", "m", "v"):  # before any division by them
+        if o[opt] < 1:
+            raise ConfigError(f"{opt}={o[opt]} is invalid: must be an integer ≥ 1 (set --{opt})")
+    from click.core import ParameterSource
+
+    from unbubble.config import SCHEDULE_OPTIONS, check_schedule_options
+
+    ctx = click.get_current_context()
+    check_schedule_options(names, {k: o[k] for k in ("a", "m", "v")
+                                   if ctx.get_parameter_source(k) not in (ParameterSource.DEFAULT, ParameterSource.DEFAULT_MAP, None)})
+    if o["micro_batches"] is not None:  # 0 is not "the default"
+        if o["micro_batches"] < 1:
+            raise ConfigError(f"micro_batches={o['micro_batches']} is invalid: must be ≥ 1 (set --micro-batches)")
+        for opt in ("a", "m"):  # fewer micro-batches than one update takes: the run would apply none
+            takers = [n for n in names if n in SCHEDULE_OPTIONS[opt][0]]
+            if takers and o[opt] > o["micro_batches"]:
+                raise ConfigError(f"{opt}={o[opt]} exceeds micro_batches={o['micro_batches']}: {takers[0]} updates "
+                                  f"after {o[opt]} micro-batches, so the run would apply no update (give "
+                                  f"--micro-batches {o[opt]} or more, or --{opt} {o['micro_batches']} or less)")
     if o["uniform"] and o["costs_from"]:
         raise ConfigError("--uniform and --costs-from are exclusive: pick one cost model")
     if o["checkpoint_every"] < 0:
@@ -243,9 +262,7 @@ def simulate(**o) -> None:
     if o["stages"] < 1:
         raise ConfigError(f"stages={o['stages']} is invalid: must be an integer ≥ 1 (set --stages)")
     first = _schedule(names[0], o["stages"], 1, o["a"], o["m"], o["v"])
-    mb = o["micro_batches"] or 16 * first.mb_per_step
-    if mb < 1:
-        raise ConfigError(f"micro_batches={mb} is invalid: must be ≥ 1 (set --micro-batches)")
+    mb = o["micro_batches"] if o["micro_batches"] is not None else 16 * first.mb_per_step
     log.info("simulating %s on N=%d devices, %d micro-batches each; %s", ", ".join(names), o["stages"], mb,
              source.description)
     out = Path(o["out"] or f"runs/{time.strftime('%Y%m%d-%H%M%S')}-simulate-{names[0]}-N{o['stages']}")

@@ -12,8 +12,8 @@ import click
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from unbubble.cli import err_console
-from unbubble.config import RESUME_OVERRIDES, TrainConfig
-from unbubble.errors import ConfigError, StartupInterrupted
+from unbubble.config import RESUME_OVERRIDES, TrainConfig, check_schedule_options
+from unbubble.errors import ConfigError, PipelineFailure, SecondSignal, StartupInterrupted
 
 log = logging.getLogger("unbubble.train")
 
@@ -187,6 +187,8 @@ def train(print_config: bool, resume: str | None, **kwargs) -> None:
         cfg = resume_config(resume, given)
     else:
         cfg = _effective_config(kwargs)
+        # flags typed for this run (a --config file holds every field, so its a, m, v are not "given")
+        check_schedule_options([cfg.schedule], _given(kwargs))
     if print_config:
         from unbubble.config import config_to_yaml
 
@@ -210,6 +212,17 @@ def train(print_config: bool, resume: str | None, **kwargs) -> None:
             "nothing of the new run was kept"
         what = str(exc) if isinstance(exc, StartupInterrupted) else "interrupted before the first step"
         raise StartupInterrupted(f"{what}; {after}") from None
+    except PipelineFailure as exc:
+        for lst in listeners:
+            lst.close()
+        if isinstance(exc.__context__, SecondSignal) and listeners:  # name the kept checkpoint and the command
+            from unbubble.runtime.launch import stopped_at_once
+
+            writer = listeners[0].writer
+            if writer.dir.is_dir():  # (a new run stopped before its first step has been removed)
+                raise PipelineFailure(stopped_at_once(exc.__context__.signame, writer.job.checkpoint,
+                                                      writer.job.schedule.n_stages, writer.dir)) from None
+        raise
     except BaseException:
         for lst in listeners:
             lst.close()

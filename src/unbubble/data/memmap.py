@@ -271,21 +271,45 @@ def load_token_folder(folder: str | Path, tokenizer: str) -> TokenData:
     """
     tok = get_tokenizer(tokenizer)
     folder = Path(folder).expanduser()
-    train = load_bin(folder / "train.bin", tok.vocab_size)
-    val = load_bin(folder / "val.bin", tok.vocab_size)
+    train = load_bin(folder / "train.bin", tok.vocab_size, tok.name)
+    val = load_bin(folder / "val.bin", tok.vocab_size, tok.name)
     meta = {"format": FORMAT_VERSION, "tokenizer": tok.name, "vocab_size": tok.vocab_size,
             "train_tokens": int(train.size), "val_tokens": int(val.size), "dir": str(folder), "from_cache": True,
             "pretokenized": True}
     return TokenData(train, val, tok.vocab_size, tok.eos_id, tok.name, meta)
 
 
-def load_bin(path: str | Path, vocab_size: int) -> np.memmap:
+#: Vocabulary sizes of the tokenizers a pre-tokenised file can hold ids of (``--tokenizer``).
+_TOKENIZER_VOCABS = {"byte": 257, "gpt2": 50257}
+
+
+def _bad_id_message(path, arr: np.memmap, vocab_size: int, tokenizer: str | None) -> str:
+    """What is wrong with a file holding ids ≥ ``vocab_size`` and the fix: the first such id and its
+    position, and the tokenizer whose vocabulary the ids fit (a GPT-2 file read as bytes)."""
+    pos = int(np.argmax(arr >= vocab_size))
+    first, top = int(arr[pos]), int(arr.max())
+    found = f"bin file '{path}' holds token id {first} at position {pos}" + (
+        f" (largest {top})" if top != first else "")
+    if tokenizer is None:  # called with a bare vocab_size
+        return f"{found}, not below vocab_size={vocab_size}: give a vocab_size above {top}, or re-tokenize the file"
+    fits = [name for name, size in _TOKENIZER_VOCABS.items() if name != tokenizer and top < size]
+    if fits:
+        return (f"{found}, not below the {tokenizer} tokenizer's vocab_size={vocab_size}: its ids fit {fits[0]}'s "
+                f"{_TOKENIZER_VOCABS[fits[0]]}, so it is likely a {fits[0]} file (set --tokenizer {fits[0]})")
+    sizes = ", ".join(f"{name} {size}" for name, size in _TOKENIZER_VOCABS.items())
+    return (f"{found}, not below the {tokenizer} tokenizer's vocab_size={vocab_size}: no --tokenizer has that many "
+            f"ids ({sizes}): re-tokenize it with one of them")
+
+
+def load_bin(path: str | Path, vocab_size: int, tokenizer: str | None = None) -> np.memmap:
     """Memory-maps a user's pre-tokenised uint16 ``.bin`` file and validates it.
 
     Args:
         path: Raw little-endian uint16 token ids, no header (nanoGPT format).
         vocab_size: Vocabulary size of the model; every id must be below it.
             At most 65536.
+        tokenizer: the ``--tokenizer`` whose ids the file should hold (names the fix when the
+            ids fit another one's vocabulary); ``None``: a bare ``vocab_size``.
 
     Returns:
         Read-only ``np.memmap``, shape ``(n_tokens,)``, dtype ``uint16``.
@@ -315,10 +339,6 @@ def load_bin(path: str | Path, vocab_size: int) -> np.memmap:
         raise ConfigError(f"bin file '{path}' cannot be read ({exc.strerror}): {valid}") from exc
     top = int(arr.max())
     if top >= vocab_size:
-        pos = int(np.argmax(arr >= vocab_size))
-        raise ConfigError(
-            f"bin file '{path}' holds token id {top} (first bad id at position {pos}) >= vocab_size={vocab_size}: "
-            f"tokenize with a tokenizer whose vocab fits, or raise vocab_size"
-        )
+        raise ConfigError(_bad_id_message(path, arr, vocab_size, tokenizer))
     logger.info("loaded %d tokens from %s (max id %d < vocab_size=%d)", arr.size, p, top, vocab_size)
     return arr

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from unbubble.errors import ConfigError, NonFiniteError, PipelineFailure, StartupInterrupted
+from unbubble.errors import ConfigError, NonFiniteError, PipelineFailure, SecondSignal, StartupInterrupted
 from unbubble.runtime import lazy_dynamo
 from unbubble.runtime.job import PipelineJob
 from unbubble.runtime.telemetry import Listener, RunResult, Telemetry
@@ -132,6 +132,70 @@ def _rank_name(job: PipelineJob, rank: int) -> int | str:
     return f"{r} (replica {d})"
 
 
+def stopped_at_once(signame: str, checkpoint, n_stages: int, run_dir=None) -> str:
+    """The line for a run that a second stop signal ended at once: the first signal's checkpoint
+    is written only at the next step boundary, so what is kept is the newest *complete* checkpoint
+    on disk now (every stage's file; a write the signal cut short is left as a temporary file that
+    --resume deletes), and --resume continues from exactly that one.
+
+    Args:
+        signame: the second signal (``"SIGINT"``).
+        checkpoint: the job's :class:`~unbubble.runtime.checkpoint.Checkpointing`, or ``None``.
+        n_stages: stages with a file in each checkpoint.
+        run_dir: the run folder, to name the resume command (``None``: "--resume").
+    """
+    from unbubble.runtime.checkpoint import complete_steps
+
+    head = f"second {signame}: stopped at once"
+    if checkpoint is None:
+        return f"{head}; checkpoints are off, so no step was kept"
+    resume = f"unbubble train --resume {run_dir}" if run_dir is not None else "--resume"
+    steps = complete_steps(checkpoint.directory, n_stages)
+    if not steps:
+        return f"{head}, before any checkpoint was complete: {resume} starts again from step 0"
+    path = os.path.join(str(checkpoint.directory), f"step-{steps[-1]:08d}")
+    return f"{head}; the newest complete checkpoint, step {steps[-1]} ({path}), is kept: {resume} continues from it"
+
+
+#: Fields of a :class:`PipelineJob` that are often functions (checked first, so the message names them).
+_CALLABLE_FIELDS = ("stage_fn", "loss_fn", "batch_fn", "optimizer_fn", "lr_lambda", "val_fn")
+
+
+def _describe(obj) -> str:
+    """How a picklability error names ``obj``: a function by its qualified name (``mod.f.<locals>.<lambda>``)."""
+    import functools
+
+    if isinstance(obj, functools.partial):
+        return f"functools.partial({_describe(obj.func)}, …)"
+    name = getattr(obj, "__qualname__", None)
+    if name is not None and callable(obj):
+        return f"{getattr(obj, '__module__', '?')}.{name}"
+    return type(obj).__name__
+
+
+def check_picklable(job: PipelineJob) -> None:
+    """Refuses a job the process engine could not send to its stage processes (each one rebuilds
+    the job from a pickle): up front, before any process starts, naming the field, rather than a
+    raw ``PicklingError`` from inside ``Process.start``.
+
+    Raises:
+        ConfigError: one line naming the field and its object, and what to do.
+    """
+    import dataclasses
+    import pickle
+
+    names = list(_CALLABLE_FIELDS) + [f.name for f in dataclasses.fields(job) if f.name not in _CALLABLE_FIELDS]
+    for name in names:
+        value = getattr(job, name)
+        try:
+            pickle.dumps(value)
+        except (pickle.PicklingError, AttributeError, TypeError):  # lambdas, local functions, locks, ...
+            fix = ("give a module-level function (or a functools.partial of one)" if callable(value)
+                   else "give a picklable value")
+            raise ConfigError(f"job.{name}={_describe(value)} cannot be pickled, and the processes engine sends the "
+                              f"job to every stage process: {fix}, or run it on the emulator engine") from None
+
+
 #: Seconds without a heartbeat after which the launcher declares a stage process hung.
 HANG_S = 20.0
 #: A stop signal within this many seconds of the previous one is the same stop delivered twice:
@@ -172,7 +236,7 @@ def install_stop_handlers(cuts: Cuts, announce: bool = True) -> None:
         if echo():
             return  # the same stop, delivered twice
         if cuts.stop_requested:
-            raise KeyboardInterrupt(f"second {signal.Signals(signum).name}: stopped at once, without a checkpoint")
+            raise SecondSignal(signal.Signals(signum).name)
         cuts.stop_requested = True
         if announce:
             log.warning("%s: stopping at the next step boundary (send it again to stop at once)",
@@ -332,6 +396,7 @@ def run_processes(job: PipelineJob, replay: list[list[Action]] | None = None, li
     if getattr(mp.current_process(), "_inheriting", False):  # a stage process re-running an unguarded script
         os._exit(_NO_GUARD_EXIT)  # silently: the launcher says why
     check_main_guard()
+    check_picklable(job)  # before any process starts: a lambda would fail inside Process.start
     n = job.schedule.n_ranks
     world = job.dp * n
     backend = choose_backend(world, backend)
@@ -375,7 +440,7 @@ def run_processes(job: PipelineJob, replay: list[list[Action]] | None = None, li
         if not collector.telemetry.step_losses:  # nothing done yet, so nothing to save
             raise startup_interrupted(signum)
         if len(signals) > 1:
-            raise KeyboardInterrupt(f"second {signal.Signals(signum).name}: stopped at once, without a checkpoint")
+            raise SecondSignal(signal.Signals(signum).name)
         log.warning("%s: the run stops at the next step boundary, after a checkpoint (send it again to stop at "
                     "once)", signal.Signals(signum).name)
         forward_stop()
@@ -445,6 +510,14 @@ def run_processes(job: PipelineJob, replay: list[list[Action]] | None = None, li
             collector.handle(msg)
         for p in procs:
             p.join(timeout=60)
+    except SecondSignal as exc:  # the stages die first, so no checkpoint completes after the line is written
+        for p in procs:
+            if p.pid is not None and p.is_alive():
+                p.kill()
+        for p in procs:
+            if p.pid is not None:
+                p.join(timeout=10)
+        raise PipelineFailure(stopped_at_once(exc.signame, job.checkpoint, job.schedule.n_stages)) from None
     except KeyboardInterrupt as exc:
         raise PipelineFailure(f"{exc}; the newest complete checkpoint, if any, is unchanged") from None
     finally:

@@ -1,0 +1,206 @@
+"""One line per bad input or event, naming the value and the fix (issue 28, items 2, 6, 7 and 8's
+picklability): each message asserted verbatim, from the command line where it is a CLI message."""
+
+import dataclasses
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from unbubble.cli import cli
+from unbubble.errors import ConfigError
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("cache"))
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """A small UTF-8 text (fast to tokenise), large enough for 32-token windows."""
+    path = tmp_path_factory.mktemp("corpus") / "text.txt"
+    path.write_text("".join(f"In the beginning {i} was the word, and the word was {i * 7 % 13}.\n"
+                            for i in range(2000)))
+    return str(path)
+
+
+def _error(args: list[str]) -> str:
+    """The one line a refused command prints (exit status 2)."""
+    res = CliRunner().invoke(cli, ["-q", *args])
+    assert res.exit_code == 2, res.output
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), res.stderr
+    return lines[0].removeprefix("error: ")
+
+
+def _simulate(tmp_path, *args: str) -> str:
+    return _error(["simulate", "--uniform", "1:2", "--out", str(tmp_path / "sim"), *args])
+
+
+# item 2: tracebacks and a 0 taken as the default -----------------------------------------------------------
+
+def test_simulate_a_zero(tmp_path):
+    assert _simulate(tmp_path, "--schedule", "paci", "--a", "0") == "a=0 is invalid: must be an integer ≥ 1 (set --a)"
+
+
+def test_simulate_m_zero(tmp_path):
+    assert _simulate(tmp_path, "--schedule", "1f1b-flush", "--m", "0") == \
+        "m=0 is invalid: must be an integer ≥ 1 (set --m)"
+
+
+def test_simulate_micro_batches_zero_is_refused_like_minus_five(tmp_path):
+    for value in ("0", "-5"):
+        assert _simulate(tmp_path, "--micro-batches", value) == \
+            f"micro_batches={value} is invalid: must be ≥ 1 (set --micro-batches)"
+    assert not (tmp_path / "sim").exists()
+
+
+# item 6: silent acceptance -----------------------------------------------------------------------------------
+
+def test_train_a_given_to_a_schedule_without_accumulation(cache_dir):
+    assert _error(["train", "--engine", "emulator", "--cache-dir", cache_dir, "--schedule", "1f1b-flush",
+                   "--a", "8"]) == (
+        "a=8 has no effect on schedule='1f1b-flush', whose micro-batches per step are --m: only paci, paci-stashed "
+        "take --a (backward passes per update); drop --a or change --schedule")
+
+
+def test_train_m_given_to_paci(cache_dir):
+    assert _error(["train", "--engine", "emulator", "--cache-dir", cache_dir, "--m", "8"]) == (
+        "m=8 has no effect on schedule='paci', whose backward passes per update are --a: only gpipe, 1f1b-flush, "
+        "interleaved-1f1b, zb-h1, zb-h2, pipedream-2bw take --m (micro-batches per step); drop --m or change "
+        "--schedule")
+
+
+def test_a_in_a_config_file_is_not_refused_for_a_flush_schedule(tmp_path):
+    # a run folder's config.yaml holds every field: its a is not something the user typed for this run
+    path = tmp_path / "run.yaml"
+    path.write_text("schedule: 1f1b-flush\na: 8\n")
+    res = CliRunner().invoke(cli, ["train", "--config", str(path), "--print-config"])
+    assert res.exit_code == 0, res.output
+    assert "\na: 8\n" in res.output and "\nschedule: 1f1b-flush\n" in res.output
+
+
+def test_simulate_a_given_to_a_schedule_without_accumulation(tmp_path):
+    assert _simulate(tmp_path, "--schedule", "async-1f1b", "--a", "4") == (
+        "a=4 has no effect on schedule='async-1f1b', which updates after every backward: only paci, paci-stashed "
+        "take --a (backward passes per update); drop --a or change --schedule")
+    # --compare with a schedule that takes it: accepted
+    res = CliRunner().invoke(cli, ["-q", "simulate", "--uniform", "1:2", "--stages", "2", "--schedule", "1f1b-flush",
+                                   "--compare", "paci", "--a", "2", "--m", "2", "--micro-batches", "4",
+                                   "--format", "csv", "--out", str(tmp_path / "ok")])
+    assert res.exit_code == 0, res.output
+
+
+def test_simulate_a_larger_than_the_micro_batches_of_the_run(tmp_path):
+    assert _simulate(tmp_path, "--schedule", "paci", "--a", "1000", "--micro-batches", "12") == (
+        "a=1000 exceeds micro_batches=12: paci updates after 1000 micro-batches, so the run would apply no update "
+        "(give --micro-batches 1000 or more, or --a 12 or less)")
+
+
+# item 7: misleading messages ---------------------------------------------------------------------------------
+
+def test_gpt2_bin_read_with_the_byte_tokenizer(tmp_path, cache_dir):
+    folder = tmp_path / "owt"
+    folder.mkdir()
+    ids = np.array([42749, 11, 290, 50256, 464], dtype="<u2")  # GPT-2 BPE ids, EOS 50256
+    ids.tofile(folder / "train.bin")
+    ids.tofile(folder / "val.bin")
+    assert _error(["train", "--engine", "emulator", "--cache-dir", cache_dir, "--corpus", str(folder),
+                   "--tokenizer", "byte"]) == (
+        f"bin file '{folder}/train.bin' holds token id 42749 at position 0 (largest 50256), not below the byte "
+        "tokenizer's vocab_size=257: its ids fit gpt2's 50257, so it is likely a gpt2 file (set --tokenizer gpt2)")
+
+
+def test_bin_with_ids_no_tokenizer_has(tmp_path):
+    from unbubble.data.memmap import load_bin
+
+    path = tmp_path / "big.bin"
+    np.array([5, 60000], dtype="<u2").tofile(path)
+    with pytest.raises(ConfigError) as exc:
+        load_bin(path, 50257, "gpt2")
+    assert str(exc.value) == (
+        f"bin file '{path}' holds token id 60000 at position 1, not below the gpt2 tokenizer's vocab_size=50257: "
+        "no --tokenizer has that many ids (byte 257, gpt2 50257): re-tokenize it with one of them")
+
+
+def test_optimizer_adam_suggests_adamw(cache_dir):
+    assert _error(["train", "--engine", "emulator", "--cache-dir", cache_dir, "--optimizer", "adam"]) == (
+        "optimizer='adam' is invalid (did you mean 'adamw'?): must be one of adamw, basis-rotation, nesterov, nadam, "
+        "pipedream-lr, staleness-lr, muon (set --optimizer)")
+
+
+def test_hardware_a100x_suggests_a100_80g(tmp_path):
+    assert _error(["simulate", "--hardware", "a100x", "--out", str(tmp_path / "sim")]) == (
+        "hardware='a100x' is unknown (did you mean 'a100-80g'?): valid presets are a100-80g, h100, h200 "
+        "(set --hardware)")
+
+
+def test_did_you_mean_meaning_first_then_spelling():
+    from unbubble.errors import did_you_mean
+
+    assert did_you_mean("a100", ("a100-80g", "h100", "h200")) == " (did you mean 'a100-80g'?)"
+    assert did_you_mean("nadm", ("adamw", "nadam")) == " (did you mean 'nadam'?)"  # no alias: edit distance
+    assert did_you_mean("adam", ("sgd", "lion")) == ""  # an alias only where its target is valid
+    assert did_you_mean("1f1b", ("gpipe", "1f1b-flush")) == " (did you mean '1f1b-flush'?)"
+
+
+def test_run_dir_that_is_a_file(tmp_path, cache_dir):
+    afile = tmp_path / "afile"
+    afile.write_text("precious")
+    assert _error(["train", "--engine", "emulator", "--cache-dir", cache_dir, "--run-dir", str(afile)]) == (
+        f"run_dir='{afile}' is a file, not a folder: give a new folder (set --run-dir); nothing was overwritten")
+    assert afile.read_text() == "precious"
+
+
+def test_config_that_is_not_text(tmp_path):
+    pic = tmp_path / "pic.png"
+    pic.write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR")
+    assert _error(["train", "--config", str(pic)]) == (
+        f"config='{pic}' is not a text file (byte 0x89 at offset 0 is not UTF-8): give a YAML file such as a run "
+        "folder's config.yaml (set --config)")
+
+
+def test_second_ctrl_c_names_the_kept_checkpoint(tmp_path, corpus, cache_dir, monkeypatch):
+    # the first SIGINT asks for a stop at the next cut (a checkpoint of step 4, not reached); the second stops
+    # at once during step 3: what is kept is the checkpoint of step 2, and --resume continues from it
+    from unbubble.cli.train import ProgressListener
+    from unbubble.runtime.launch import ECHO_S
+
+    def on_step(self, step, loss, info):
+        self.writer.on_step(step, loss, info)
+        if step == 3:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(ECHO_S + 0.05)  # not an echo of the first
+            os.kill(os.getpid(), signal.SIGINT)
+
+    monkeypatch.setattr(ProgressListener, "on_step", on_step)
+    run = tmp_path / "run"
+    res = CliRunner().invoke(cli, ["-q", "train", "--engine", "emulator", "--cache-dir", cache_dir, "--corpus", corpus,
+                                   "--stages", "2", "--a", "2", "--seq-len", "32", "--micro-batch-size", "2",
+                                   "--steps", "6", "--checkpoint-every", "2", "--eval-interval", "0",
+                                   "--eval-batches", "1", "--no-tensorboard", "--run-dir", str(run)])
+    assert res.exit_code == 1, res.output
+    assert res.stderr.strip().splitlines()[-1] == (
+        f"error: second SIGINT: stopped at once; the newest complete checkpoint, step 2 ({run}/checkpoints/"
+        f"step-00000002), is kept: unbubble train --resume {run} continues from it")
+    assert (run / "checkpoints" / "step-00000002").is_dir()
+
+
+# item 8: a job the process engine cannot send -----------------------------------------------------------------
+
+def test_a_lambda_given_to_the_process_engine():
+    from unbubble.runtime.launch import run_processes
+    from unbubble.schedules.registry import get_schedule
+    from unbubble.testing import tiny_gpt_job
+
+    job = dataclasses.replace(tiny_gpt_job(get_schedule("paci", 2, steps=1, a=1)), loss_fn=lambda out, y: out.sum())
+    with pytest.raises(ConfigError) as exc:
+        run_processes(job)
+    assert str(exc.value) == (
+        f"job.loss_fn={__name__}.test_a_lambda_given_to_the_process_engine.<locals>.<lambda> cannot be pickled, and "
+        "the processes engine sends the job to every stage process: give a module-level function (or a "
+        "functools.partial of one), or run it on the emulator engine")
