@@ -257,21 +257,15 @@ def run_job(job: PipelineJob, engine: str, listener: Listener | None = None, thr
     checkpoint when ``job.checkpoint`` is set; a second one stops at once.
     """
     if engine == "emulator":
-        # small per-stage kernels gain nothing from intra-op threads, and on a loaded machine
-        # oversubscribed OpenMP threads slow them down by 10-20×: the emulator uses as many
-        # threads as one stage process does
-        previous = torch.get_num_threads()
-        torch.set_num_threads(threads_per_stage)
         cuts = job.cuts()
         handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
         install_stop_handlers(cuts)
-        try:
-            return run_emulator(job, listener=listener, cuts=cuts)
+        try:  # as many torch threads as one stage process has
+            return run_emulator(job, listener=listener, cuts=cuts, threads=threads_per_stage)
         except KeyboardInterrupt as exc:  # a second signal
             raise PipelineFailure(f"{exc or 'interrupted'}; the newest complete checkpoint, if any, is "
                                   "unchanged") from None
         finally:
-            torch.set_num_threads(previous)
             for sig, handler in handlers.items():
                 signal.signal(sig, handler)
     if under_torchrun():

@@ -14,7 +14,7 @@ import torch
 from unbubble.runtime.emulator import run_emulator
 from unbubble.runtime.launch import PipelineFailure, run_processes
 from unbubble.schedules import ActionKind, get_schedule
-from unbubble.testing import tiny_gpt_job, train_without_pipeline
+from unbubble.testing import tiny_gpt_config, tiny_gpt_job, train_without_pipeline
 
 pytestmark = pytest.mark.multiproc
 torch.set_num_threads(1)  # as in each stage process, so the emulator's arithmetic matches bit for bit
@@ -60,11 +60,15 @@ def test_compiled_paci_processes_replay_the_eager_emulator_bit_identically():
 
 def test_paci_default_order_is_reproducible_and_equals_the_emulator():
     """[Note: deterministic order]: two live runs (no replay) give the same losses and weights,
-    bit for bit, and both equal the emulator's run."""
+    bit for bit, and both equal the emulator's run; with dropout 0.1 too, since every forward draws
+    from a stream seeded by its stage and micro-batch ([Note: random numbers per micro-batch])."""
     n, a = 4, 2
-    job = tiny_gpt_job(get_schedule("paci", n, steps=12, a=a))
+    config = dataclasses.replace(tiny_gpt_config(), dropout=0.1)
+    job = tiny_gpt_job(get_schedule("paci", n, steps=12, a=a), config=config)
     assert job.order == "deterministic"
     emu = run_emulator(job)
+    without = run_emulator(tiny_gpt_job(get_schedule("paci", n, steps=12, a=a)))
+    assert min(abs(x - y) for x, y in zip(emu.step_losses, without.step_losses)) > 1e-4  # dropout acts
     first, second = run_processes(job), run_processes(job)
     for live in (first, second):
         assert live.step_losses == emu.step_losses

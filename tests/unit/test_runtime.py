@@ -5,6 +5,7 @@ import pytest
 import torch
 from torch import nn
 
+from unbubble.errors import ConfigError
 from unbubble.runtime.emulator import run_emulator
 from unbubble.runtime.executor import StageExecutor
 from unbubble.runtime.job import PipelineJob
@@ -260,3 +261,55 @@ def test_process_start_and_memory_against_independent_readings():
     big = torch.ones(64 * 2**20)  # 256 MiB, every page touched
     assert process_memory()["peak_rss_bytes"] >= mem["rss_bytes"] + 250 * 2**20
     del big
+
+
+def test_dropout_draws_depend_on_stage_and_micro_batch_only(tmp_path):
+    """[Note: random numbers per micro-batch]: a forward's stream is fixed by (seed, stage, k),
+    whatever ran before it; so a resumed PACI run with dropout 0.1 equals the uninterrupted one bit
+    for bit without restoring any RNG state (the engines' equality is in tests/multiproc)."""
+    import dataclasses
+
+    from unbubble.runtime.checkpoint import Checkpointing
+    from unbubble.runtime.executor import seed_forward
+    from unbubble.testing import tiny_gpt_config
+
+    def draw(seed, stage, k, noise):
+        torch.rand(noise)  # what other micro-batches consumed before
+        seed_forward(seed, stage, k, "cpu")
+        return torch.rand(16)
+
+    assert torch.equal(draw(7, 1, 5, 3), draw(7, 1, 5, 100))
+    assert not torch.equal(draw(7, 1, 5, 0), draw(7, 1, 6, 0))
+    assert not torch.equal(draw(7, 1, 5, 0), draw(7, 2, 5, 0))
+    assert not torch.equal(draw(7, 1, 5, 0), draw(8, 1, 5, 0))
+    config = dataclasses.replace(tiny_gpt_config(), dropout=0.1)
+    job = dataclasses.replace(tiny_gpt_job(get_schedule("paci", 2, steps=8, a=2), config=config),
+                              checkpoint=Checkpointing(str(tmp_path), every=4, keep=3))
+    full = run_emulator(job)
+    resumed = run_emulator(dataclasses.replace(job, checkpoint=dataclasses.replace(job.checkpoint, resume_step=4)))
+    assert resumed.step_losses == full.step_losses[4:]
+    for got, want in zip(resumed.final_states, full.final_states):
+        assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_the_emulator_runs_on_the_threads_it_is_given_and_restores_the_callers():
+    job = tiny_gpt_job(get_schedule("paci", 2, steps=1, a=1))
+    torch.set_num_threads(2)
+    seen = []
+
+    class Probe:
+        def on_step(self, step, loss, info):
+            seen.append(torch.get_num_threads())
+
+        def on_eval(self, version, loss):
+            pass
+
+    try:
+        run_emulator(job, listener=Probe())
+        run_emulator(job, listener=Probe(), threads=None)
+        assert seen == [1, 2] and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(1)
+    with pytest.raises(ConfigError, match=r"^threads=0 is invalid for the emulator: give a positive integer, or "
+                                          r"None to keep torch's setting$"):
+        run_emulator(job, threads=0)

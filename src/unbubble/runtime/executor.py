@@ -83,6 +83,9 @@ class StageExecutor:
         compile_backend: ``None`` (eager) or a ``torch.compile`` backend (``"inductor"``,
             ``"aot_eager"``): every forward calls ``torch.compile(module)``; the loss stays eager
             ([Note: compiled stages] in ``compiled.py``).
+        rng_seed: each forward of micro-batch k first seeds the stage device's generator from
+            (``rng_seed``, stage, k) ([Note: random numbers per micro-batch]); ``None`` draws from the
+            caller's stream as it runs.
 
     Memory is measured, not estimated (:meth:`memory_bytes`): the bytes autograd saves in a
     forward (``precision.SavedBytes``, once per input shape and dtype), split into activations
@@ -99,7 +102,8 @@ class StageExecutor:
                  velocity_decay: float = 0.9, grad_sync: Callable[[list, float | None], float | None] | None = None,
                  device: torch.device | None = None, nan_policy: str = "skip", nan_lr_factor: float = 0.5,
                  precision: str = "fp32", masters: list[nn.Parameter] | None = None, recompute: str = "none",
-                 predict_weights: str = "none", predict_bound: int = 0, compile_backend: str | None = None):
+                 predict_weights: str = "none", predict_bound: int = 0, compile_backend: str | None = None,
+                 rng_seed: int | None = None):
         check_modes(precision, recompute, device)
         if predict_weights not in ("none", "bound", "measured"):
             raise ValueError(f"predict_weights={predict_weights!r} is invalid: must be none, bound or measured")
@@ -156,6 +160,7 @@ class StageExecutor:
         self.compile_backend = compile_backend
         self._call = module if compile_backend is None else compile_stage(module, compile_backend)
         self._prefix = "" if compile_backend is None else COMPILED_PREFIX
+        self.rng_seed = rng_seed
 
     @property
     def is_first(self) -> bool:
@@ -182,6 +187,8 @@ class StageExecutor:
         else:
             inp = x = activation.detach().requires_grad_(True)
         self.fwd_version[k] = self.version
+        if self.rng_seed is not None:
+            seed_forward(self.rng_seed, self.stage, k, self._device_type)
         if self.backward_weights == "stashed":
             self._stashed_weights()  # registers this micro-batch with the current version's stash
         if self.recompute == "full":  # keep the input and the RNG state; the graph is rebuilt at B
@@ -678,3 +685,25 @@ def _finite(tensors: list[torch.Tensor | None]) -> bool:
     one host synchronisation; 5× cheaper on small CPU tensors than ``get_total_norm``)."""
     ts = [t.detach().abs().amax().float() for t in tensors if t is not None]
     return not ts or bool(torch.isfinite(torch.stack(ts)).all())
+
+
+# [Note: random numbers per micro-batch]
+# A forward's random numbers (dropout masks) are a function of the job's seed, the replica, the
+# stage and the micro-batch only: the generator of the stage's device is re-seeded right before
+# each forward. The emulator (one stream, simulated order) and the stage processes (one stream per
+# rank, arrival order) then draw the same masks, and a resumed run the same as an uninterrupted
+# one. Seeding a generator costs microseconds per forward; recomputation saves and replays the
+# state after the seeding, as before.
+
+
+def seed_forward(seed: int, stage: int, k: int, device_type: str) -> None:
+    """Seeds the generator a forward of micro-batch ``k`` on ``stage`` draws from (CPU, or the
+    current CUDA device's) from ``seed``, ``stage`` and ``k``, mixed so that nearby ids give
+    unrelated streams ([Note: random numbers per micro-batch])."""
+    mixed = seed
+    for part in (stage, k):  # a multiplicative hash per component, within torch's 64-bit seeds
+        mixed = (mixed * 0x9E3779B97F4A7C15 + part + 1) % (1 << 63)
+    if device_type == "cuda":
+        torch.cuda.manual_seed(mixed)
+    else:
+        torch.random.default_generator.manual_seed(mixed)

@@ -63,9 +63,9 @@ class PipelineJob:
         nan_policy: the non-finite guard (skip, lower-lr, abort, off; [Note: non-finite guard]
             in ``executor.py``).
         nan_lr_factor: learning-rate factor per dropped micro-batch with ``"lower-lr"``.
-        seed: seeds the training RNG (dropout) at the start of a run: the emulator's one stream
-            with ``seed``, stage process g's with ``seed + 1_000_003·(g + 1)``; a resumed run
-            restores the saved streams instead.
+        seed: the training RNG (dropout): each forward of micro-batch k on stage s draws from a
+            generator seeded from (``seed``, replica, s, k), so every engine, order and resume draws
+            the same masks ([Note: random numbers per micro-batch] in ``runtime/executor.py``).
         precision: ``"fp32"``, ``"bf16-autocast"`` or ``"bf16"`` (bf16 parameters stepped from fp32
             masters); [Note: precision and version semantics] in ``runtime/precision.py``.
         recompute: ``"none"`` or ``"full"`` (each stage keeps only its input per in-flight
@@ -151,6 +151,8 @@ class PipelineJob:
             precision=self.precision, masters=masters, recompute=self.recompute,
             predict_weights=self.predict_weights, predict_bound=self.schedule.delay_bound(stage),
             compile_backend=self.compile_backend,
+            # replicas draw different masks for their different data
+            rng_seed=self.seed + 1_000_003 * replica,
         )
 
     # -- checkpoints ([Note: the checkpoint cut]) --------------------------------------------------

@@ -100,7 +100,7 @@ def run_stage(job: PipelineJob, rank: int, sink: Sink, replay: list[Action] | No
     cuts = cuts or job.cuts()
     start = job.start_step
     m = sched.mb_per_step
-    torch.manual_seed(job.seed + 1_000_003 * (rank + 1))  # this process's training RNG (dropout)
+    torch.manual_seed(job.seed + 1_000_003 * (rank + 1))  # outside forwards (each forward seeds its own)
     if start:
         for ex in execs.values():
             job.load_checkpoint(ex)
