@@ -48,3 +48,46 @@ def test_unknown_experiment():
 
     with pytest.raises(ConfigError, match="experiment='nope' is unknown: valid experiments are paci-study, br-study"):
         get_experiment("nope")
+
+
+def test_dry_run_counts_finished_runs_as_finished(tmp_path):
+    """Issue 28: after a finished sweep, --dry-run said '… runs will train' though a rerun trains
+    nothing. Finished tuning runs decide the next phases exactly: the best lr 3e-3 is inside the
+    grid (no extension), so only seed 1 at 3e-3 remains, then nothing."""
+    import json
+
+    from unbubble.experiments.sweep import SweepSpec, estimate, plan
+
+    spec = SweepSpec.from_dict({
+        "name": "t", "micro_batches": 4, "stages": [2], "lrs": [1e-3, 3e-3, 1e-2], "seeds": [0, 1],
+        "base": {"model": "tiny", "seq_len": 16, "micro_batch_size": 2, "eval_batches": 1, "warmup_min": 0},
+        "methods": [{"label": "flush", "schedule": "1f1b-flush", "m": 2}]})
+    before = plan(spec, tmp_path)
+    assert [c for _, _, c in before] == ["will"] * 3 + ["up to 1", "will"]  # nothing finished: as before
+
+    def finish(run_id, lr, seed, phase, loss):
+        (tmp_path / "results").mkdir(exist_ok=True)
+        (tmp_path / "results" / f"{run_id}.json").write_text(json.dumps(
+            {"run_id": run_id, "method": "flush", "stages": 2, "lr": lr, "seed": seed, "phase": phase, "budget": 1.0,
+             "final_val_loss": loss, "wall_s": 3.0, "micro_batches": 4}))
+
+    for lr, loss in [(1e-3, 3.0), (3e-3, 2.5), (1e-2, 2.8)]:
+        finish(f"flush-N2-lr{lr:g}-s0", lr, 0, "tune", loss)
+    rows = plan(spec, tmp_path)
+    assert rows[3:] == [("flush-N2-lr0.003-s1", 4, "will")] and [c for _, _, c in rows[:3]] == ["done"] * 3
+    line = estimate(spec, tmp_path, 2, rows)
+    assert line.startswith(f"1 runs will train (3 already finished in {tmp_path}); about 0 min with 2 worker(s) "
+                           "(750.0 ms per micro-batch from the median of 3 finished run(s)"), line
+    finish("flush-N2-lr0.003-s1", 3e-3, 1, "seeds", 2.6)
+    rows = plan(spec, tmp_path)
+    assert [c for _, _, c in rows] == ["done"] * 4
+    assert estimate(spec, tmp_path, 2, rows) == f"nothing to train: all 4 runs are finished in {tmp_path}"
+
+
+def test_the_example_grid_spec_ships_and_is_valid():
+    from pathlib import Path
+
+    from unbubble.experiments.sweep import load_spec
+
+    spec = load_spec(Path(__file__).resolve().parents[2] / "examples" / "grid.yaml")  # validates every method
+    assert spec.name == "my-grid" and len(spec.tuning_runs()) == 3 * 3

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import click
@@ -37,6 +38,7 @@ def experiment(name: str, size: str, seeds: tuple[int, ...], out: Path, write_do
     from unbubble.errors import ConfigError
     from unbubble.experiments import get_experiment, publish, write_section
     from unbubble.experiments.studies import STUDIES
+    from unbubble.experiments.sweep import SweepStopped, stop_handlers
 
     fn = get_experiment(name)
     if write_docs and size == "tiny":
@@ -44,17 +46,30 @@ def experiment(name: str, size: str, seeds: tuple[int, ...], out: Path, write_do
         raise ConfigError("--write-docs with --size tiny is refused: smoke-test numbers must not replace the "
                           f"published results (drop --size tiny to train the default size{rebuild})")
     folder = out / name
-    if name in STUDIES:
-        if analyze is not None and not (analyze / "runs.csv").is_file():
-            raise ConfigError(f"analyze={str(analyze)!r} holds no runs.csv: give the folder of a finished study "
-                              f"(e.g. docs/data/{name})")
-        output = fn(folder, size=size, seeds=list(seeds) or None, analyze=analyze, workers=workers)
-    else:
-        if analyze is not None:
-            raise ConfigError(f"--analyze is for {', '.join(STUDIES)}, not {name!r}")
-        if (folder / "runs").exists() and any((folder / "runs").iterdir()):
-            raise ConfigError(f"out={str(folder)!r} already holds runs: choose another --out; nothing was overwritten")
-        output = fn(folder, size=size, seeds=list(seeds) or None)
+    resumable = name in STUDIES or name == "moe-delay"  # sweeps: finished runs are kept and skipped
+    if name in STUDIES and analyze is not None and not (analyze / "runs.csv").is_file():
+        raise ConfigError(f"analyze={str(analyze)!r} holds no runs.csv: give the folder of a finished study "
+                          f"(e.g. docs/data/{name})")
+    if name not in STUDIES and analyze is not None:
+        raise ConfigError(f"--analyze is for {', '.join(STUDIES)}, not {name!r}")
+    if not resumable and (folder / "runs").exists() and any((folder / "runs").iterdir()):
+        raise ConfigError(f"out={str(folder)!r} already holds runs: choose another --out; nothing was overwritten")
+    try:
+        with stop_handlers():  # a stop starts no further run, in a sweep or between an experiment's runs
+            if name in STUDIES:
+                output = fn(folder, size=size, seeds=list(seeds) or None, analyze=analyze, workers=workers)
+            else:
+                output = fn(folder, size=size, seeds=list(seeds) or None)
+    except SweepStopped as exc:  # what finished and how to continue; exit 130 as `unbubble train` after a stop
+        again = "run the same command again to continue (finished runs are kept)" if resumable else \
+            f"{name} does not resume: remove {folder} or choose another --out to start it again"
+        click.echo(f"{exc}; {again}" if "run the same command again" not in str(exc) else str(exc), err=True)
+        sys.exit(130)
+    except KeyboardInterrupt:  # a second stop between two runs
+        click.echo(f"{name}: stopped at once by a second signal; "
+                   + ("run the same command again to continue (finished runs are kept)" if resumable else
+                      f"{name} does not resume: remove {folder} or choose another --out to start it again"), err=True)
+        sys.exit(130)
     section = write_section(output, folder)
     for f in [*output.files, section]:
         click.echo(str(f))

@@ -54,11 +54,27 @@ def get_experiment(name: str) -> Callable[..., ExperimentOutput]:
     return EXPERIMENTS[name][1]
 
 
-def run(cfg: TrainConfig) -> RunResult:
-    """Trains one configuration (its run folder goes under the experiment's folder)."""
+def say(line: str) -> None:
+    """An experiment's plan and progress line, on stdout at once (a pipe buffers ``print``)."""
+    print(line, flush=True)
+
+
+def run(cfg: TrainConfig, what: str = "") -> RunResult:
+    """Trains one configuration (its run folder goes under the experiment's folder).
+
+    Raises:
+        SweepStopped: a stop signal came before it (it does not start) or stopped it (a partial
+            run must not enter a table); ``what`` ("throughput-memory 3/10") names it.
+    """
+    from unbubble.experiments.sweep import SweepStopped, stop_requested
     from unbubble.train import train
 
+    name = what or Path(cfg.run_dir or "run").name
+    if stop_requested():
+        raise SweepStopped(f"{name}: stopped before this run started")
     result, _ = train(cfg)
+    if result.stopped_at is not None:
+        raise SweepStopped(f"{name}: stopped at step {result.stopped_at} of {cfg.steps}")
     return result
 
 

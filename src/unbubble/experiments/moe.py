@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from unbubble.experiments.common import ExperimentOutput, experiment, md_table, provenance, write_csv
+from unbubble.experiments.common import ExperimentOutput, experiment, md_table, provenance, say, write_csv
 from unbubble.experiments.stats import mean_std
 from unbubble.experiments.sweep import SweepSpec, raw_tables, run_sweep, tuned_lrs
 
@@ -58,7 +58,7 @@ def _router(out: Path, run_id: str) -> dict[str, Any] | None:
 def moe_delay(out: Path, size: str = "default", seeds: list[int] | None = None) -> ExperimentOutput:
     t0 = time.perf_counter()
     spec = SweepSpec.from_dict(moe_delay_spec(size, seeds))
-    records = run_sweep(spec, out, workers=2, progress=log.info)
+    records = run_sweep(spec, out, workers=2, progress=say)
     best = tuned_lrs(records)
     deep = max(spec.stages) if size != "tiny" else 2
     rows, table, penalty = [], [], {}

@@ -32,7 +32,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from unbubble.experiments.common import ExperimentOutput, experiment, figure, md_table, provenance, save_figure, write_csv
+from unbubble.experiments.common import (ExperimentOutput, experiment, figure, md_table, provenance, save_figure, say,
+                                         write_csv)
 from unbubble.experiments.stats import budget_overhead, iso_loss_overhead, mean_std, time_to_target
 from unbubble.experiments.studies import Study
 from unbubble.experiments.study_specs import horizon_spec, overhead_spec
@@ -286,7 +287,7 @@ def overhead_study(out: Path, size: str = "default", seeds: list[int] | None = N
         h1 = {**h1, "seeds": list(seeds)}
     n = max(h1["stages"])
     if analyze is None:
-        records = run_sweep(SweepSpec.from_dict(h1), out / "h1", workers=workers, progress=print)
+        records = run_sweep(SweepSpec.from_dict(h1), out / "h1", workers=workers, progress=say)
         write_tables(records, out)
         study = Study(read_tables(out))
         _, facts = overhead_rows(study, h1, n)
@@ -295,7 +296,7 @@ def overhead_study(out: Path, size: str = "default", seeds: list[int] | None = N
         pairs = _pairs_for_horizon(facts, h1)
         h4 = horizon_spec(h1, tuned, pairs, horizon, one_seed=pairs)  # one seed each: the 2-hour budget
         if h4["methods"]:
-            records += run_sweep(SweepSpec.from_dict(h4), out / "h4", workers=workers, progress=print)
+            records += run_sweep(SweepSpec.from_dict(h4), out / "h4", workers=workers, progress=say)
         write_tables(records, out)
     data = read_tables(out if analyze is None else analyze)
     study = Study(data)

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from unbubble.experiments.common import (ExperimentOutput, base_config, experiment, figure, md_table, provenance,
-                                         run, save_figure, write_csv)
+                                         run, save_figure, say, write_csv)
 
 
 @experiment("throughput-memory", "tokens/s and peak memory vs micro-batches, flush and PACI, measured and predicted")
@@ -24,12 +24,17 @@ def throughput_memory(out: Path, size: str = "default", seeds: list[int] | None 
     n = 2
     ms = [1, 2, 4, 8, 16] if size != "tiny" else [2]
     rows = []
+    # ≈ 10 s each on 2 cores (process start-up, then seconds of training): the plan before the first
+    say(f"throughput-memory: {2 * len(ms)} runs will train (2 stage processes each); about "
+          f"{2 * len(ms) * (10 if size != 'tiny' else 8) / 60:.0f} min")
     for name in ("1f1b-flush", "paci"):
         for x in ms:
             steps = max(512 // x, 2) if size != "tiny" else 2  # 512 micro-batches: seconds of training, not start-up
             cfg = base_config(out, f"tm-{name}-{x}", schedule=name, stages=n, a=x, m=x, steps=steps, model="tiny",
                               seq_len=64, micro_batch_size=8, engine="processes", eval_batches=1, seed=seeds[0])
-            r = run(cfg)
+            r = run(cfg, f"throughput-memory: run {len(rows) + 1}/{2 * len(ms)} ({name}, m or a = {x})")
+            say(f"throughput-memory: {len(rows) + 1}/{2 * len(ms)} {name} m or a = {x}: {r.tokens_per_s:,.0f} tok/s "
+                  f"({(time.perf_counter() - t0) / 60:.1f} min so far)")
             sched = get_schedule(name, n, steps, a=x, m=x)
             pred = run_policies(sched, measured_costs(r.trace))
             held, peak = [0] * n, [0] * n

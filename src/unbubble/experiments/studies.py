@@ -20,7 +20,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from unbubble.experiments.common import ExperimentOutput, experiment, figure, md_table, provenance, save_figure, write_csv
+from unbubble.experiments.common import (ExperimentOutput, experiment, figure, md_table, provenance, save_figure, say,
+                                         write_csv)
 from unbubble.experiments.stats import (iso_loss_overhead, loss_at, loss_at_fraction, mean_curve, mean_std, rms_std,
                                         slowdown, smooth, time_to_target)
 from unbubble.experiments.study_specs import br_spec, paci_spec
@@ -47,7 +48,7 @@ def _train_or_read(spec_dict: dict[str, Any], seeds: list[int] | None, out: Path
     if seeds:
         spec_dict = {**spec_dict, "seeds": list(seeds)}
     if analyze is None:
-        run_sweep(SweepSpec.from_dict(spec_dict), out, workers=workers, progress=print)
+        run_sweep(SweepSpec.from_dict(spec_dict), out, workers=workers, progress=say)
     return spec_dict, read_tables(out if analyze is None else analyze)
 
 

@@ -21,7 +21,9 @@ not at all. :func:`unbubble.experiments.stats.budget_overhead` interpolates the 
 loss meets the target.
 
 Each finished run leaves ``OUT/results/<run id>.json``; a second invocation skips those, so a
-stopped sweep continues where it stopped. ``OUT/runs.csv`` (one row per run) and
+stopped sweep continues where it stopped. A stop (SIGINT/SIGTERM, :func:`stop_handlers`) starts no
+further run: workers are handed a run only when idle, so none is queued, and the running ones stop
+at their next step boundary and are not recorded (:class:`SweepStopped`); a second stop ends them at once. ``OUT/runs.csv`` (one row per run) and
 ``OUT/curves.csv`` (validation loss per evaluation, training loss per update where kept) are
 rewritten from them at the end: they are all an analysis needs.
 """
@@ -38,7 +40,7 @@ import os
 import re
 import statistics
 import time
-from concurrent.futures import ProcessPoolExecutor, as_completed
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -474,32 +476,126 @@ def next_budget(budgets: tuple[float, ...] | list[float], done: dict[float, floa
     return larger[0]
 
 
-def plan(spec: SweepSpec) -> list[tuple[str, int, str]]:
-    """Every run the sweep will or may train, before any has: ``(what, micro-batches, certainty)``
-    with certainty ``"will"`` (tuning, seeds, ``lr_from``) or ``"up to"`` (grid extensions and
-    token budgets, which depend on results); "what" is a run id or a description."""
+def plan(spec: SweepSpec, out: Path | None = None) -> list[tuple[str, int, str]]:
+    """Every run the sweep will or may train: ``(what, micro-batches, certainty)`` with certainty
+    ``"done"`` (finished in ``out``: a rerun skips it), ``"will"`` (tuning, seeds, ``lr_from``)
+    or ``"up to k"`` (grid extensions and token budgets, which depend on results); "what" is a
+    run id or a description. Phases whose inputs are all finished are listed exactly (the runs
+    :func:`run_sweep` would start); the first with an unfinished input and those after it as
+    before any run."""
     def trained(run: RunSpec) -> int:  # whole updates only: what the run's TrainConfig will train
         cfg = spec.config(run, Path("unused"))
         return cfg.steps * cfg.mb_per_step
 
-    out = [(r.run_id, trained(r), "will") for r in spec.tuning_runs()]
+    finished = {}
+    if out is not None and (out / "results").is_dir():
+        for path in (out / "results").glob("*.json"):
+            finished[path.stem] = json.loads(path.read_text())
+    rows: list[tuple[str, int, str]] = []
+    records: list[dict[str, Any]] = []
+    listed: list[tuple[str, int, float]] = []  # (method, N, budget) of the runs listed by id
+
+    def exact(runs: list[RunSpec]) -> bool:
+        """Lists ``runs`` as done or will; True when all are done (the next phase is then known)."""
+        for r in runs:
+            rows.append((r.run_id, trained(r), "done" if r.run_id in finished else "will"))
+            listed.append((r.method, r.stages, r.budget))
+            if r.run_id in finished:
+                records.append(finished[r.run_id])
+        return all(r.run_id in finished for r in runs)
+
+    known = exact(spec.tuning_runs())
+    rounds = spec.extend_grid if spec.tune else 0
+    for _ in range(spec.extend_grid if spec.tune else 0):
+        if not known:
+            break
+        edges = spec.edge_runs(records)
+        if not edges:
+            rounds = 0
+            break
+        known = exact(edges)
+        rounds -= 1
+    seeds_known = known and exact(spec.seed_runs(tuned_lrs(records)))
+    while seeds_known:
+        more = spec.budget_runs(records)
+        if not more:
+            return rows
+        seeds_known = exact(more)
+    ids = {what for what, _, _ in rows}
+    budgets_done = [r for r in finished.values() if r.get("budget", 1.0) != 1.0 and r["run_id"] not in ids]
     for m in spec.methods:
         for n in m.stages or spec.stages:
             probe = RunSpec(m.label, m.overrides, n, (m.lrs or spec.lrs)[0], spec.seeds[0], "tune")
             mb = trained(probe)
-            if m.lr_from is None and spec.tune and spec.extend_grid and len(m.lrs or spec.lrs) > 1:
-                out.append((f"{m.label} N={n}: grid extension beyond its best lr", mb, f"up to {spec.extend_grid}"))
+            if not known and rounds and m.lr_from is None and len(m.lrs or spec.lrs) > 1:
+                rows.append((f"{m.label} N={n}: grid extension beyond its best lr", mb, f"up to {rounds}"))
             more = m.extra_seeds and (spec.seed_stages is None or n in spec.seed_stages)
             seeds = (spec.seeds if m.lr_from else spec.seeds[1:]) if more else (spec.seeds[:1] if m.lr_from else [])
-            if spec.tune:
-                out += [(f"{m.label} N={n} seed {s} at the {'borrowed' if m.lr_from else 'tuned'} lr", mb, "will")
-                        for s in seeds]
+            if spec.tune and not known:
+                rows += [(f"{m.label} N={n} seed {s} at the {'borrowed' if m.lr_from else 'tuned'} lr", mb, "will")
+                         for s in seeds]
             budgets = spec.method_budgets(m)
             if budgets and spec.tune:
                 n_seeds = len(spec.seeds if more else spec.seeds[:1])
-                out += [(f"{m.label} N={n} budget {b:g}× (each seed)", trained(dataclasses.replace(probe, budget=b)),
-                         f"up to {n_seeds}") for b in budgets]
-    return out
+                for b in budgets:
+                    mine = [r for r in budgets_done if (r["method"], int(r["stages"]), r["budget"]) == (m.label, n, b)]
+                    rows += [(r["run_id"], int(r["micro_batches"]), "done") for r in mine]
+                    left = n_seeds - len(mine) - listed.count((m.label, n, b))
+                    if left > 0:
+                        rows.append((f"{m.label} N={n} budget {b:g}× (each seed)",
+                                     trained(dataclasses.replace(probe, budget=b)), f"up to {left}"))
+    return rows
+
+
+def estimate(spec: SweepSpec, out: Path, workers: int, rows: list[tuple[str, int, str]], flag=None,
+             max_share: float | None = None) -> str:
+    """One line: how many runs of ``rows`` (:func:`plan`) will and may train, and about how long
+    that takes: seconds per micro-batch from the finished runs in ``out``, or from a calibration
+    run of the first tuning run's configuration at 1/20 of its updates (a stop during it sets
+    ``flag.stop_requested``). With ``max_share``, no calibration that would train more than that
+    share of what will train (a small sweep: its first finished run tells sooner)."""
+    will = [mb for _, mb, c in rows if c == "will"]
+    may = [mb * int(c.split()[-1]) for _, mb, c in rows if c.startswith("up to")]
+    more = sum(int(c.split()[-1]) for _, _, c in rows if c.startswith("up to"))
+    n_done = sum(c == "done" for _, _, c in rows)
+    done_text = f" ({n_done} already finished in {out})" if n_done else ""
+    if not will and not more:
+        return f"nothing to train: all {n_done} runs are finished in {out}"
+    finished = [json.loads(p.read_text()) for p in (out / "results").glob("*.json")] \
+        if (out / "results").is_dir() else []
+    finished = [r for r in finished if r.get("micro_batches")]
+    if finished:
+        per_mb = statistics.median(r["wall_s"] / r["micro_batches"] for r in finished)
+        how = f"the median of {len(finished)} finished run(s) in {out}"
+        startup = 0.0  # in their wall_s
+    else:
+        import tempfile
+
+        from unbubble.train import train
+
+        first = spec.tuning_runs()[0]
+        cfg = spec.config(first, out)
+        steps = max(cfg.steps // 20, 2)
+        if max_share is not None and steps * cfg.mb_per_step > max_share * sum(will):
+            return (f"{len(will)} runs will train" + (f", up to {more} more may" if more else "") + done_text +
+                    f" with {workers} worker(s); time: see the progress after the first run")
+        with tempfile.TemporaryDirectory() as tmp:
+            cfg = dataclasses.replace(cfg, steps=steps, eval_interval=0, checkpoints=False,
+                                      run_dir=f"{tmp}/calibration")
+            t0 = time.perf_counter()
+            result, _ = train(cfg)
+        if flag is not None and result.stopped_at is not None:  # its own handlers took the signal
+            flag.stop_requested = True
+        total = time.perf_counter() - t0
+        per_mb = result.wall_s / (steps * cfg.mb_per_step)  # the training loop; start-up once per run
+        startup = max(total - result.wall_s, 0.0)
+        how = f"a calibration run of {first.method} ({steps} updates, start-up included)"
+    low = (sum(will) * per_mb + len(will) * startup) / workers
+    high = low + (sum(may) * per_mb + more * startup) / workers
+    span = f"{low / 60:.0f}" if round(low / 60) == round(high / 60) else f"{low / 60:.0f}–{high / 60:.0f}"
+    return (f"{len(will)} runs will train" + (f", up to {more} more may" if more else "") + done_text +
+            f"; about {span} min with {workers} worker(s) ({per_mb * 1e3:.1f} ms per micro-batch"
+            + (f" and {startup:.1f} s start-up per run" if startup else "") + f" from {how})")
 
 
 def summary_rows(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -554,8 +650,89 @@ def _stage_costs(trace) -> tuple[list[float], list[float], list[float]]:
     return [m[0] for m in med], [m[1] for m in med], [m[2] for m in med]
 
 
-def execute(run: RunSpec, spec: SweepSpec, out: Path) -> dict[str, Any]:
+class SweepStopped(PipelineFailure):
+    """A stop signal (or a stopped run) ended a sweep or an experiment early: no run started after
+    it, finished runs are kept (``results/``), and running the same command again continues."""
+
+
+class _StopFlag:
+    """What :func:`~unbubble.runtime.launch.install_stop_handlers` sets on a stop (all it needs of
+    a :class:`~unbubble.schedules.policy.Cuts`)."""
+
+    def __init__(self) -> None:
+        self.stop_requested = False
+
+
+#: The stop flag of the sweep or experiment this process is running (None: no handlers installed).
+_current_stop: _StopFlag | None = None
+
+
+@contextmanager
+def stop_handlers():
+    """SIGINT/SIGTERM while this is active stop the sweep or experiment: the first one sets the
+    flag it yields (no new run starts; a running run stops at its next step boundary), a second one
+    raises KeyboardInterrupt (stop at once). The single-run handlers of ``runtime.launch`` with
+    their echo filter (GNU ``timeout`` delivers one stop twice). Nested uses share one flag; off
+    the main thread (signals cannot be handled there) the flag is never set."""
+    global _current_stop
+    import signal
+    import threading
+
+    if _current_stop is not None:
+        yield _current_stop
+        return
+    from unbubble.runtime.launch import install_stop_handlers
+
+    flag = _StopFlag()
+    on_main = threading.current_thread() is threading.main_thread()
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)} if on_main else {}
+    if on_main:
+        install_stop_handlers(flag, announce=False)  # announced by the sweep, which knows what is running
+    _current_stop = flag
+    try:
+        yield flag
+    finally:
+        _current_stop = None
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def stop_requested() -> bool:
+    """True once a stop signal reached the running sweep or experiment (:func:`stop_handlers`)."""
+    return _current_stop is not None and _current_stop.stop_requested
+
+
+class _RunStopped(PipelineFailure):
+    """One run ended at a stop, before its last step (not recorded)."""
+
+
+class _StopOnRequest:
+    """Run listener in a sweep worker: forwards to the run writer, and once the sweep asks for a stop
+    (``event``) signals this process, whose run's own handler then stops it at its next step
+    boundary. From a step, so the run's handler is the one installed (a signal before would be lost)."""
+
+    def __init__(self, writer, event) -> None:
+        self.writer, self.event, self.sent = writer, event, False
+
+    def on_step(self, step: int, loss: float, info: dict[str, Any]) -> None:
+        self.writer.on_step(step, loss, info)
+        if not self.sent and self.event.is_set():
+            import signal
+
+            self.sent = True
+            os.kill(os.getpid(), signal.SIGINT)
+
+    def __getattr__(self, name: str):  # on_eval, on_event, on_snapshot: the writer's
+        return getattr(self.writer, name)
+
+
+def execute(run: RunSpec, spec: SweepSpec, out: Path, stop_event=None) -> dict[str, Any]:
     """Trains one run and writes ``out/results/<run id>.json`` (atomically). Returns its record.
+
+    Args:
+        stop_event: in a worker process, the sweep's stop (a ``multiprocessing.Event``): set, the
+            run stops at its next step boundary. In the sweep's own process the run's signal
+            handlers see the stop directly.
 
     Raises:
         PipelineFailure: a stop signal ended the run early; nothing is recorded (a partial run
@@ -569,12 +746,15 @@ def execute(run: RunSpec, spec: SweepSpec, out: Path) -> dict[str, Any]:
     if Path(cfg.run_dir).exists():  # a run cut short by a stop: start it again
         shutil.rmtree(cfg.run_dir)
     t0 = time.perf_counter()
-    result, _ = train(cfg)
+    if stop_event is None:
+        result, _ = train(cfg)
+    else:
+        result, _ = train(cfg, listener_factory=lambda writer, total: _StopOnRequest(writer, stop_event))
     wall = time.perf_counter() - t0
     if result.stopped_at is not None or len(result.step_losses) < cfg.steps:
-        raise PipelineFailure(f"{spec.name}: run {run.run_id} was stopped at step {len(result.step_losses)} of "
-                              f"{cfg.steps}; it is not recorded: run the same command again to continue "
-                              "(finished runs are kept)")
+        raise _RunStopped(f"{spec.name}: run {run.run_id} was stopped at step {len(result.step_losses)} of "
+                          f"{cfg.steps}; it is not recorded: run the same command again to continue "
+                          "(finished runs are kept)")
     f_s, b_s, u_s = _stage_costs(result.trace)
     vals = result.val_losses
     mb_per_update = cfg.mb_per_step
@@ -631,58 +811,187 @@ def run_sweep(spec: SweepSpec, out: Path, workers: int = 2,
         out: its folder (results/, runs/, runs.csv, curves.csv).
         workers: runs trained at once, each in its own process on one torch thread
             (2 on a 2-core machine); with 1, runs train one after another in this process.
-        progress: called with one line per finished run.
+        progress: called with the plan (runs and estimated time) first, then one line per
+            finished run.
 
     Returns:
         Every run's record, tuning runs first.
+
+    Raises:
+        SweepStopped: SIGINT/SIGTERM (:func:`stop_handlers`): no run started after the first, the
+            running ones stopped at their next step boundary (a second stopped them at once); the
+            message says what finished.
     """
     say = progress or log.info
     out.mkdir(parents=True, exist_ok=True)
-    records = _run_all(spec.tuning_runs(), spec, out, workers, say)
-    for _ in range(spec.extend_grid if spec.tune else 0):
-        edges = spec.edge_runs(records)
-        if not edges:
-            break
-        records += _run_all(edges, spec, out, workers, say)
-    records += _run_all(spec.seed_runs(tuned_lrs(records)), spec, out, workers, say)
-    while True:  # token budgets: each round decides from the finished ones
-        more = spec.budget_runs(records)
-        if not more:
-            break
-        records += _run_all(more, spec, out, workers, say)
+    with stop_handlers() as flag:
+        try:
+            rows = plan(spec, out)
+            if any(c != "done" for _, _, c in rows):
+                say(f"{spec.name}: " + estimate(spec, out, workers, rows, flag, max_share=0.05))
+            records = _run_all(spec.tuning_runs(), spec, out, workers, say, flag)
+            for _ in range(spec.extend_grid if spec.tune else 0):
+                edges = spec.edge_runs(records)
+                if not edges:
+                    break
+                records += _run_all(edges, spec, out, workers, say, flag)
+            records += _run_all(spec.seed_runs(tuned_lrs(records)), spec, out, workers, say, flag)
+            while True:  # token budgets: each round decides from the finished ones
+                more = spec.budget_runs(records)
+                if not more:
+                    break
+                records += _run_all(more, spec, out, workers, say, flag)
+        except KeyboardInterrupt:  # a second stop signal: the workers were ended at once
+            n = len(list((out / "results").glob("*.json")))
+            raise SweepStopped(f"{spec.name}: stopped at once by a second signal; the running runs are not "
+                               f"recorded, {n} finished run(s) are kept in {out / 'results'}: run the same "
+                               "command again to continue") from None
     write_tables(records, out)
     return records
 
 
 def _run_all(runs: list[RunSpec], spec: SweepSpec, out: Path, workers: int,
-             say: Callable[[str], None]) -> list[dict[str, Any]]:
+             say: Callable[[str], None], flag: _StopFlag) -> list[dict[str, Any]]:
     done = {r.run_id: rec for r in runs if (rec := _load(out, r)) is not None}
     todo = [r for r in runs if r.run_id not in done]
     if done:
         say(f"{spec.name}: {len(done)} of {len(runs)} {runs[0].phase} runs already finished (skipped)")
     t0 = time.perf_counter()
+    count = [0]
 
-    def finished(i: int, rec: dict[str, Any]) -> None:
+    def finished(rec: dict[str, Any]) -> None:
         done[rec["run_id"]] = rec
+        count[0] += 1
         loss = rec["final_val_loss"]
-        say(f"{spec.name}: {i}/{len(todo)} {rec['run_id']}: val loss "
+        say(f"{spec.name}: {count[0]}/{len(todo)} {rec['run_id']}: val loss "
             f"{'diverged' if loss is None else format(loss, '.4f')} "
             f"({rec['wall_s']:.0f} s, {(time.perf_counter() - t0) / 60:.1f} min so far)")
 
+    stopped: list[str] = []  # messages of the runs a stop ended
     if len(todo) == 1 or (todo and workers == 1):  # in this process: no interpreter to start
-        for i, r in enumerate(todo, 1):
-            finished(i, execute(r, spec, out))
-    elif todo:
-        ctx = multiprocessing.get_context("spawn")  # fresh interpreters: no forked torch thread pools
-        with ProcessPoolExecutor(max_workers=min(workers, len(todo)), mp_context=ctx) as pool:
-            futures = [pool.submit(execute, r, spec, out) for r in todo]
+        for r in todo:
+            if flag.stop_requested:
+                break
             try:
-                for i, fut in enumerate(as_completed(futures), 1):
-                    finished(i, fut.result())
-            except BaseException:  # a stop or a failed run: queued runs must not start
-                pool.shutdown(wait=True, cancel_futures=True)
+                finished(execute(r, spec, out))
+            except _RunStopped as exc:  # the run's own handlers took the signal
+                stopped.append(str(exc))
+                flag.stop_requested = True
+            except PipelineFailure as exc:
+                if isinstance(exc.__context__, KeyboardInterrupt):  # the run's handlers took a second signal
+                    raise KeyboardInterrupt from None
                 raise
+    elif todo:
+        stopped = _in_workers(todo, spec, out, workers, finished, flag, say)
+    if flag.stop_requested and (stopped or len(done) < len(runs)):
+        left = len(todo) - count[0] - len(stopped)
+        first = stopped[0] if len(stopped) == 1 else (
+            f"{spec.name}: runs stopped before their last step: " + ", ".join(m.split()[2] for m in stopped) +
+            "; they are not recorded: run the same command again to continue (finished runs are kept)"
+            if stopped else f"{spec.name}: stopped before the next run started: run the same command again to "
+                            "continue (finished runs are kept)")
+        raise SweepStopped(f"{first}; this {runs[0].phase} phase: {count[0]} of {len(todo)} finished, {left} not "
+                           f"started; {len(list((out / 'results').glob('*.json')))} finished run(s) in "
+                           f"{out / 'results'}")
     return [done[r.run_id] for r in runs]
+
+
+def _worker(tasks, results, stop, parent: int) -> None:
+    """A sweep's worker process: trains the runs it is handed, one at a time, until it gets None."""
+    import pickle
+    import signal
+
+    from unbubble.runtime.launch import _STOP_SIGNALS, _die_with_parent
+
+    _die_with_parent()
+    if os.getppid() != parent:  # the sweep died before PDEATHSIG was set
+        os._exit(1)
+    for sig in _STOP_SIGNALS:  # discards a Ctrl-C still pending from the start (blocked then)
+        signal.signal(sig, signal.SIG_IGN)
+    os.setpgrp()  # a terminal's Ctrl-C (or timeout's to the group) reaches the sweep only, which tells the run
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
+    while (task := tasks.get()) is not None:
+        run, spec, out = task
+        try:
+            results.put(("done", run.run_id, execute(run, spec, out, stop)))
+        except _RunStopped as exc:
+            results.put(("stopped", run.run_id, str(exc)))
+        except BaseException as exc:  # noqa: BLE001 - re-raised by the sweep
+            try:
+                pickle.dumps(exc)
+            except Exception:  # noqa: BLE001
+                exc = PipelineFailure(f"{spec.name}: run {run.run_id} failed: {type(exc).__name__}: {exc}")
+            results.put(("failed", run.run_id, exc))
+
+
+def _in_workers(todo: list[RunSpec], spec: SweepSpec, out: Path, workers: int, finished: Callable[[dict], None],
+                flag: _StopFlag, say: Callable[[str], None]) -> list[str]:
+    """Trains ``todo`` in ``workers`` processes, each handed a run only when it is idle, so that
+    none is queued to start after a stop (or a failure: the others then stop too). Returns the
+    messages of the runs a stop ended; raises the first failure once every worker is idle."""
+    import queue
+    import signal
+    import threading
+
+    from unbubble.runtime.launch import _STOP_SIGNALS
+
+    ctx = multiprocessing.get_context("spawn")  # fresh interpreters: no forked torch thread pools
+    results, stop = ctx.Queue(), ctx.Event()
+    tasks = [ctx.SimpleQueue() for _ in range(min(workers, len(todo)))]
+    procs = [ctx.Process(target=_worker, args=(t, results, stop, os.getpid()), name=f"unbubble-sweep-{i}")
+             for i, t in enumerate(tasks)]
+    on_main = threading.current_thread() is threading.main_thread()
+    queued, running, stopped, failure = list(todo), {}, [], None
+    try:
+        if on_main:  # they start with SIGINT/SIGTERM blocked, and a second stop must not cut a start short
+            signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
+        try:
+            for p in procs:
+                p.start()
+        finally:
+            if on_main:
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
+        idle = list(range(len(procs)))
+        while running or (queued and not stop.is_set()):
+            if (flag.stop_requested or failure is not None) and not stop.is_set():
+                stop.set()  # each running run signals itself at its next step (_StopOnRequest)
+                if flag.stop_requested:
+                    say(f"{spec.name}: stop requested: no new run starts; the {len(running)} running run(s) stop at "
+                        "their next step boundary (send it again to stop at once)")
+                continue
+            while idle and queued and not stop.is_set():
+                w, run = idle.pop(), queued.pop(0)
+                tasks[w].put((run, spec, out))
+                running[w] = run
+            try:
+                kind, run_id, payload = results.get(timeout=0.5)
+            except queue.Empty:
+                for w, run in running.items():
+                    if procs[w].exitcode is not None:
+                        raise PipelineFailure(f"{spec.name}: the worker process training run {run.run_id} exited "
+                                              f"with code {procs[w].exitcode} without a report; it is not recorded")
+                continue
+            w = next(w for w, run in running.items() if run.run_id == run_id)
+            del running[w]
+            idle.append(w)
+            if kind == "done":
+                finished(payload)
+            elif kind == "stopped":
+                stopped.append(payload)
+            elif failure is None:
+                failure = payload
+        for t in tasks:
+            t.put(None)
+        for p in procs:
+            p.join(timeout=10)
+    finally:
+        for p in procs:  # after a second stop or a failure here: at once
+            if p.pid is not None and p.is_alive():
+                p.kill()
+                p.join(timeout=10)
+    if failure is not None:
+        raise failure
+    return stopped
 
 
 def raw_tables(out: Path) -> list[Path]:
