@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from unbubble.config import RESUME_OVERRIDES, TrainConfig
-from unbubble.data import MicroBatchSampler, prepare_tokens, val_batches
+from unbubble.data import MicroBatchSampler, prepare_tokens, val_batches, val_overlap_warning
 from unbubble.data.memmap import TokenData
 from unbubble.data.sampler import check_split_sizes
 from unbubble.errors import ConfigError, PipelineFailure
@@ -70,7 +70,8 @@ def gpt_batch(data: _Data, k: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def gpt_val(data: _Data) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The fixed validation micro-batches."""
-    return val_batches(_tokens(data.val_path), data.micro_batch_size, data.seq_len, data.eval_batches)
+    # warned once, up front (build_job), not by every stage that evaluates
+    return val_batches(_tokens(data.val_path), data.micro_batch_size, data.seq_len, data.eval_batches, warn=False)
 
 
 def gpt_stage(model: ModelConfig, n_stages: int, seed: int, seq_len: int, stage: int,
@@ -111,7 +112,10 @@ def build_job(cfg: TrainConfig, tokens: TokenData) -> tuple[PipelineJob, ModelCo
         raise ConfigError(f"micro_batch_size={cfg.micro_batch_size} × seq_len={cfg.seq_len} = "
                           f"{cfg.micro_batch_size * cfg.seq_len:,} tokens per micro-batch exceeds the corpus's "
                           f"{tokens.train.size:,} training tokens (lower --micro-batch-size or --seq-len)")
-    val_batches(tokens.val, cfg.micro_batch_size, cfg.seq_len, 1)
+    val_batches(tokens.val, cfg.micro_batch_size, cfg.seq_len, 1, warn=False)  # validates sizes
+    overlap = val_overlap_warning(tokens.val.size, cfg.micro_batch_size, cfg.seq_len, cfg.eval_batches)
+    if overlap is not None:
+        log.warning(overlap)
     warmup = cfg.warmup_steps
     job = PipelineJob(
         stage_fn=functools.partial(gpt_stage, model, schedule.n_stages, cfg.seed, cfg.seq_len,

@@ -190,6 +190,38 @@ def test_second_ctrl_c_names_the_kept_checkpoint(tmp_path, corpus, cache_dir, mo
     assert (run / "checkpoints" / "step-00000002").is_dir()
 
 
+def test_overlapping_validation_windows_are_warned_once_per_run_with_the_remedy(tmp_path, corpus, cache_dir):
+    # every stage evaluates (the emulator's two, each evaluation): the warning came once per stage
+    import logging
+
+    class Lines(logging.Handler):
+        def __init__(self):
+            super().__init__(logging.WARNING)
+            self.lines = []
+
+        def emit(self, record):
+            self.lines.append(record.getMessage())
+
+    lines = Lines()
+    loggers = [logging.getLogger(name) for name in ("unbubble.train", "unbubble.data.sampler")]
+    for logger in loggers:
+        logger.addHandler(lines)
+    try:
+        res = CliRunner().invoke(cli, ["-q", "train", "--engine", "emulator", "--cache-dir", cache_dir, "--corpus",
+                                       corpus, "--stages", "2", "--steps", "2", "--seq-len", "32",
+                                       "--micro-batch-size", "2", "--eval-batches", "100", "--eval-interval", "1",
+                                       "--no-tensorboard", "--run-dir", str(tmp_path / "run")])
+    finally:
+        for logger in loggers:
+            logger.removeHandler(lines)
+    assert res.exit_code == 0, res.output
+    overlap = [line for line in lines.lines if "windows overlap" in line]
+    assert res.stderr.count("windows overlap") == 1 and overlap == [
+        "the validation split's 5,568 tokens hold 173 windows of seq_len=32, fewer than the 200 an evaluation reads "
+        "(eval_batches=100 × micro_batch_size=2): windows overlap and the validation loss counts tokens more than "
+        "once (set --eval-batches 86 or less, or give a larger corpus)"]
+
+
 # item 8: a job the process engine cannot send -----------------------------------------------------------------
 
 def test_a_lambda_given_to_the_process_engine():

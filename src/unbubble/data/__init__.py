@@ -2,7 +2,7 @@
 
 from unbubble.data.corpus import BUILTIN_CORPORA, corpus_fingerprint, load_documents
 from unbubble.data.memmap import TokenData, load_bin, prepare_tokens
-from unbubble.data.sampler import MicroBatchSampler, val_batches
+from unbubble.data.sampler import MicroBatchSampler, val_batches, val_overlap_warning
 from unbubble.data.tokenizer import Tokenizer, get_tokenizer
 
 __all__ = [
@@ -16,4 +16,5 @@ __all__ = [
     "load_documents",
     "prepare_tokens",
     "val_batches",
+    "val_overlap_warning",
 ]

@@ -126,21 +126,39 @@ class MicroBatchSampler:
                 f"seq_len={self.seq_len}, seed={self.seed})")
 
 
+def val_overlap_warning(n_tokens: int, micro_batch_size: int, seq_len: int, n_batches: int) -> str | None:
+    """The warning :func:`val_batches` logs when a validation stream of ``n_tokens`` holds fewer
+    disjoint windows of ``seq_len`` than the ``n_batches × micro_batch_size`` it reads (they then
+    overlap, and the loss averages repeated tokens), with the remedy; ``None`` when they fit."""
+    windows = (n_tokens - 1) // seq_len
+    wanted = n_batches * micro_batch_size
+    if wanted <= windows:
+        return None
+    fits = windows // micro_batch_size
+    remedy = (f"set --eval-batches {fits} or less, or give a larger corpus" if fits >= 1 else
+              "give a larger corpus, or a smaller --seq-len or --micro-batch-size")
+    return (f"the validation split's {n_tokens:,} tokens hold {windows} windows of seq_len={seq_len}, fewer than "
+            f"the {wanted} an evaluation reads (eval_batches={n_batches} × micro_batch_size={micro_batch_size}): "
+            f"windows overlap and the validation loss counts tokens more than once ({remedy})")
+
+
 def val_batches(
-    tokens: np.ndarray, micro_batch_size: int, seq_len: int, n_batches: int
+    tokens: np.ndarray, micro_batch_size: int, seq_len: int, n_batches: int, warn: bool = True
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Fixed validation micro-batches spread evenly over a token stream.
 
     ``n = n_batches * micro_batch_size`` windows start at
     ``j * (len(tokens) - seq_len - 1) // (n - 1)``; when
     ``n <= (len(tokens) - 1) // seq_len`` their ``x`` parts do not overlap,
-    otherwise they overlap (a warning is logged) but stay evenly spaced.
+    otherwise they overlap (:func:`val_overlap_warning` is logged unless ``warn`` is false) but
+    stay evenly spaced.
 
     Args:
         tokens: 1-D integer token stream (e.g. ``TokenData.val``).
         micro_batch_size: Windows per micro-batch, >= 1.
         seq_len: Tokens per window, >= 1.
         n_batches: Number of micro-batches, >= 1.
+        warn: log the overlap warning (a training run logs it once, up front, not in every stage).
 
     Returns:
         ``n_batches`` pairs ``(x, y)`` of ``torch.int64`` tensors, each of shape
@@ -151,18 +169,16 @@ def val_batches(
     """
     arr = _check_tokens(tokens, micro_batch_size, seq_len)
     if not _is_int(n_batches) or n_batches < 1:
-        raise ConfigError(f"n_batches={n_batches!r} is invalid: must be an integer >= 1 (set --val-batches)")
+        raise ConfigError(f"n_batches={n_batches!r} is invalid: must be an integer >= 1 (set --eval-batches)")
     n = int(n_batches) * int(micro_batch_size)
     last = arr.size - seq_len - 1  # largest valid start
     if n == 1:
         starts = np.zeros(1, dtype=np.int64)
     else:
         starts = (np.arange(n, dtype=np.int64) * last) // (n - 1)
-    if n > (arr.size - 1) // seq_len:
-        logger.warning(
-            "validation stream of %d tokens holds fewer than %d windows of seq_len=%d: windows overlap",
-            arr.size, n, seq_len,
-        )
+    message = val_overlap_warning(arr.size, micro_batch_size, seq_len, n_batches)
+    if warn and message is not None:
+        logger.warning(message)
     out = []
     for b in range(int(n_batches)):
         out.append(_gather(arr, starts[b * micro_batch_size:(b + 1) * micro_batch_size], seq_len))
