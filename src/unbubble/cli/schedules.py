@@ -1,13 +1,50 @@
-"""``unbubble schedules``: list the schedules with one line of semantics each."""
+"""``unbubble schedules``: list the schedules with one line of semantics each, or export one
+synchronous schedule as a CSV torch.distributed.pipelining loads (``--export NAME``)."""
 
 import click
 
-from unbubble.schedules.registry import SCHEDULES
+from unbubble.errors import ConfigError, did_you_mean
+from unbubble.schedules.registry import ASYNC, SCHEDULES
 
 
 @click.command()
-def schedules() -> None:
-    """List the available pipeline schedules."""
-    width = max(map(len, SCHEDULES))
-    for name, line in SCHEDULES.items():
-        click.echo(f"{name:<{width}}  {line}")
+@click.option("--export", "export_name", metavar="NAME",
+              help="Write NAME's action list for one step as a CSV that torch.distributed.pipelining's _load_csv "
+                   "accepts (synchronous schedules), to OUT or stdout, instead of listing.")
+@click.option("--stages", type=int, help="With --export: pipeline depth N (ranks).")
+@click.option("--m", type=int, help="With --export: micro-batches per step.")
+@click.option("--v", type=int, help="With --export interleaved-1f1b: virtual stages per rank (default 2).")
+@click.argument("out", required=False, type=click.Path(dir_okay=False))
+def schedules(export_name: str | None, stages: int | None, m: int | None, v: int | None, out: str | None) -> None:
+    """List the available pipeline schedules, or export one (--export NAME --stages N --m M [OUT.csv])."""
+    if export_name is None:
+        if (stages, m, v, out) != (None, None, None, None):
+            raise ConfigError("--stages, --m, --v and OUT are options of --export NAME: add --export, "
+                              "e.g. unbubble schedules --export 1f1b-flush --stages 4 --m 8 out.csv")
+        width = max(map(len, SCHEDULES))
+        for name, line in SCHEDULES.items():
+            click.echo(f"{name:<{width}}  {line}")
+        return
+    from unbubble.schedules.actions import export_torch_csv
+    from unbubble.schedules.registry import get_schedule
+
+    if export_name not in SCHEDULES:
+        raise ConfigError(f"--export {export_name} is unknown{did_you_mean(export_name, SCHEDULES)}: valid schedules "
+                          f"are {', '.join(SCHEDULES)}")
+    if export_name in ASYNC:
+        sync = ", ".join(n for n in SCHEDULES if n not in ASYNC)
+        raise ConfigError(f"--export {export_name} is invalid: it is asynchronous (U inside a step) and torch's "
+                          f"CSV steps the optimizer only between steps; synchronous schedules are {sync}")
+    sched = get_schedule(export_name, stages, steps=1, m=m, v=v)
+    text = export_torch_csv(sched.static_order())
+    if out == "-":
+        out = None
+    if out is None:
+        click.echo(text, nl=False)
+    else:
+        with open(out, "w") as f:
+            f.write(text)
+    # The file cannot carry this note: torch's reader takes every line as a rank.
+    click.echo(f"{'wrote ' + out if out else 'written'}: {export_name}, {sched.n_ranks} ranks, one step of m={m} "
+               "micro-batches; U omitted (torch reduces each stage's gradients after its m-th backward and steps "
+               "the optimizer after schedule.step())", err=True)

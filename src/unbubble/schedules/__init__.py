@@ -1,12 +1,13 @@
 """Schedules as data and per-stage policies (pure Python: importing this never imports torch)."""
 
-from unbubble.schedules.actions import Action, ActionKind, format_order
+from unbubble.schedules.actions import (Action, ActionKind, dump_csv, export_torch_csv, format_order, load_csv,
+                                       with_updates)
 from unbubble.schedules.policy import ORDERS, ListPolicy, OrderedPaciPolicy, PaciPolicy, Policy, StageState
 from unbubble.schedules.registry import SCHEDULES, Schedule, get_schedule
 from unbubble.schedules.static import one_f_one_b_flush
 
 __all__ = [
-    "Action", "ActionKind", "format_order", "ListPolicy", "ORDERS", "OrderedPaciPolicy", "PaciPolicy", "Policy",
-    "StageState",
+    "Action", "ActionKind", "dump_csv", "export_torch_csv", "format_order", "load_csv", "with_updates",
+    "ListPolicy", "ORDERS", "OrderedPaciPolicy", "PaciPolicy", "Policy", "StageState",
     "SCHEDULES", "Schedule", "get_schedule", "one_f_one_b_flush",
 ]
