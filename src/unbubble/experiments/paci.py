@@ -24,9 +24,9 @@ def throughput_memory(out: Path, size: str = "default", seeds: list[int] | None 
     n = 2
     ms = [1, 2, 4, 8, 16] if size != "tiny" else [2]
     rows = []
-    # ≈ 10 s each on 2 cores (process start-up, then seconds of training): the plan before the first
+    # ≈ 25 s each on 2 busy cores (measured at --size tiny: mostly the stage processes' start-up)
     say(f"throughput-memory: {2 * len(ms)} runs will train (2 stage processes each); about "
-          f"{2 * len(ms) * (10 if size != 'tiny' else 8) / 60:.0f} min")
+        f"{max(2 * len(ms) * 25 / 60, 1):.0f} min")
     for name in ("1f1b-flush", "paci"):
         for x in ms:
             steps = max(512 // x, 2) if size != "tiny" else 2  # 512 micro-batches: seconds of training, not start-up
