@@ -11,8 +11,9 @@ import click
 @click.command()
 @click.argument("name")
 @click.option("--size", type=click.Choice(["default", "tiny"]), default="default", show_default=True,
-              help="default: the documented size (paci-study ≈ 75 min, br-study ≈ 45 min, the others ≤ 30 min on "
-                   "2 cores); tiny: a smoke-sized run (< 30 s).")
+              help="default: the documented size (on 2 cores: paci-study 55–80 min, overhead-study 25–80 min and "
+                   "its 4× sweep, br-study ≈ 16 min, moe-delay 9–12 min, throughput-memory ≈ 4 min; the plan and "
+                   "estimate are printed before the first run); tiny: a smoke-sized run (0.5–2.5 min).")
 @click.option("--seed", "seeds", type=int, multiple=True, help="Seeds (repeatable); default per experiment.")
 @click.option("--out", type=click.Path(path_type=Path), default=Path("experiments"), show_default=True,
               help="Folder for OUT/NAME: runs, CSV and PNG files and the results section (results.md).")

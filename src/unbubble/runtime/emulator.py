@@ -42,8 +42,8 @@ def run_emulator(job: PipelineJob, costs: CostModel | None = None, replay: list[
         threads: torch's intra-op threads during the run (``torch.set_num_threads``, restored
             afterwards); ``None`` keeps the caller's setting. One, as in each stage process of
             the process engine: small per-stage kernels gain nothing from more, and on a shared
-            machine oversubscribed OpenMP threads slowed a 5-step PACI run 15× (32–35 s against
-            1.6–2.6 s on 2 busy cores).
+            machine oversubscribed OpenMP threads slow them down (5 PACI steps of an 8-layer GPT on
+            4 stages, 2 cores at load 5–8: 54–71 s on 2 threads, 16.5–17.2 s on one).
 
     With ``job.checkpoint.resume_step = V`` every stage starts from its saved state; the
     simulated schedule is replayed from step 0 and actions before the cut after V are skipped,
