@@ -200,15 +200,20 @@ def test_emulator_is_deterministic():
     assert r1.trace.order() == r2.trace.order()
 
 
-SYNC = [("gpipe", {}), ("interleaved-1f1b", {"v": 2}), ("zb-h1", {}), ("zb-h2", {})]
+SYNC = [("gpipe", {}), ("interleaved-1f1b", {"v": 2}), ("looped-bfs", {"v": 2}), ("interleaved-zb", {"v": 2}),
+        ("zb-h1", {}), ("zb-h2", {})]
+# 4 ranks × 2 chunks would need 8 layers; the tiny model has 4: schedules with v chunks run on 2 ranks.
+# looped-bfs runs each stage's backwards in reverse micro-batch order (as torch), so its gradients are
+# summed in another order than the reference's: AdamW turns that rounding (≈ 1e-10) on gradients that are
+# zero in theory (attention key biases) into differences above rtol, SGD does not. With AdamW it equals,
+# bit for bit, the reference summed in its order (test_schedules_torch.py).
+SYNC_CASES = [(name, kw, n, "sgd" if name == "looped-bfs" else "adamw") for name, kw in SYNC
+              for n in ([2] if "v" in kw else [2, 4])]
 
 
-@pytest.mark.parametrize("n", [2, 4])
-@pytest.mark.parametrize("name,kw", SYNC)
-def test_synchronous_schedules_equal_non_pipelined_reference(name, kw, n):
-    if name == "interleaved-1f1b" and n == 4:
-        n = 2  # 4 ranks × 2 chunks would need 8 layers; the tiny model has 4
-    job = tiny_gpt_job(get_schedule(name, n, steps=3, m=4, **kw))
+@pytest.mark.parametrize("name,kw,n,optimizer", SYNC_CASES)
+def test_synchronous_schedules_equal_non_pipelined_reference(name, kw, n, optimizer):
+    job = tiny_gpt_job(get_schedule(name, n, steps=3, m=4, **kw), optimizer=optimizer)
     result = run_emulator(job)
     ref_states, ref_losses = train_without_pipeline(job)
     _assert_states_close(result.final_states, ref_states)

@@ -39,7 +39,7 @@ back to eager silently. :func:`compile_stats` reads Dynamo's counters so tests a
 
 Memory is measured as for eager stages, except that weight copies are recognised by value
 (``SavedBytes(by_value=True)``): the compiled function's saved tensors have no per-op ``grad_fn``
-chain to follow. Split backward (zb-h1, zb-h2) is refused: see :data:`SPLIT_BACKWARD_SCHEDULES`.
+chain to follow. Split backward (zb-h1, zb-h2, interleaved-zb) is refused: see :data:`SPLIT_BACKWARD_SCHEDULES`.
 """
 
 from __future__ import annotations
@@ -63,8 +63,9 @@ COMPILED_PREFIX = "_orig_mod."
 #: Schedules refused under ``--compile``: their backward is split into I (input gradient) and W
 #: (weight gradient), but a compiled stage's backward is one autograd node that computes both, so
 #: I would run the whole backward and W run it again (and AOTAutograd's donated buffers forbid the
-#: second run).
-SPLIT_BACKWARD_SCHEDULES = ("zb-h1", "zb-h2")
+#: second run). torch refuses them too (``_check_torch_compile_compatibility`` in
+#: ScheduleInterleavedZeroBubble and ScheduleZBVZeroBubble).
+SPLIT_BACKWARD_SCHEDULES = ("zb-h1", "zb-h2", "interleaved-zb")
 
 #: Graphs Dynamo may keep per code object before it stops compiling it. Every stage of a model
 #: class shares its ``forward``'s cache, so the emulator (all stages in one process) needs more
@@ -89,9 +90,10 @@ def check_compile(backend: str, schedule: str) -> None:
     """
     check_backend(backend)
     if schedule in SPLIT_BACKWARD_SCHEDULES:
+        instead = "interleaved-1f1b (the same v stages per device)" if schedule == "interleaved-zb" else "1f1b-flush or paci"
         raise ConfigError(f"compile=True is invalid with schedule={schedule!r}: its backward is split into I and W, "
                           "but a compiled stage's backward is one autograd node that computes both (I would run the "
-                          "whole backward and W run it again); use --schedule 1f1b-flush or paci, or drop --compile")
+                          f"whole backward and W run it again); use --schedule {instead}, or drop --compile")
 
 
 def compile_stage(module: nn.Module, backend: str = "inductor") -> nn.Module:

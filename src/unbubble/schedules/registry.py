@@ -20,6 +20,8 @@ SCHEDULES: dict[str, str] = {
     "gpipe": "all m F, then all m B, U after the flush; Δ=0; m activations; bubble (N−1)/(m+N−1)  [arXiv 1811.06965]",
     "1f1b-flush": "synchronous 1F1B, U after m B then flush; Δ=0; ≤N+1−i activations; bubble (N−1)/(m+N−1)  [arXiv 2007.01045]",
     "interleaved-1f1b": "v virtual stages per rank (Megatron order), flush; Δ=0; bubble (N−1)/(v·m+N−1)  [arXiv 2104.04473]",
+    "looped-bfs": "v stages per rank, breadth-first: all m F of a chunk, chunk by chunk, then the B's in reverse, flush; Δ=0; GPipe's m activations per stage; bubble (N−1)/(v·m+N−1) for m ≥ N  [arXiv 2211.05953]",
+    "interleaved-zb": "v stages per rank, interleaved 1F1B with B split into I and W (ZB1P, torch's order), flush; Δ=0; 1F1B's N activations per device; bubble (N−1)/(3·v·m+N−1) at F=I=W, N | m  [arXiv 2401.10241]",
     "zb-h1": "B split into I and W, W fills bubbles, flush; Δ=0; 1F1B memory; critical-path bubble 1/3 of 1F1B's at F=I=W  [arXiv 2401.10241]",
     "zb-h2": "as zb-h1 with 2N activations; critical-path bubble 1/6 of 1F1B's at F=I=W (still flushed)  [arXiv 2401.10241]",
     "async-1f1b": "naive async 1F1B (= paci, a=1): U after every B on current weights; Δ_i ≤ N−i; no extra weights",
@@ -29,6 +31,9 @@ SCHEDULES: dict[str, str] = {
     "pipedream-2bw": "async 1F1B, U after m B, B on its F's version; Δ=0, τ=1; 2 weight versions (m ≥ N−1)  [arXiv 2006.09503]",
     "pipemare": "async 1F1B, U after every B with per-stage lr rescheduling (T1); B on current weights corrected by a velocity estimate (T2)  [arXiv 1910.05124]",
 }
+
+#: Schedules with v stages per rank (stage s on rank s mod N), taking ``--v``.
+VIRTUAL = ("interleaved-1f1b", "looped-bfs", "interleaved-zb")
 
 ASYNC = ("paci", "paci-stashed", "async-1f1b", "pipedream", "pipedream-2bw", "pipemare")
 
@@ -133,6 +138,10 @@ def _static_order(name: str, n: int, m: int, steps: int, v: int) -> tuple[tuple[
         order = static.one_f_one_b_flush(n, m, steps)
     elif name == "interleaved-1f1b":
         order = static.interleaved_1f1b(n // v, v, m, steps)
+    elif name == "looped-bfs":
+        order = static.looped_bfs(n // v, v, m, steps)
+    elif name == "interleaved-zb":
+        order = static.interleaved_zero_bubble(n // v, v, m, steps)
     elif name == "zb-h1":
         order = static.zb_h1(n, m, steps)
     elif name == "zb-h2":
@@ -155,9 +164,10 @@ def get_schedule(name: str, n_stages: int, steps: int, a: int | None = None, m: 
         n_stages: pipeline depth N ≥ 1 (ranks; interleaved 1F1B has N·v stages).
         steps: optimizer steps ≥ 1.
         a: accumulation factor of paci and paci-stashed (backward passes per local update), ≥ 1.
-        m: micro-batches per step of gpipe, 1f1b-flush, interleaved-1f1b, zb-h1, zb-h2 and
-            pipedream-2bw, ≥ 1.
-        v: virtual stages per rank of interleaved-1f1b, ≥ 1 (default 2).
+        m: micro-batches per step of gpipe, 1f1b-flush, interleaved-1f1b, looped-bfs,
+            interleaved-zb, zb-h1, zb-h2 and pipedream-2bw, ≥ 1 (interleaved-1f1b: a multiple of N;
+            interleaved-zb: a multiple of max(1, ⌊m/N⌋), as torch requires).
+        v: stages per rank of interleaved-1f1b, looped-bfs and interleaved-zb, ≥ 1 (default 2).
 
     Raises:
         ConfigError: unknown name, a value out of range or an invalid combination (the
@@ -179,11 +189,17 @@ def get_schedule(name: str, n_stages: int, steps: int, a: int | None = None, m: 
             raise ConfigError(f"m={m} is invalid for pipedream-2bw with stages={n_stages}: two weight versions need "
                               f"m ≥ N−1 = {n_stages - 1} (set --m)")
         return Schedule(name, n_stages, m, steps, True, backward_weights="stashed")
-    if name == "interleaved-1f1b":
+    if name in VIRTUAL:
         v = 2 if v is None else v
         _check_int("v", v)
-        if m % n_stages:
+        if name == "interleaved-1f1b" and m % n_stages:
             raise ConfigError(f"m={m} is invalid for interleaved-1f1b: it must be a multiple of stages={n_stages} "
                               "(Megatron's interleaved order; set --m)")
+        rounds = static.interleaved_zb_rounds(n_stages, m)
+        if name == "interleaved-zb" and m % rounds:
+            ok = [x for x in range(m - 1, 0, -1) if x % static.interleaved_zb_rounds(n_stages, x) == 0][:1]
+            ok += [x for x in range(m + 1, 2 * m + 2) if x % static.interleaved_zb_rounds(n_stages, x) == 0][:1]
+            raise ConfigError(f"m={m} is invalid for interleaved-zb with stages={n_stages}: it must be a multiple of "
+                              f"max(1, ⌊m/N⌋) = {rounds} (torch's rounds), e.g. m={ok[0]} or m={ok[1]} (set --m)")
         return Schedule(name, n_stages * v, m, steps, False, virtual=v)
     return Schedule(name, n_stages, m, steps, False)

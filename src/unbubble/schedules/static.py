@@ -186,3 +186,102 @@ def zero_bubble(n_stages: int, m: int, steps: int, memory: int) -> list[list[Act
     for s in range(n):
         one[s].append(Action(s, U))
     return _repeat(one, m, steps)
+
+
+def looped_bfs(n_ranks: int, v: int, m: int, steps: int) -> list[list[Action]]:
+    """Looped breadth-first schedule: rank r hosts the v stages r, r + N, …, r + (v−1)N.
+
+    Each rank runs the forwards of its first chunk for all m micro-batches, then of its next
+    chunk, …; then the backwards chunk by chunk in reverse, each chunk's micro-batches in
+    reverse order (the last forwarded first, as torch runs them); then ``U`` on each of its
+    stages (flush). The order is torch 2.13's ``ScheduleLoopedBFS`` runtime order.
+
+    Every stage holds all m micro-batches' activations before its first backward (GPipe's
+    memory: v·m chunk activations per rank). On unit costs (a chunk's F and B take F and B)
+    one step takes (F + B)·(v·max(m, N) + min(m, N) − 1): for m ≥ N the bubble is
+    (N−1)/(v·m + N − 1) of the step, the interleaved schedule's (breadth-first and depth-first
+    looping divide the bubble by the same factor v); for m < N each chunk waits for its
+    input and the step takes (F + B)(v·N + m − 1).
+
+    Args:
+        n_ranks: devices N (the pipeline has N·v stages).
+        v: stages (model chunks) per rank.
+        m: micro-batches per step.
+
+    Source: Lamy-Poirier, Breadth-First Pipeline Parallelism, arXiv 2211.05953, §3 and §4
+    (looping pipelines, breadth-first schedule); torch.distributed.pipelining's ScheduleLoopedBFS.
+    """
+    one: list[list[Action]] = []
+    for r in range(n_ranks):
+        stages = [c * n_ranks + r for c in range(v)]
+        acts = [Action(s, F, k) for s in stages for k in range(m)]
+        acts += [Action(s, B, k) for s in reversed(stages) for k in reversed(range(m))]
+        acts += [Action(s, U) for s in stages]
+        one.append(acts)
+    return _repeat(one, m, steps)
+
+
+def interleaved_zb_rounds(n_ranks: int, m: int) -> int:
+    """Rounds of torch's interleaved zero-bubble schedule: max(1, ⌊m/N⌋); m must be a multiple of it."""
+    return max(1, m // n_ranks)
+
+
+def interleaved_zero_bubble(n_ranks: int, v: int, m: int, steps: int) -> list[list[Action]]:
+    """Interleaved ZB1P: interleaved 1F1B with the backward split into I and W, W delayed to
+    fill the bubbles; rank r hosts the v stages r, r + N, …, r + (v−1)N.
+
+    Micro-batches go through the chunks in rounds of m / R micro-batches, R = max(1, ⌊m/N⌋)
+    (Megatron's groups of N when N divides m). Rank r (0-based) runs (v−1)·m/R + N − 1 − r
+    warm-up forwards (chunks in increasing order, a round at a time), then repeats [F; I; and,
+    once more than r I's have run, the W of the I r places back] with the backwards visiting the
+    chunks in reverse, a round at a time, then the remaining [I; W], then the pending W's, then
+    ``U`` on each of its stages (flush). The order is torch 2.13's ``ScheduleInterleavedZeroBubble`` runtime order; with
+    v = 1 it is :func:`zb_h1`'s.
+
+    On unit costs F = I = W per chunk with N | m the step takes 3·v·m + N − 1 chunk-action
+    times: the bubble is (N − 1) chunk-action times per rank and step, (N−1)/(3·v·m + N − 1)
+    of the step (ZB-H1's (N−1)(T_F + T_I − T_W) with chunk-sized actions, 1/v of zb-h1's).
+
+    Args:
+        n_ranks: devices N (the pipeline has N·v stages).
+        v: stages (model chunks) per rank.
+        m: micro-batches per step; a multiple of max(1, ⌊m/N⌋) (as torch requires).
+
+    Source: Qi et al., Zero Bubble Pipeline Parallelism, arXiv 2401.10241, §3.1 (ZB-H1) applied
+    to the interleaved schedule; torch.distributed.pipelining's ScheduleInterleavedZeroBubble
+    (``_get_1f1b_rank_ops`` with ``enable_zero_bubble``).
+    """
+    per_round = m // interleaved_zb_rounds(n_ranks, m)
+    total = v * m
+    one: list[list[Action]] = []
+    for r in range(n_ranks):
+        warmup = min((v - 1) * per_round + n_ranks - 1 - r, total)
+
+        def fwd_stage(j: int) -> int:
+            return (j // per_round) % v * n_ranks + r
+
+        def bwd_stage(j: int) -> int:
+            return (v - 1 - (j - warmup) // per_round % v) * n_ranks + r
+
+        next_mb: dict[tuple[ActionKind, int], int] = {}
+
+        def act(kind: ActionKind, stage: int) -> Action:
+            k = next_mb.get((kind, stage), 0)
+            next_mb[(kind, stage)] = k + 1
+            return Action(stage, kind, k)
+
+        acts: list[Action] = []
+        backwards: list[int] = []  # op index of each I, in order: its W follows the same chunk
+        for j in range(total + warmup):
+            if j < total:
+                acts.append(act(F, fwd_stage(j)))
+            if j >= warmup:
+                acts.append(act(I, bwd_stage(j)))
+                backwards.append(j)
+                if j - warmup >= r:
+                    acts.append(act(W, bwd_stage(backwards[len(backwards) - 1 - r])))
+        done_w = max(0, len(backwards) - r)
+        acts += [act(W, bwd_stage(j)) for j in backwards[done_w:]]
+        acts += [Action(c * n_ranks + r, U) for c in range(v)]
+        one.append(acts)
+    return _repeat(one, m, steps)

@@ -29,7 +29,8 @@ def activation_bound(schedule: Schedule, stage: int) -> int | None:
     n, m, s = schedule.n_stages, schedule.mb_per_step, stage
     if schedule.asynchronous:
         return n - s  # q_i < N + 1 − i
-    return {"gpipe": m, "1f1b-flush": min(n - s, m), "zb-h1": min(n, m), "zb-h2": min(2 * n, m)}.get(schedule.name)
+    return {"gpipe": m, "looped-bfs": m, "1f1b-flush": min(n - s, m), "zb-h1": min(n, m),
+            "zb-h2": min(2 * n, m)}.get(schedule.name)
 
 
 def validate(schedule: Schedule, order: list[list[Action]] | None = None):

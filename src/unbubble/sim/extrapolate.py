@@ -2,8 +2,9 @@
 
 Setups (arXiv 2401.10241, §5.1, Table 3): GPT-3-like models of 1.5B, 6.2B, 14.6B and 28.3B parameters
 on 8, 8, 16 and 32 A100-80G, sequence length 1024, micro-batch sizes 6, 3, 1, 1 and three micro-batch
-counts each; the first and last stage hold one block less. Interleaved 1F1B uses one block per virtual
-stage, as the paper did ("the maximum number of chunks"), so v = blocks per middle device and the first
+counts each; the first and last stage hold one block less. Interleaved 1F1B (and looped-bfs and
+interleaved-zb, when asked for) uses one block per virtual stage, as the paper did ("the maximum number
+of chunks"), so v = blocks per middle device and the first
 and last virtual stage hold only the embedding or the head. ZB-H1 and ZB-H2 are the registry's
 handcrafted zero-bubble schedules; the paper measured its automatically searched ZB-1p and ZB-2p, which
 have the same memory limits (p·M_B and 2p·M_B). PACI updates after a = m local backwards (the same global
@@ -20,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from unbubble.errors import ConfigError, did_you_mean
-from unbubble.schedules.registry import SCHEDULES, get_schedule
+from unbubble.schedules.registry import SCHEDULES, VIRTUAL, get_schedule
 from unbubble.sim.analytic import ZB_MODELS, analytic_model, make_model, zb_layers_per_stage
 from unbubble.sim.hardware import Hardware
 from unbubble.sim.result import SimResult, simulate
@@ -75,7 +76,7 @@ def _run(name: str, model: str, m: int, hardware: Hardware, flash_attention: boo
     cfg = make_model(model)
     n, b = z["stages"], z["micro_batch_size"]
     k = (cfg.n_layer + 2) // n
-    if name == "interleaved-1f1b":
+    if name in VIRTUAL:  # interleaved-1f1b, and looped-bfs and interleaved-zb on the same chunks
         v = k
         am = analytic_model(cfg, n, hardware, b, virtual=v, layers_per_stage=[0] + [1] * (n * v - 2) + [0],
                             flash_attention=flash_attention)
