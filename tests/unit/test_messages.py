@@ -71,8 +71,8 @@ def test_train_a_given_to_a_schedule_without_accumulation(cache_dir):
 def test_train_m_given_to_paci(cache_dir):
     assert _error(["train", "--engine", "emulator", "--cache-dir", cache_dir, "--m", "8"]) == (
         "m=8 has no effect on schedule='paci', whose backward passes per update are --a: only gpipe, 1f1b-flush, "
-        "interleaved-1f1b, zb-h1, zb-h2, pipedream-2bw take --m (micro-batches per step); drop --m or change "
-        "--schedule")
+        "interleaved-1f1b, looped-bfs, interleaved-zb, zb-h1, zb-h2, pipedream-2bw take --m (micro-batches per step); "
+        "drop --m or change --schedule")
 
 
 def test_a_in_a_config_file_is_not_refused_for_a_flush_schedule(tmp_path):
