@@ -100,7 +100,7 @@ def build_job(cfg: TrainConfig, tokens: TokenData) -> tuple[PipelineJob, ModelCo
                           f"so seq_len must be ≤ {model.block_size} (set --seq-len)")
     schedule = get_schedule(cfg.schedule, cfg.stages, cfg.steps, a=cfg.a, m=cfg.m, v=cfg.v)
     if schedule.virtual > 1 and schedule.n_stages > model.n_layer:
-        raise ConfigError(f"stages={cfg.stages} with v={cfg.v} is invalid: interleaved-1f1b needs stages × v = "
+        raise ConfigError(f"stages={cfg.stages} with v={cfg.v} is invalid: {cfg.schedule} needs stages × v = "
                           f"{schedule.n_stages} model chunks but model {cfg.model!r} has {model.n_layer} layers "
                           "(lower --v or --stages, or pick a deeper --model)")
     partition_layers(model, schedule.n_stages, cfg.seq_len)  # raises on stages > layers

@@ -466,3 +466,12 @@ def test_simulator_modules_import_without_torch():
                                             "extrapolate", "analytic")]
     code = f"import sys; import {', '.join(names)}; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_simulate_gives_v_to_every_schedule_with_chunks_per_rank():
+    # regression: --v reached interleaved-1f1b only, so looped-bfs --v 3 simulated v = 2
+    from unbubble.cli.simulate import _schedule
+
+    for name in VIRTUAL:
+        sched = _schedule(name, 2, 8, a=4, m=4, v=3)
+        assert (sched.n_ranks, sched.n_stages, sched.virtual) == (2, 6, 3), name

@@ -13,7 +13,7 @@ from unbubble.schedules.registry import ASYNC, SCHEDULES
                    "accepts (synchronous schedules), to OUT or stdout, instead of listing.")
 @click.option("--stages", type=int, help="With --export: pipeline depth N (ranks).")
 @click.option("--m", type=int, help="With --export: micro-batches per step.")
-@click.option("--v", type=int, help="With --export interleaved-1f1b: virtual stages per rank (default 2).")
+@click.option("--v", type=int, help="With --export interleaved-1f1b, looped-bfs or interleaved-zb: virtual stages per rank (default 2).")
 @click.argument("out", required=False, type=click.Path(dir_okay=False))
 def schedules(export_name: str | None, stages: int | None, m: int | None, v: int | None, out: str | None) -> None:
     """List the available pipeline schedules, or export one (--export NAME --stages N --m M [OUT.csv])."""

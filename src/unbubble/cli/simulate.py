@@ -21,13 +21,13 @@ _ASYNC_SINGLE = ("async-1f1b", "pipedream", "pipemare")  # one micro-batch per u
 
 def _schedule(name: str, stages: int, mb: int, a: int, m: int, v: int):
     """The schedule ``name`` running about ``mb`` micro-batches."""
-    from unbubble.schedules.registry import get_schedule
+    from unbubble.schedules.registry import VIRTUAL, get_schedule
 
     if name == "paci":
         return get_schedule(name, stages, steps=max(1, math.ceil(mb / a)), a=a)
     if name in _ASYNC_SINGLE:
         return get_schedule(name, stages, steps=mb)
-    kw = {"v": v} if name == "interleaved-1f1b" else {}
+    kw = {"v": v} if name in VIRTUAL else {}
     return get_schedule(name, stages, steps=max(1, math.ceil(mb / m)), m=m, **kw)
 
 
@@ -170,7 +170,7 @@ class CostSource:
               help="Pipeline depth N (devices) [default: 8, or the calibration run's with --costs-from].")
 @click.option("--a", default=8, type=int, help="PACI accumulation factor (backward passes per local update).")
 @click.option("--m", default=8, type=int, help="Micro-batches per step of synchronous schedules and pipedream-2bw.")
-@click.option("--v", default=2, type=int, help="Virtual stages per device of interleaved-1f1b.")
+@click.option("--v", default=2, type=int, help="Virtual stages (model chunks) per device of interleaved-1f1b, looped-bfs and interleaved-zb.")
 @click.option("--micro-batches", default=None, type=int,
               help="Micro-batches each schedule processes [default: 16 steps of the first schedule].")
 @click.option("--model", default="gpt2-medium",

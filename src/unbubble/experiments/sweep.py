@@ -391,9 +391,10 @@ def _check_depth(cfg) -> None:
     """Raises ConfigError when ``cfg``'s model has fewer blocks than its pipeline has stages (found
     here, before a calibration or a first run reads the corpus)."""
     from unbubble.models.registry import make_config
+    from unbubble.schedules.registry import VIRTUAL
 
     layers = make_config(cfg.model).n_layer
-    chunks = cfg.stages * (cfg.v if cfg.schedule == "interleaved-1f1b" else 1)
+    chunks = cfg.stages * (cfg.v if cfg.schedule in VIRTUAL else 1)
     if chunks > layers:
         raise ConfigError(f"stages={cfg.stages} is invalid: model {cfg.model!r} has {layers} blocks, so at most "
                           f"{layers} pipeline stages{' × v' if chunks != cfg.stages else ''} (key stages, or a deeper model)")
