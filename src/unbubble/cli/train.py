@@ -91,9 +91,11 @@ class ProgressListener:
 
 
 def _break_even_line(cfg: TrainConfig, result) -> str | None:
-    """For an asynchronous run: the throughput ratio it buys over the fastest synchronous schedule at
-    m = its micro-batches per update, simulated with this run's measured per-stage costs (the
-    break-even its token overhead must stay below); None for synchronous runs or tiny traces."""
+    """For an asynchronous run: the throughput ratio it buys over the fastest synchronous schedule
+    (:data:`unbubble.sim.extrapolate.SYNCHRONOUS`) at m = its micro-batches per update, simulated with
+    this run's measured per-stage costs (the break-even its token overhead must stay below), and over
+    the fastest within 1F1B-flush's activation memory where that is another schedule; None for
+    synchronous runs or tiny traces."""
     from unbubble.errors import ConfigError
     from unbubble.schedules.registry import get_schedule
 
@@ -108,10 +110,13 @@ def _break_even_line(cfg: TrainConfig, result) -> str | None:
         med = kind_medians(result.trace)
         costs = PipelineCosts(tuple(StageCosts.from_fb(d["F"], d["B"], d.get("U", 0.0)) for d in med))
         ratio, name = async_over_sync(costs, cfg.stages, m, a=m)
+        ratio_mem, name_mem = async_over_sync(costs, cfg.stages, m, a=m, memory="1f1b")
     except (ConfigError, KeyError, ValueError, ZeroDivisionError):  # a stage that ran no F or B
         return None
+    same = "" if name_mem == name else (f" ({ratio_mem:.2f}× against {name_mem}, the fastest within 1F1B-flush's "
+                                        "activation memory)")
     return (f"break-even: on these stages' measured costs this schedule is {ratio:.2f}× as fast as the fastest "
-            f"synchronous one at m = {m} ({name}); asynchrony pays while it needs fewer than {ratio:.2f}× their "
+            f"synchronous one at m = {m} ({name}){same}; asynchrony pays while it needs fewer than {ratio:.2f}× their "
             "tokens (docs/faq.md#when-does-asynchrony-pay)")
 
 

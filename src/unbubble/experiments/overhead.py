@@ -16,12 +16,16 @@ Metrics, from ``runs.csv`` and ``curves.csv`` only:
   mean ± sample std over seeds, "> b" when the largest budget trained does not reach it;
 * **time-to-target** on the simulated clock of N devices with the per-stage F, B and U durations
   measured in these runs: PACI's time to train the interpolated budget, against (a) its flush twin's
-  full run on the fastest synchronous schedule (1F1B-flush, ZB-H1, ZB-H2, and interleaved 1F1B
-  where m is a multiple of N: they compute flush's updates, only their clock differs), and (b) the
+  full run on the fastest synchronous schedule (:data:`~unbubble.sim.extrapolate.SYNCHRONOUS`:
+  1F1B-flush, ZB-H1, ZB-H2, interleaved 1F1B where m is a multiple of N, looped-bfs and
+  interleaved-zb, the last three with v = 2 chunks per rank, each half of its stage's measured
+  work; ZBV and DualPipeV not yet included: they compute flush's updates, only their clock
+  differs), and (b) the
   fastest synchronous (schedule, optimizer) of the study to reach the same loss (read on its
   validation curve: a shorter full schedule would get there sooner still, so (b) favours PACI);
 * **break-even**: asynchrony pays when its token overhead is below the throughput ratio it buys
-  over the fastest synchronous schedule (:func:`break_even_rows`).
+  over the fastest synchronous schedule (:func:`break_even_rows`), of all of them or of those within
+  1F1B-flush's activation memory (``memory="1f1b"``: :func:`~unbubble.sim.extrapolate.synchronous_options`).
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ from unbubble.experiments.stats import budget_overhead, iso_loss_overhead, mean_
 from unbubble.experiments.studies import Study
 from unbubble.experiments.study_specs import horizon_spec, overhead_spec
 from unbubble.experiments.sweep import SweepSpec, raw_tables, read_tables, run_sweep, write_tables
-from unbubble.sim.extrapolate import SYNCHRONOUS
+from unbubble.sim.extrapolate import COMPARE_V, SYNCHRONOUS, chunk_costs, sync_label, synchronous_options
 
 #: The longer horizon, a multiple of the paci-study tokens.
 HORIZON = 4.0
@@ -63,31 +67,27 @@ class Clock:
         u = [statistics.median(r["u_s"][s] for r in own) for s in range(self.n)]
         return PipelineCosts(tuple(StageCosts.from_fb(self.f[s], self.b[s], u[s]) for s in range(self.n)))
 
-    def makespan(self, method: str, schedule: str, steps: int, a: int = 1, m: int = 1, v: int = 2) -> float:
-        """Simulated seconds for ``steps`` updates of ``schedule`` with ``method``'s update cost."""
+    def makespan(self, method: str, schedule: str, steps: int, a: int = 1, m: int = 1, v: int = COMPARE_V) -> float:
+        """Simulated seconds for ``steps`` updates of ``schedule`` with ``method``'s update cost (a
+        schedule with v chunks per rank runs each stage's measured work split evenly into v chunks:
+        the study's model has one block per stage)."""
         from unbubble.schedules.registry import get_schedule
         from unbubble.sim.engine import run_policies
 
         key = (method, schedule, steps, a, m, v)
         if key not in self._cache:
-            costs = self._costs(method)
-            if schedule == "interleaved-1f1b":  # v chunks per device, each half of the stage's work
-                from unbubble.sim.costs import PipelineCosts, StageCosts
-
-                chunks = [costs.stages[j % self.n] for j in range(self.n * v)]
-                costs = PipelineCosts(tuple(StageCosts(c.f_s / v, c.b_s / v, c.i_s / v, c.w_s / v, c.u_s / v) for c in chunks))
             sched = get_schedule(schedule, self.n, steps, a=a, m=m, v=v)
+            costs = chunk_costs(self._costs(method), self.n, sched.virtual)
             self._cache[key] = run_policies(sched, costs).makespan
         return self._cache[key]
 
-    def sync_step(self, method: str, m: int) -> tuple[float, str]:
+    def sync_step(self, method: str, m: int, memory: str = "any") -> tuple[float, str]:
         """(seconds per update, schedule) of the fastest synchronous schedule for ``method``'s
-        updates at m micro-batches per update (flushed schedules repeat the same step)."""
-        options = []
-        for name in SYNCHRONOUS:
-            if name == "interleaved-1f1b" and m % self.n:
-                continue  # Megatron's order needs m to be a multiple of N
-            options.append((self.makespan(method, name, 4, m=m) / 4, name))
+        updates at m micro-batches per update (flushed schedules repeat the same step), among
+        :func:`~unbubble.sim.extrapolate.synchronous_options` (``memory="1f1b"``: within 1F1B-flush's
+        activation memory)."""
+        options = [(self.makespan(method, name, 4, m=m) / 4, sync_label(name))
+                   for name in synchronous_options(self.n, m, SYNCHRONOUS, memory)]
         return min(options)
 
     def async_time(self, method: str, steps: float) -> float:
@@ -190,12 +190,12 @@ def horizon_rows(study: Study, h4: dict[str, Any], n: int) -> list[dict[str, Any
     return rows
 
 
-def break_even_rows(ns=(4, 8, 16), ms=(4, 8, 16, 32), schedules=SYNCHRONOUS) -> list[dict[str, Any]]:
+def break_even_rows(ns=(4, 8, 16), ms=(4, 8, 16, 32), schedules=SYNCHRONOUS, memory: str = "any") -> list[dict[str, Any]]:
     """The throughput ratio PACI (a = m) buys over the fastest synchronous schedule at m
     micro-batches per update (:func:`unbubble.sim.extrapolate.async_over_sync`): GPT-2 Medium on
     H200s (16 × 1024 tokens per micro-batch, the analytic cost model) and unit costs (F = 1, B = 2:
-    a balanced pipeline such as the CPU presets), against ``schedules``. Asynchrony pays when its token
-    overhead is below it."""
+    a balanced pipeline such as the CPU presets), against ``schedules`` (``memory="1f1b"``: only
+    those within 1F1B-flush's activation memory). Asynchrony pays when its token overhead is below it."""
     from unbubble.sim.analytic import analytic_model, make_model
     from unbubble.sim.costs import UniformCosts
     from unbubble.sim.extrapolate import async_over_sync
@@ -208,23 +208,53 @@ def break_even_rows(ns=(4, 8, 16), ms=(4, 8, 16, 32), schedules=SYNCHRONOUS) -> 
             costs = analytic_model(cfg, n, hw, 16).costs if setup.startswith("gpt2") else UniformCosts(f=1.0, b=2.0)
             row: dict[str, Any] = {"setup": setup, "N": n}
             for m in ms:
-                ratio, name = async_over_sync(costs, n, m, schedules=schedules)
+                ratio, name = async_over_sync(costs, n, m, schedules=schedules, memory=memory)
                 row[f"m={m}"] = f"{ratio:.2f} ({name})"
             rows.append(row)
     return rows
 
 
-def measured_break_even(study: Study, method: str, n: int, ms=(4, 8, 16, 32)) -> dict[str, Any]:
-    """The same ratio on this study's clock (per-stage F, B measured in its runs, ``method``'s U)."""
+def measured_break_even(study: Study, method: str, n: int, ms=(4, 8, 16, 32), memory: str = "any") -> dict[str, Any]:
+    """The same ratio on this study's clock (per-stage F, B measured in its runs, ``method``'s U;
+    schedules with v chunks per rank split each stage's measured work evenly)."""
     from unbubble.sim.extrapolate import async_over_sync
 
     costs = Clock(study, n)._costs(method)
     row: dict[str, Any] = {"setup": f"{study.by_key[(method, n)][0]['schedule']} runs of this study (measured "
                                     f"F/B, {method}'s U)", "N": n}
     for m in ms:
-        ratio, name = async_over_sync(costs, n, m)
+        ratio, name = async_over_sync(costs, n, m, memory=memory)
         row[f"m={m}"] = f"{ratio:.2f} ({name})"
     return row
+
+
+def _schedule_set() -> str:
+    """The sentence naming the synchronous schedules the break-even analyses choose from."""
+    from unbubble.schedules.registry import VIRTUAL
+
+    virtual = [s for s in SYNCHRONOUS if s in VIRTUAL]
+    return (f"{', '.join(SYNCHRONOUS)} ({', '.join(virtual)} with v = {COMPARE_V} chunks per rank, each doing "
+            "1/v of its stage's work, an even split assumed because the model has one block per stage; "
+            "interleaved-1f1b only where m is a multiple of N; ZBV and DualPipeV not yet included)")
+
+
+def _memory_note(ns=(4, 8, 16), ms=(4, 8, 16, 32)) -> str:
+    """The sentence above the at-1F1B-memory table: the criterion and what it excludes (computed)."""
+    from unbubble.sim.extrapolate import peak_activations
+
+    out = sorted({s for n in ns for m in ms for s in synchronous_options(n, m)
+                  if s not in synchronous_options(n, m, memory="1f1b")}, key=SYNCHRONOUS.index)
+    bites = sorted({(n, m) for n in ns for m in ms
+                    if synchronous_options(n, m) != synchronous_options(n, m, memory="1f1b")})
+    only_above = all(m > n for n, m in bites)
+    ex = ", ".join(f"{s} ({peak_activations(s, 8, 16):g})" for s in out)
+    return ("At 1F1B-flush's activation memory: only the schedules whose busiest device holds no more activations "
+            "than 1F1B-flush's, min(m, N) micro-batches (the simulator's memory model, a split backward holding a "
+            "micro-batch's activations until its W; a chunk counts 1/v). PACI holds N at every m, so this is PACI's "
+            "memory for m ≥ N. "
+            + ("Every schedule here holds at most m, so the limit bites only where m > N; " if only_above else "")
+            + f"it excludes {ex}: in brackets the micro-batches on their busiest device at N = 8, m = 16, against "
+            f"1F1B-flush's {peak_activations('1f1b-flush', 8, 16):g}.")
 
 
 def _fmt(values: list[float]) -> str:
@@ -304,7 +334,8 @@ def overhead_study(out: Path, size: str = "default", seeds: list[int] | None = N
     h4_methods = _horizon_methods(study, h1)
     longer = horizon_rows(study, {"methods": h4_methods}, n)
     breakeven = break_even_rows() + [measured_break_even(study, h1["methods"][0]["label"], n)]
-    same_memory = break_even_rows(schedules=("1f1b-flush", "zb-h1"))
+    same_memory = break_even_rows(memory="1f1b") + [measured_break_even(study, h1["methods"][0]["label"], n,
+                                                                        memory="1f1b")]
     files = [write_csv(out / "overhead_study_main.csv", rows)]
     if longer:
         files.append(write_csv(out / "overhead_study_horizon.csv", longer))
@@ -323,16 +354,17 @@ def overhead_study(out: Path, size: str = "default", seeds: list[int] | None = N
           f"trains at budgets {h1['budgets']} × the tokens, each a full warm-up + cosine run, while its final loss "
           "is above its twin's. Token overhead: the budget at which PACI's final loss meets its twin's, "
           "interpolated in log tokens, mean ± std over seeds. Times: the simulated clock of N devices with the "
-          "F/B/U durations measured in these runs; the twin runs on the fastest synchronous schedule (1F1B-flush, "
-          "ZB-H1, ZB-H2; interleaved needs m to be a multiple of N), which computes flush's updates.\n\n"
+          f"F/B/U durations measured in these runs; the twin runs on the fastest synchronous schedule, which "
+          f"computes flush's updates, of {_schedule_set()}.\n\n"
           + md_table(rows) + "\n\n"
           + ("Longer horizon (the 1× tuned lr, budgets not trained; 'read on the curve' reads the intermediate "
              "point of PACI's own cosine run, which favours the baseline):\n\n" + md_table(longer) + "\n\n"
              if longer else "")
           + "Break-even: the throughput ratio PACI (a = m) buys over the fastest synchronous schedule (simulator, "
-            "steady state; in brackets the schedule). Asynchrony pays when its token overhead is below it.\n\n"
-          + md_table(breakeven) + "\n\nAt 1F1B-flush's activation memory (PACI's; ZB-H2 holds 2N micro-batches, "
-            "interleaved 1F1B more than 1F1B), against 1F1B-flush and ZB-H1 only:\n\n" + md_table(same_memory) + "\n\n"
+            "steady state; in brackets the schedule). Asynchrony pays when its token overhead is below it. ZB-H2 "
+            "wins only across updates: one update takes as long as ZB-H1's, but from m ≥ 2N − 1 a device starts "
+            "its next update while later ones finish theirs, so its steady-state bubble vanishes.\n\n"
+          + md_table(breakeven) + "\n\n" + _memory_note() + "\n\n" + md_table(same_memory) + "\n\n"
           + "![budgets](overhead_study_budgets.png)\n\n"
           + provenance(f"unbubble experiment overhead-study --size {size}", h1["seeds"],
                        wall if analyze is None else run_wall / workers,

@@ -17,6 +17,7 @@ Also: :func:`speedups`, PACI's steady-state speed-up over 1F1B-flush at equal mi
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -178,54 +179,133 @@ def speedups(model: str, hardware: Hardware, n_stages: int = 8, ms: Sequence[int
     return out
 
 
-#: Schedules that compute 1F1B-flush's updates (the same loss curve on another clock).
-SYNCHRONOUS = ("1f1b-flush", "zb-h1", "zb-h2", "interleaved-1f1b")
+#: Schedules that compute 1F1B-flush's updates (the same loss curve on another clock): the one list
+#: every "fastest synchronous schedule" of the break-even analyses is chosen from. ZBV and DualPipeV
+#: (V-shaped placement) are not implemented yet, so not included.
+SYNCHRONOUS = ("1f1b-flush", "zb-h1", "zb-h2", "interleaved-1f1b", "looped-bfs", "interleaved-zb")
+
+#: Chunks per rank of the schedules in :data:`VIRTUAL` in these comparisons: the registry's default
+#: (``--v``), Megatron's usual choice; every chunk does 1/v of its rank's stage (:func:`chunk_costs`).
+COMPARE_V = 2
+
+#: The ``memory`` choices of :func:`synchronous_options`.
+MEMORY_LIMITS = ("any", "1f1b")
 
 
-def async_over_sync(costs, n_stages: int, m: int, interleaved_costs=None, a: int | None = None,
-                    schedules: Sequence[str] = SYNCHRONOUS) -> tuple[float, str]:
+def _chunk_links(value, n_stages: int, v: int):
+    """A per-boundary link value of N stages for the N·v − 1 chunk boundaries: chunk j sends to chunk
+    j + 1, rank j mod N to rank (j + 1) mod N, i.e. over boundary j mod N; the wrap-around link
+    (rank N − 1 to rank 0) gets the mean of the N − 1 boundaries."""
+    if not isinstance(value, tuple):
+        return value
+    wrap = sum(value) / len(value) if value else 0.0
+    return tuple(value[j % n_stages] if j % n_stages < n_stages - 1 else wrap for j in range(n_stages * v - 1))
+
+
+def chunk_costs(costs, n_stages: int, v: int):
+    """Costs of the N·v chunks of a schedule in :data:`VIRTUAL`, assuming each rank's stage splits
+    evenly into v chunks (chunk j on rank j mod N does 1/v of stage j mod N's F, B, I, W and U; links
+    as in :func:`_chunk_links`). ``UniformCosts`` get every duration divided by v; ``v = 1`` returns
+    ``costs``."""
+    from unbubble.sim.costs import PipelineCosts, StageCosts, Straggler, UniformCosts
+
+    if v == 1:
+        return costs
+    if isinstance(costs, UniformCosts):
+        return dataclasses.replace(costs, f=costs.f / v, b=costs.b / v, u=costs.u / v,
+                                   i=None if costs.i is None else costs.i / v,
+                                   w=None if costs.w is None else costs.w / v,
+                                   stage_scale=tuple(costs.stage_scale[j % n_stages]
+                                                     for j in range(n_stages * v)) if costs.stage_scale else ())
+    if not isinstance(costs, PipelineCosts):
+        raise ConfigError(f"costs of type {type(costs).__name__} cannot be split into chunks: give PipelineCosts "
+                          "or UniformCosts")
+    chunks = tuple(StageCosts(x.f_s / v, x.b_s / v, x.i_s / v, x.w_s / v, x.u_s / v)
+                   for j in range(n_stages * v) for x in [costs.stages[j % n_stages]])
+    return dataclasses.replace(
+        costs, stages=chunks, message_bytes=_chunk_links(costs.message_bytes, n_stages, v),
+        bandwidth_bytes_per_s=_chunk_links(costs.bandwidth_bytes_per_s, n_stages, v),
+        latency_s=_chunk_links(costs.latency_s, n_stages, v),
+        stragglers=tuple(Straggler(st.stage + c * n_stages, st.slowdown, st.start_s, st.end_s)
+                         for st in costs.stragglers for c in range(v)))
+
+
+@functools.lru_cache(maxsize=512)
+def peak_activations(name: str, n_stages: int, m: int, v: int = COMPARE_V) -> float | None:
+    """Activation memory of the busiest device in one step of synchronous schedule ``name``, in
+    stage-sized micro-batches (a chunk of a :data:`VIRTUAL` schedule counts 1/v): the simulator's
+    memory model (:func:`unbubble.sim.memory.peak_memory`) on unit costs, with a split backward
+    holding a micro-batch's activations until its W (the upper bound). The per-rank action order
+    is fixed, so the count does not depend on the costs. None when ``name`` does not run at (N, m)."""
+    from unbubble.sim.costs import UniformCosts
+    from unbubble.sim.memory import MemorySpec
+
+    try:
+        sched = get_schedule(name, n_stages, 1, m=m, v=v)
+    except ConfigError:
+        return None
+    k = sched.virtual
+    spec = MemorySpec.uniform(sched.n_stages, act=1.0 / k, act_w=1.0 / k)
+    return max(r.activations for r in simulate(sched, chunk_costs(UniformCosts(), n_stages, k), spec).memory)
+
+
+def synchronous_options(n_stages: int, m: int, schedules: Sequence[str] = SYNCHRONOUS, memory: str = "any",
+                        v: int = COMPARE_V) -> list[str]:
+    """The schedules of ``schedules`` that run at N stages and m micro-batches per update (interleaved
+    1F1B needs N | m, interleaved-zb m a multiple of max(1, ⌊m/N⌋)), with ``v`` chunks per rank where
+    they take ``--v``; with ``memory="1f1b"`` only those whose busiest device holds no more
+    activations than 1F1B-flush's (:func:`peak_activations`), i.e. 1F1B-flush's activation memory.
+
+    Raises:
+        ConfigError: ``memory`` is not one of :data:`MEMORY_LIMITS`.
+    """
+    if memory not in MEMORY_LIMITS:
+        raise ConfigError(f"memory={memory!r} is invalid: choose one of {', '.join(MEMORY_LIMITS)}")
+    limit = peak_activations("1f1b-flush", n_stages, m) if memory == "1f1b" else None
+    out = []
+    for s in schedules:
+        peak = peak_activations(s, n_stages, m, v)
+        if peak is None or (limit is not None and peak > limit + 1e-9):
+            continue
+        out.append(s)
+    return out
+
+
+def async_over_sync(costs, n_stages: int, m: int, a: int | None = None, schedules: Sequence[str] = SYNCHRONOUS,
+                    memory: str = "any", v: int = COMPARE_V) -> tuple[float, str]:
     """PACI's steady-state throughput over the fastest synchronous schedule's at m micro-batches per
     update: the speed-up asynchrony buys, which its token overhead must stay below to pay (break-even).
 
     Args:
-        costs: per-stage costs of the N stages (``PipelineCosts`` or ``UniformCosts``).
+        costs: per-stage costs of the N stages (``PipelineCosts`` or ``UniformCosts``); the schedules
+            in :data:`VIRTUAL` run on :func:`chunk_costs` (each stage split evenly into v chunks).
         n_stages: N.
         m: micro-batches per update of the synchronous schedules (PACI: a = m unless ``a`` is given).
-        interleaved_costs: costs of the N·2 chunks of interleaved 1F1B (v = 2); None uses ``costs``
-            for each chunk pair (``UniformCosts``) or halves them (``PipelineCosts``); interleaved
-            runs only where m is a multiple of N (Megatron's order).
         a: PACI's accumulation factor (default m).
-        schedules: the synchronous schedules to compare with (default all four; ``("1f1b-flush",
-            "zb-h1")`` keeps to 1F1B-flush's activation memory, which PACI has: ZB-H2 holds 2N
-            micro-batches, interleaved more than 1F1B).
+        schedules: the synchronous schedules to compare with (default :data:`SYNCHRONOUS`); those
+            that do not run at (N, m) are skipped (:func:`synchronous_options`).
+        memory: ``"any"``, or ``"1f1b"`` for only the schedules within 1F1B-flush's activation memory
+            (:func:`peak_activations`; PACI holds N micro-batches, 1F1B-flush min(m, N)).
+        v: chunks per rank of the schedules in :data:`VIRTUAL`.
 
     Returns:
-        ``(ratio, fastest synchronous schedule)``; ratios over 1 mean PACI is faster.
+        ``(ratio, fastest synchronous schedule)``; ratios over 1 mean PACI is faster; a schedule in
+        :data:`VIRTUAL` is named with its v (``"interleaved-zb v=2"``).
     """
-    from unbubble.sim.costs import PipelineCosts, StageCosts
-
     a = m if a is None else a
     paci = simulate(get_schedule("paci", n_stages, steps=max(16, 256 // a), a=a), costs).steady_samples_per_s
     best, name = 0.0, ""
-    for s in schedules:
-        c = costs
-        if s == "interleaved-1f1b":
-            if m % n_stages:
-                continue
-            if interleaved_costs is not None:
-                c = interleaved_costs
-            elif isinstance(costs, PipelineCosts):  # device d holds two halves of stage d's work
-                halves = tuple(StageCosts(x.f_s / 2, x.b_s / 2, x.i_s / 2, x.w_s / 2, x.u_s / 2)
-                               for j in range(2 * n_stages) for x in [costs.stages[j % n_stages]])
-                try:
-                    c = dataclasses.replace(costs, stages=halves)
-                except ConfigError:  # per-boundary links do not fit 2N − 1 boundaries: free links
-                    c = PipelineCosts(halves)
-        sched = get_schedule(s, n_stages, steps=4, m=m, v=2)
-        rate = simulate(sched, c).steady_samples_per_s
+    for s in synchronous_options(n_stages, m, schedules, memory, v):
+        sched = get_schedule(s, n_stages, steps=4, m=m, v=v)
+        rate = simulate(sched, chunk_costs(costs, n_stages, sched.virtual)).steady_samples_per_s
         if rate > best:
-            best, name = rate, s
+            best, name = rate, sync_label(s, v)
     return paci / best, name
+
+
+def sync_label(name: str, v: int = COMPARE_V) -> str:
+    """``name``, with `` v=…`` for the schedules in :data:`VIRTUAL`."""
+    return f"{name} v={v}" if name in VIRTUAL else name
 
 
 def _label(name: str) -> str:
