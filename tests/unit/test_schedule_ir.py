@@ -309,15 +309,23 @@ def test_interleaved_bubble_matches_megatron_formula(n, v, m):
         assert 1 - u == pytest.approx((n - 1) / (v * m + n - 1), rel=1e-12)
 
 
-@pytest.mark.parametrize("n,m", [(4, 8), (8, 16)])
+@pytest.mark.parametrize("n,m", [(4, 4), (4, 6), (4, 8), (8, 8), (8, 12), (8, 16)])
 def test_zero_bubble_schedules_shrink_the_1f1b_bubble(n, m):
-    def bubble(name):
-        return run_policies(get_schedule(name, n, steps=2, m=m), UniformCosts(f=1, b=2)).makespan - 2 * 3 * m
+    def bubble(name, steps):
+        return run_policies(get_schedule(name, n, steps=steps, m=m), UniformCosts(f=1, b=2)).makespan - steps * 3 * m
 
-    base, h1, h2 = bubble("1f1b-flush"), bubble("zb-h1"), bubble("zb-h2")
-    assert base == 2 * 3 * (n - 1)  # (N−1)(F+B) per step
-    assert h1 / base == pytest.approx(1 / 3)  # the paper's (N−1)(F+I−W) vs (N−1)(F+B)
-    assert h2 / base == pytest.approx(1 / 6)
+    for steps in (1, 2, 3):
+        base, h1, h2 = bubble("1f1b-flush", steps), bubble("zb-h1", steps), bubble("zb-h2", steps)
+        assert base == steps * 3 * (n - 1)  # (N−1)(F+B) per step
+        assert h1 / base == pytest.approx(1 / 3)  # the paper's (N−1)(F+I−W) vs (N−1)(F+B)
+        # zb-h2 (flushed): its first step's bubble is zb-h1's, max(N−1, 2N−1−m) units; each later one
+        # costs max(0, 2N−1−m), as a device starts its next step while later ones finish. So "1/6 of
+        # 1F1B's" is two steps' total at m ≥ 2N−1, not one step's
+        assert h2 == max(n - 1, 2 * n - 1 - m) + (steps - 1) * max(0, 2 * n - 1 - m)
+        if steps == 1:
+            assert h2 == h1
+    if m >= 2 * n - 1:
+        assert bubble("zb-h2", 2) / bubble("1f1b-flush", 2) == pytest.approx(1 / 6)
 
 
 @pytest.mark.parametrize("name,tau", [("pipedream", lambda n, s: n - 1 - s), ("pipedream-2bw", lambda n, s: min(1, n - 1 - s))])

@@ -23,7 +23,7 @@ SCHEDULES: dict[str, str] = {
     "looped-bfs": "v stages per rank, breadth-first: all m F of a chunk, chunk by chunk, then the B's in reverse, flush; Δ=0; GPipe's m activations per stage; bubble (N−1)/(v·m+N−1) for m ≥ N  [arXiv 2211.05953]",
     "interleaved-zb": "v stages per rank, interleaved 1F1B with B split into I and W (ZB1P, torch's order), flush; Δ=0; 1F1B's N activations per device; bubble (N−1)/(3·v·m+N−1) at F=I=W, N | m  [arXiv 2401.10241]",
     "zb-h1": "B split into I and W, W fills bubbles, flush; Δ=0; 1F1B memory; critical-path bubble 1/3 of 1F1B's at F=I=W  [arXiv 2401.10241]",
-    "zb-h2": "as zb-h1 with 2N activations; critical-path bubble 1/6 of 1F1B's at F=I=W (still flushed)  [arXiv 2401.10241]",
+    "zb-h2": "as zb-h1 with 2N activations; one step's bubble is zb-h1's, later steps' max(0, 2N−1−m) at F=I=W (still flushed)  [arXiv 2401.10241]",
     "async-1f1b": "naive async 1F1B (= paci, a=1): U after every B on current weights; Δ_i ≤ N−i; no extra weights",
     "paci": "async 1F1B never flushed; U after every a-th local B; B on current weights; Δ_i ≤ ⌈(N−i)/a⌉; no weight copies  [arXiv 2606.07881]",
     "paci-stashed": "PACI's schedule with weight stashing: U after every a-th B, B on its F's version; Δ=0, τ_i ≤ ⌈(N−i)/a⌉; ≤ ⌈(N−i)/a⌉+1 weight versions (the control that separates gradient delay from PACI's inconsistency)",

@@ -134,8 +134,11 @@ def zero_bubble(n_stages: int, m: int, steps: int, memory: int) -> list[list[Act
     fewer than ``memory`` · N micro-batches hold activations (released by W), else a pending
     W; ``U`` after the step's last W (flush). ``memory=2`` (ZB-H2) holds up to 2N
     micro-batches' activations. Measured on the simulator at F = I = W
-    (tests/unit/test_schedule_ir.py): the bubble is 1/6 of 1F1B-flush's; the paper's ZB-H2
-    reaches ≈ 0 by also dropping the flush (optimizer post-validation, not done here).
+    (tests/unit/test_schedule_ir.py), in units of one action: ZB-H1's bubble is (N−1) per step,
+    1/3 of 1F1B-flush's; ZB-H2's first step has ZB-H1's, max(N−1, 2N−1−m), and each later step
+    max(0, 2N−1−m), as a stage starts its next step while later stages finish (so 1/6 of 1F1B's
+    over two steps at m ≥ 2N−1, ≈ 0 in steady state). The paper's ZB-H2 has ≈ 0 in every step by
+    also dropping the flush (optimizer post-validation, not done here).
 
     Source: Qi et al., Zero Bubble Pipeline Parallelism, arXiv 2401.10241, §3.1 (ZB-H1, ZB-H2).
     """
