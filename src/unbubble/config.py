@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -356,19 +357,31 @@ def load_config(path: str | os.PathLike, overrides: dict | None = None) -> Train
             key, a wrong type, or an invalid value; always one line.
     """
     where = str(path)
-    try:
-        text = open(path, encoding="utf-8").read()
-    except FileNotFoundError:
-        raise ConfigError(f"config={where!r} does not exist: give a YAML file such as a run folder's "
-                          "config.yaml (set --config)") from None
-    except UnicodeDecodeError as exc:  # an image, a checkpoint, ...: say what it is not, not the codec's words
-        raise ConfigError(f"config={where!r} is not a text file (byte {exc.object[exc.start]:#04x} at offset "
-                          f"{exc.start} is not UTF-8): give a YAML file such as a run folder's config.yaml "
-                          "(set --config)") from None
-    except OSError as exc:
-        raise ConfigError(f"config={where!r} cannot be read: {type(exc).__name__}: {exc}".splitlines()[0]) from None
-    data = read_yaml(text, where)
+    data = read_yaml(read_text_file(path, "config", "give a YAML file such as a run folder's config.yaml (set --config)"),
+                     where)
     return config_from_dict({} if data is None else data, overrides, where)
+
+
+def read_text_file(path: str | os.PathLike, name: str, fix: str) -> str:
+    """The UTF-8 text of the file given as ``name`` (``fix``: what to give instead, for the
+    messages).
+
+    Raises:
+        ConfigError: one line: the file does not exist, is not text, or cannot be read.
+    """
+    where = str(path)
+    try:
+        return open(path, encoding="utf-8").read()
+    except FileNotFoundError:
+        raise ConfigError(f"{name}={where!r} does not exist: {fix}") from None
+    except UnicodeDecodeError as exc:  # an image, a checkpoint, ...: say what it is not, not the codec's words
+        raise ConfigError(f"{name}={where!r} is not a text file (byte {exc.object[exc.start]:#04x} at offset "
+                          f"{exc.start} is not UTF-8): {fix}") from None
+    except OSError as exc:
+        raise ConfigError(f"{name}={where!r} cannot be read: {type(exc).__name__}: {exc}".splitlines()[0]) from None
+
+
+_EXPONENT_FLOAT = re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$")
 
 
 def read_yaml(text: str, where: str) -> Any:
@@ -394,6 +407,8 @@ def read_yaml(text: str, where: str) -> Any:
         return yaml.SafeLoader.construct_mapping(loader, node, deep=True)
 
     _Strict.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, mapping)
+    # YAML 1.1 reads 1e-3 (no dot) as a string; every reader here means the number
+    _Strict.add_implicit_resolver("tag:yaml.org,2002:float", _EXPONENT_FLOAT, list("-+0123456789."))
     try:
         return yaml.load(text, Loader=_Strict)  # noqa: S506 - a SafeLoader subclass
     except yaml.YAMLError as exc:

@@ -33,7 +33,8 @@ from unbubble.optim import build_optimizer
 from unbubble.runtime.checkpoint import Checkpointing, DamagedCheckpoint, complete_steps, load_stage
 from unbubble.runtime.emulator import run_emulator
 from unbubble.runtime.job import PipelineJob
-from unbubble.runtime.launch import choose_backend, install_stop_handlers, run_processes, run_torchrun, under_torchrun
+from unbubble.runtime.launch import (choose_backend, install_stop_handlers, pass_on_late_stop, run_processes,
+                                     run_torchrun, under_torchrun)
 from unbubble.runtime.precision import cpu_has_native_bf16, slow_bf16_warning
 from unbubble.runtime.telemetry import Listener, RunResult
 from unbubble.schedules.registry import get_schedule
@@ -265,13 +266,16 @@ def run_job(job: PipelineJob, engine: str, listener: Listener | None = None, thr
         handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
         install_stop_handlers(cuts)
         try:  # as many torch threads as one stage process has
-            return run_emulator(job, listener=listener, cuts=cuts, threads=threads_per_stage)
+            result = run_emulator(job, listener=listener, cuts=cuts, threads=threads_per_stage)
         except KeyboardInterrupt as exc:  # a second signal
             raise PipelineFailure(f"{exc or 'interrupted'}; the newest complete checkpoint, if any, is "
                                   "unchanged") from None
         finally:
             for sig, handler in handlers.items():
                 signal.signal(sig, handler)
+        if cuts.stop_requested and result.stopped_at in (None, job.schedule.steps):  # it cut nothing short
+            pass_on_late_stop(handlers[signal.SIGINT], signal.SIGINT)
+        return result
     if under_torchrun():
         return run_torchrun(job, listener=listener, timeout_s=timeout_s)
     return run_processes(job, listener=listener, threads_per_stage=threads_per_stage, timeout_s=timeout_s)

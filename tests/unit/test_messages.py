@@ -236,3 +236,30 @@ def test_a_lambda_given_to_the_process_engine():
         f"job.loss_fn={__name__}.test_a_lambda_given_to_the_process_engine.<locals>.<lambda> cannot be pickled, and "
         "the processes engine sends the job to every stage process: give a module-level function (or a "
         "functools.partial of one), or run it on the emulator engine")
+
+
+# found by a new user's try of the above ------------------------------------------------------------------------
+
+def test_sweep_spec_that_is_not_text_or_missing(tmp_path):
+    pic = tmp_path / "pic.png"
+    pic.write_bytes(b"\x89PNG\r\n\x1a\n")
+    assert _error(["sweep", str(pic), "--dry-run"]) == (
+        f"spec='{pic}' is not a text file (byte 0x89 at offset 0 is not UTF-8): give a YAML sweep spec such as "
+        "examples/grid.yaml")
+    assert _error(["sweep", str(tmp_path / "grid.yaml"), "--dry-run"]) == (
+        f"spec='{tmp_path / 'grid.yaml'}' does not exist: give a YAML sweep spec such as examples/grid.yaml")
+
+
+def test_experiment_out_that_is_a_file(tmp_path):
+    (tmp_path / "afile").write_text("mine")
+    assert _error(["experiment", "br-study", "--size", "tiny", "--out", str(tmp_path / "afile")]) == (
+        f"out='{tmp_path / 'afile'}' is a file, not a folder: give a folder (set --out); nothing was overwritten")
+    assert (tmp_path / "afile").read_text() == "mine"
+
+
+def test_yaml_numbers_in_exponent_form_are_numbers():
+    # YAML 1.1 reads 1e-3 as the string '1e-3': a sweep's lrs: [1e-3] was refused as not a number
+    from unbubble.config import read_yaml
+
+    assert read_yaml("lrs: [1e-3, 3.0e-3, -2E+2]\nname: 1e3x\n", "spec") == {"lrs": [0.001, 0.003, -200.0],
+                                                                              "name": "1e3x"}

@@ -348,3 +348,43 @@ def test_a_gradient_gone_bad_inside_a_stage_drops_that_stage_update(bad_stage, e
     result = run_emulator(job)
     assert [(e["stage"], e["mb"], e["what"]) for e in result.events] == events
     assert all(torch.isfinite(v).all() for st in result.final_states for v in st.values())
+
+
+@pytest.mark.parametrize("outer", ["a sweep's", "python's default"])
+@pytest.mark.parametrize("when", ["at the last step", "in the final evaluation"])
+def test_a_stop_that_cuts_nothing_short_reaches_the_callers_handler(outer, when):
+    """Regression: a Ctrl-C at a run's last step, or during its final evaluation (after its last
+    step boundary), stopped nothing and was swallowed by the run's handlers, so a sweep started its
+    next run. It is now handed to the handler installed before the run; Python's default one is
+    not called (the finished run keeps its results instead of ending in KeyboardInterrupt)."""
+    import os
+    import signal
+
+    from unbubble.runtime.launch import install_stop_handlers
+    from unbubble.train import run_job
+
+    class Flag:
+        stop_requested = False
+
+    class Stop:
+        def on_step(self, step, loss, info):
+            if when == "at the last step" and step == 3:
+                os.kill(os.getpid(), signal.SIGINT)
+
+        def on_eval(self, version, loss):
+            if when == "in the final evaluation" and version == 3:
+                os.kill(os.getpid(), signal.SIGINT)
+
+    job = tiny_gpt_job(get_schedule("paci", 2, steps=3, a=2))
+    job = dataclasses.replace(job, val_fn=functools.partial(lambda b: [b(10_000)], job.batch_fn), eval_interval=3)
+    flag, before = Flag(), signal.getsignal(signal.SIGINT)
+    try:
+        if outer == "a sweep's":
+            install_stop_handlers(flag, announce=False)
+        else:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+        result = run_job(job, "emulator", Stop())
+    finally:
+        signal.signal(signal.SIGINT, before)
+    assert result.stopped_at in (None, 3) and len(result.step_losses) == 3  # placed at the end, or after it
+    assert flag.stop_requested == (outer == "a sweep's")

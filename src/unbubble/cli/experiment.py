@@ -47,6 +47,10 @@ def experiment(name: str, size: str, seeds: tuple[int, ...], out: Path, write_do
         raise ConfigError("--write-docs with --size tiny is refused: smoke-test numbers must not replace the "
                           f"published results (drop --size tiny to train the default size{rebuild})")
     folder = out / name
+    for path in (out, folder):
+        if path.exists() and not path.is_dir():
+            raise ConfigError(f"out={str(path)!r} is a file, not a folder: give a folder (set --out); nothing was "
+                              "overwritten")
     resumable = name in STUDIES or name == "moe-delay"  # sweeps: finished runs are kept and skipped
     if name in STUDIES and analyze is not None and not (analyze / "runs.csv").is_file():
         raise ConfigError(f"analyze={str(analyze)!r} holds no runs.csv: give the folder of a finished study "

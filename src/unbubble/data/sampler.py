@@ -137,7 +137,8 @@ def val_overlap_warning(n_tokens: int, micro_batch_size: int, seq_len: int, n_ba
     fits = windows // micro_batch_size
     remedy = (f"set --eval-batches {fits} or less, or give a larger corpus" if fits >= 1 else
               "give a larger corpus, or a smaller --seq-len or --micro-batch-size")
-    return (f"the validation split's {n_tokens:,} tokens hold {windows} windows of seq_len={seq_len}, fewer than "
+    return (f"the validation split's {n_tokens:,} tokens hold {windows} window{'' if windows == 1 else 's'} of "
+            f"seq_len={seq_len}, fewer than "
             f"the {wanted} an evaluation reads (eval_batches={n_batches} × micro_batch_size={micro_batch_size}): "
             f"windows overlap and the validation loss counts tokens more than once ({remedy})")
 

@@ -632,11 +632,12 @@ def load_spec(path: str | Path) -> SweepSpec:
         ConfigError: the file is missing, not YAML (or a key given twice), or not a valid spec.
     """
     p = Path(path)
-    if not p.is_file():
+    if p.exists() and not p.is_file():
         raise ConfigError(f"spec={str(p)!r} is not a file: give a YAML sweep spec")
-    from unbubble.config import read_yaml
+    from unbubble.config import read_text_file, read_yaml
 
-    return SweepSpec.from_dict(read_yaml(p.read_text(), str(p)))
+    return SweepSpec.from_dict(read_yaml(read_text_file(p, "spec", "give a YAML sweep spec such as examples/grid.yaml"),
+                                         str(p)))
 
 
 def _stage_costs(trace) -> tuple[list[float], list[float], list[float]]:
@@ -752,7 +753,7 @@ def execute(run: RunSpec, spec: SweepSpec, out: Path, stop_event=None) -> dict[s
     else:
         result, _ = train(cfg, listener_factory=lambda writer, total: _StopOnRequest(writer, stop_event))
     wall = time.perf_counter() - t0
-    if result.stopped_at is not None or len(result.step_losses) < cfg.steps:
+    if len(result.step_losses) < cfg.steps:  # a stop at the last step boundary cut nothing short
         raise _RunStopped(f"{spec.name}: run {run.run_id} was stopped at step {len(result.step_losses)} of "
                           f"{cfg.steps}; it is not recorded: run the same command again to continue "
                           "(finished runs are kept)")

@@ -226,6 +226,15 @@ class _Echoes:
         return echo
 
 
+def pass_on_late_stop(previous, signum: int) -> None:
+    """A stop signal that reached a run at or after its last step boundary cut nothing short (the
+    run is complete): hand it to the handler that was installed before the run, so that a sweep or
+    an experiment still starts no further run. Python's default handler is not called: it would turn
+    a finished run into a KeyboardInterrupt and lose its results."""
+    if callable(previous) and previous is not signal.default_int_handler:
+        previous(signum, None)
+
+
 def install_stop_handlers(cuts: Cuts, announce: bool = True) -> None:
     """SIGINT/SIGTERM ask the run to stop at its next cut (checkpoint, then exit); a second
     signal stops at once (the previous complete checkpoint stays), unless it follows the first
@@ -529,7 +538,10 @@ def run_processes(job: PipelineJob, replay: list[list[Action]] | None = None, li
                 p.kill()
         for p in started:
             p.join(timeout=10)
-    return collector.result()
+    result = collector.result()
+    if signals and result.stopped_at in (None, job.schedule.steps):  # the stop cut nothing short
+        pass_on_late_stop(previous.get(signals[0]), signals[0])
+    return result
 
 
 def _raise_stage_error(msg: tuple, job: PipelineJob, last, culprit) -> None:
