@@ -143,6 +143,7 @@ def build_job(cfg: TrainConfig, tokens: TokenData) -> tuple[PipelineJob, ModelCo
         precision=cfg.precision,
         recompute=cfg.recompute,
         predict_weights=cfg.predict_weights,
+        error_feedback=cfg.error_feedback,
         order=cfg.order,
         compile_backend=cfg.compile_backend if cfg.compile else None,
     )

@@ -5,6 +5,8 @@
 * ``lr_rescheduling``: PipeMare's T1 (arXiv 1910.05124), the PipeDream-LR multiplier and
   staleness-aware scaling 1/(1 + τ_s) (arXiv 1511.05950).
 * ``muon``: ``MuonAdamW``, ``torch.optim.Muon`` on hidden matrices with AdamW on the rest.
+* ``error_feedback``: ``ErrorFeedback``, x ← x − u_t − c·(u_t − u_{t−1}) around any optimizer's step
+  (arXiv 2606.30634, as read by lodestone-rock/RamTorch).
 * ``memory``: ``optimizer_state_bytes``.
 * ``factory``: ``build_optimizer(name, params, stage, n_stages, delay, ...)`` for the pipeline.
 * ``keys``: state and group keys.

@@ -12,6 +12,7 @@ from torch import nn
 from torch.func import functional_call
 
 from unbubble.errors import NonFiniteError
+from unbubble.optim.error_feedback import ErrorFeedback, check_coefficient
 from unbubble.runtime.compiled import COMPILED_PREFIX, compile_stage
 from unbubble.runtime.precision import SavedBytes, check_modes, compute_context, copy_masters, device_type, \
     fold_grads, replayed_rng, rng_state, tensor_bytes
@@ -80,6 +81,9 @@ class StageExecutor:
             mean drift Δ this stage has measured so far; the backward still uses the current
             weights with the forward-time activations ([Note: weight prediction]).
         predict_bound: s under ``"bound"`` (updates, ≥ 0).
+        error_feedback: c of error feedback (Zmushko et al., arXiv 2606.30634): each update applies
+            x_{t+1} = x_t − u_t − c·(u_t − u_{t−1}), u_t the optimizer's full step, the first update
+            plain; 0 = off ([Note: error feedback] in ``optim/error_feedback.py``).
         compile_backend: ``None`` (eager) or a ``torch.compile`` backend (``"inductor"``,
             ``"aot_eager"``): every forward calls ``torch.compile(module)``; the loss stays eager
             ([Note: compiled stages] in ``compiled.py``).
@@ -103,8 +107,9 @@ class StageExecutor:
                  device: torch.device | None = None, nan_policy: str = "skip", nan_lr_factor: float = 0.5,
                  precision: str = "fp32", masters: list[nn.Parameter] | None = None, recompute: str = "none",
                  predict_weights: str = "none", predict_bound: int = 0, compile_backend: str | None = None,
-                 rng_seed: int | None = None):
+                 rng_seed: int | None = None, error_feedback: float = 0.0):
         check_modes(precision, recompute, device)
+        check_coefficient(error_feedback)
         if predict_weights not in ("none", "bound", "measured"):
             raise ValueError(f"predict_weights={predict_weights!r} is invalid: must be none, bound or measured")
         if predict_weights != "none" and (backward_weights != "current" or recompute != "none"):
@@ -156,6 +161,8 @@ class StageExecutor:
         self.last_update = [torch.zeros_like(p) for p in self.params] if predict_weights != "none" else None
         self._scratch = [torch.empty_like(p) for p in self.params] if predict_weights != "none" else None
         self.drift_sum = self.drift_count = 0  # backwards' Δ on this stage (for predict_weights="measured")
+        #: error feedback on what the optimizer steps (the fp32 masters under bf16); None when off
+        self.error_feedback = ErrorFeedback(self.grad_params, error_feedback) if error_feedback else None
         #: what a forward calls: the module, or torch.compile of it (same parameters)
         self.compile_backend = compile_backend
         self._call = module if compile_backend is None else compile_stage(module, compile_backend)
@@ -291,7 +298,9 @@ class StageExecutor:
             micro-batch recomputed for its backward), ``weight_copy_bytes`` (peak of the weight
             copies forwards saved: autocast's bf16 casts); ``prediction_bytes`` (weight prediction's
             two weight-sized buffers: the last applied update and the live weights during a
-            predicted forward; 0 without prediction); ``per_micro_batch`` (one micro-batch's
+            predicted forward; 0 without prediction); ``error_feedback_bytes`` (error feedback's two
+            buffers like what the optimizer steps, fp32 masters under bf16: the last uncorrected update and the
+            weights before the step; 0 when off); ``per_micro_batch`` (one micro-batch's
             bytes: ``forward`` saved by a forward, ``input`` the stage's input (what recomputation keeps),
             ``recomputed`` saved by a recomputed forward, ``weight_copies`` the weight-copy part).
         """
@@ -305,6 +314,7 @@ class StageExecutor:
                 "stored_activation_bytes": self.peak_bytes[0], "activation_bytes": self.peak_bytes[2],
                 "weight_copy_bytes": self.peak_bytes[1],
                 "prediction_bytes": tensor_bytes((self.last_update or []) + (self._scratch or [])),
+                "error_feedback_bytes": 0 if self.error_feedback is None else self.error_feedback.nbytes(),
                 "per_micro_batch": dict(self.mb_bytes)}
 
     def _on_device(self, t):
@@ -499,9 +509,10 @@ class StageExecutor:
         [Note: weight prediction] SpecTrain (arXiv 1809.02839 §4) and PipeOptim (arXiv 2312.00839)
         run a forward on the weights it expects its backward to meet; here the extrapolated step is
         the update the optimizer last *applied* (for Muon the orthogonalised step), not the raw
-        momentum. The weights are moved in place and restored exactly, so the autograd graph
-        saves the parameters by reference as in PACI: the backward's input gradient uses the
-        current weights and its weight gradient the activations of the predicted forward.
+        momentum; with error feedback it is the corrected step, the one the weights moved by. The
+        weights are moved in place and restored exactly, so the autograd graph saves the parameters
+        by reference as in PACI: the backward's input gradient uses the current weights and its
+        weight gradient the activations of the predicted forward.
         """
         s = self.predict_steps
         if self.last_update is None or s == 0 or self.version == 0:
@@ -583,6 +594,7 @@ class StageExecutor:
             "masters": None if self.masters is None else [m.detach() for m in self.masters],
             "last_update": self.last_update,
             "drift_stats": (self.drift_sum, self.drift_count),
+            "error_feedback": None if self.error_feedback is None else self.error_feedback.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -605,6 +617,8 @@ class StageExecutor:
             for d, saved in zip(self.last_update, state["last_update"]):
                 d.copy_(saved)
         self.drift_sum, self.drift_count = state.get("drift_stats", (0, 0))
+        if self.error_feedback is not None and state.get("error_feedback") is not None:
+            self.error_feedback.load_state_dict(state["error_feedback"])
         self.version = state["version"]
         self.lr_factor = state["lr_factor"]
         self.last_step_loss = state["last_step_loss"]
@@ -640,11 +654,16 @@ class StageExecutor:
             with torch.no_grad():
                 for d, p in zip(self.last_update, self.params):
                     d.copy_(p)
+        if self.error_feedback is not None:
+            self.error_feedback.snapshot()
         with keep_version_counters(self.params):
             self.optimizer.step()
+            if self.error_feedback is not None:  # on the stepped tensors, before the bf16 copy
+                self.error_feedback.correct()
             if self.masters is not None:  # bf16 parameters ← rounded fp32 masters, in place
                 copy_masters(self.params, self.masters)
-        if self.last_update is not None:  # the applied update W − W_prev, as the weights hold it
+        # the applied update W − W_prev, as the weights hold it (error feedback's correction included)
+        if self.last_update is not None:
             with torch.no_grad():
                 for d, p in zip(self.last_update, self.params):
                     d.neg_().add_(p)

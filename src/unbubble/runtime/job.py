@@ -73,6 +73,9 @@ class PipelineJob:
         predict_weights: ``"none"``, ``"bound"`` or ``"measured"``: forwards run on the last applied
             update extrapolated s_i updates ahead (s_i: the stage's drift bound ⌈(N−i)/a⌉, or its mean
             measured drift); [Note: weight prediction] in ``runtime/executor.py``.
+        error_feedback: c of error feedback (0 = off): every stage's update applies
+            x_{t+1} = x_t − u_t − c·(u_t − u_{t−1}), u_t the optimizer's full step, the first plain
+            ([Note: error feedback] in ``optim/error_feedback.py``).
         order: how an asynchronous schedule's stages order their actions ([Note: deterministic
             order] in ``schedules/policy.py``): ``"deterministic"`` (a fixed per-stage order: the
             same losses run to run on every engine, and the process engine equals the emulator)
@@ -105,6 +108,7 @@ class PipelineJob:
     precision: str = "fp32"
     recompute: str = "none"
     predict_weights: str = "none"
+    error_feedback: float = 0.0
     order: str = "deterministic"
     compile_backend: str | None = None
 
@@ -150,7 +154,7 @@ class PipelineJob:
             nan_policy=self.nan_policy, nan_lr_factor=self.nan_lr_factor,
             precision=self.precision, masters=masters, recompute=self.recompute,
             predict_weights=self.predict_weights, predict_bound=self.schedule.delay_bound(stage),
-            compile_backend=self.compile_backend,
+            compile_backend=self.compile_backend, error_feedback=self.error_feedback,
             # replicas draw different masks for their different data
             rng_seed=self.seed + 1_000_003 * replica,
         )

@@ -188,7 +188,7 @@ def analytic_model(config: "ModelConfig", n_stages: int, hardware: Hardware, mic
                    seq_len: int | None = None, *, virtual: int = 1, layers_per_stage: Sequence[int] | None = None,
                    precision: Precision = Precision(), flash_attention: bool = False, jitter: float = 0.0,
                    seed: int = 0, stragglers: Sequence[Straggler] = (), recompute: bool = False,
-                   predict_weights: bool = False) -> AnalyticModel:
+                   predict_weights: bool = False, error_feedback: bool = False) -> AnalyticModel:
     """Builds the per-stage costs and memory sizes of ``config`` split over ``n_stages · virtual`` stages.
 
     Args:
@@ -209,6 +209,9 @@ def analytic_model(config: "ModelConfig", n_stages: int, hardware: Hardware, mic
             re-runs the forward first (``PipelineCosts.with_recompute``, ``MemorySpec.with_recompute``).
         predict_weights: weight prediction (``--predict-weights``): two weight-sized buffers per stage
             (the last applied update and the live weights during a predicted forward) as ``extra_bytes``.
+        error_feedback: error feedback (``--error-feedback``): two fp32 buffers per parameter of the
+            stage (the last uncorrected update and the weights before a step, shaped like the fp32
+            tensors the optimizer steps), added to ``extra_bytes``.
 
     Returns:
         The :class:`AnalyticModel`.
@@ -287,8 +290,10 @@ def analytic_model(config: "ModelConfig", n_stages: int, hardware: Hardware, mic
                           bandwidth_bytes_per_s=tuple(bw) if n > 1 else math.inf,
                           latency_s=tuple(lat) if n > 1 else 0.0, jitter=jitter, seed=seed,
                           stragglers=tuple(stragglers))
+    # weight prediction: two buffers like the weights; error feedback: two fp32 buffers per parameter
+    extra = tuple(2.0 * w * predict_weights + 8.0 * n_p * error_feedback for w, n_p in zip(mem["w"], params))
     memory = MemorySpec(tuple(mem["w"]), tuple(mem["g"]), tuple(mem["o"]), tuple(mem["a"]), tuple(mem["aw"]),
-                        extra_bytes=tuple(2.0 * w for w in mem["w"]) if predict_weights else (),
+                        extra_bytes=extra if predict_weights or error_feedback else (),
                         capacity_bytes=hardware.memory_bytes)
     if recompute:
         inputs = tuple(float(tokens * 8 if j == 0 else sbh * p.activation_bytes) for j in range(n))

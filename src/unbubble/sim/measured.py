@@ -213,5 +213,6 @@ def measured_memory(run: MeasuredRun, recompute: bool | None = None) -> "MemoryS
     spec = MemorySpec(tuple(float(m["param_bytes"] + m["master_bytes"]) for m in stages),
                       tuple(float(m["grad_bytes"]) for m in stages),
                       tuple(float(m["optimizer_state_bytes"]) for m in stages), tuple(total),
-                      extra_bytes=tuple(float(m.get("prediction_bytes", 0)) for m in stages))
+                      extra_bytes=tuple(float(m.get("prediction_bytes", 0) + m.get("error_feedback_bytes", 0))
+                                        for m in stages))
     return spec.with_recompute(tuple(inputs)) if recompute else spec
