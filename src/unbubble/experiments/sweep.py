@@ -565,7 +565,12 @@ def estimate(spec: SweepSpec, out: Path, workers: int, rows: list[tuple[str, int
     finished = [json.loads(p.read_text()) for p in (out / "results").glob("*.json")] \
         if (out / "results").is_dir() else []
     finished = [r for r in finished if r.get("micro_batches")]
-    if finished:
+    timed = [r for r in finished if r.get("train_wall_s")]  # records before it have only wall_s
+    if timed:
+        per_mb = statistics.median(r["train_wall_s"] / r["micro_batches"] for r in timed)
+        startup = statistics.median(max(r["wall_s"] - r["train_wall_s"], 0.0) for r in timed)
+        how = f"the median of {len(timed)} finished run(s) in {out}"
+    elif finished:
         per_mb = statistics.median(r["wall_s"] / r["micro_batches"] for r in finished)
         how = f"the median of {len(finished)} finished run(s) in {out}"
         startup = 0.0  # in their wall_s
@@ -769,6 +774,7 @@ def execute(run: RunSpec, spec: SweepSpec, out: Path, stop_event=None) -> dict[s
         "min_val_loss": min((_finite(v) for _, v in vals if math.isfinite(v)), default=None),
         "final_train_loss": _finite(result.step_losses[-1]) if result.step_losses else None,
         "max_drift": max(result.max_drift()), "wall_s": wall,
+        "train_wall_s": result.wall_s,  # the training loop alone: wall_s less start-up and final reports
         "f_s": json.dumps(f_s), "b_s": json.dumps(b_s), "u_s": json.dumps(u_s),
         "val_curve": [[v, v * tokens_per_update, _finite(loss)] for v, loss in vals],
         "train_curve": [_finite(x) for x in result.step_losses] if spec.keep_train_curve else [],
