@@ -263,3 +263,25 @@ def test_yaml_numbers_in_exponent_form_are_numbers():
 
     assert read_yaml("lrs: [1e-3, 3.0e-3, -2E+2]\nname: 1e3x\n", "spec") == {"lrs": [0.001, 0.003, -200.0],
                                                                               "name": "1e3x"}
+
+
+def test_simulate_says_when_it_rounds_the_micro_batches_up_to_whole_updates(tmp_path):
+    import logging
+
+    class Lines(logging.Handler):
+        def __init__(self):
+            super().__init__(logging.WARNING)
+            self.lines = []
+
+        def emit(self, record):
+            self.lines.append(record.getMessage())
+
+    lines, logger = Lines(), logging.getLogger("unbubble.simulate")
+    logger.addHandler(lines)
+    try:
+        res = CliRunner().invoke(cli, ["-q", "simulate", "--schedule", "paci", "--a", "8", "--micro-batches", "20",
+                                       "--uniform", "1:2", "--out", str(tmp_path / "sim")])
+    finally:
+        logger.removeHandler(lines)
+    assert res.exit_code == 0, res.output
+    assert lines.lines == ["paci: 24 micro-batches simulated, not 20: 3 whole updates of 8 (give --micro-batches 24)"]

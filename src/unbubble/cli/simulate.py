@@ -270,6 +270,9 @@ def simulate(**o) -> None:
     results, notes = [], []
     for name in names:
         sched = _schedule(name, o["stages"], mb, o["a"], o["m"], o["v"])
+        if sched.total_mb != mb:  # whole updates only
+            log.warning("%s: %d micro-batches simulated, not %d: %d whole updates of %d (give --micro-batches %d)",
+                        name, sched.total_mb, mb, sched.steps, sched.mb_per_step, sched.total_mb)
         costs, memory, layers = source.for_schedule(sched)
         t0 = time.perf_counter()
         res = run_sim(sched, costs, memory, samples_per_mb=source.samples_per_mb, tokens_per_mb=source.tokens_per_mb,
