@@ -285,3 +285,32 @@ def test_simulate_says_when_it_rounds_the_micro_batches_up_to_whole_updates(tmp_
         logger.removeHandler(lines)
     assert res.exit_code == 0, res.output
     assert lines.lines == ["paci: 24 micro-batches simulated, not 20: 3 whole updates of 8 (give --micro-batches 24)"]
+
+
+def test_second_ctrl_c_under_torchrun_names_the_kept_checkpoint(tmp_path, monkeypatch, cache_dir):
+    # under torchrun the stage's own handler raises the second signal straight into the CLI, which
+    # called it "interrupted before the first step"; the run folder and its step-2 checkpoint exist
+    import types
+
+    import unbubble.train as train_mod
+    from unbubble.errors import SecondSignal
+    from unbubble.runtime.checkpoint import Checkpointing, stage_path
+
+    run = tmp_path / "run"
+    for s in (0, 1):  # a complete checkpoint of step 2: every stage's file
+        stage_path(run / "checkpoints", 2, s).parent.mkdir(parents=True, exist_ok=True)
+        stage_path(run / "checkpoints", 2, s).write_bytes(b"x")
+
+    def fake_train(cfg=None, listener_factory=None, **kw):
+        job = types.SimpleNamespace(checkpoint=Checkpointing(str(run / "checkpoints")),
+                                    schedule=types.SimpleNamespace(n_stages=2))
+        listener_factory(types.SimpleNamespace(dir=run, job=job, resume_step=0), 10)
+        raise SecondSignal("SIGINT")
+
+    monkeypatch.setattr(train_mod, "train", fake_train)
+    res = CliRunner().invoke(cli, ["-q", "train", "--engine", "emulator", "--cache-dir", cache_dir,
+                                   "--run-dir", str(run)])
+    assert res.exit_code == 1, res.output
+    assert res.stderr.strip().splitlines()[-1] == (
+        f"error: second SIGINT: stopped at once; the newest complete checkpoint, step 2 ({run}/checkpoints/"
+        f"step-00000002), is kept: unbubble train --resume {run} continues from it")

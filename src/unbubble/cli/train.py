@@ -42,6 +42,20 @@ def _options(fn):
     return fn
 
 
+def _stopped_at_once(signal_: SecondSignal, listeners: list,
+                     failure: PipelineFailure | None = None) -> PipelineFailure:
+    """The failure a second stop signal ends ``unbubble train`` with: the line naming the kept
+    checkpoint and the --resume command, where the run folder is known and kept (a new run stopped
+    before its first step has been removed), else ``failure`` or the signal's own words."""
+    from unbubble.runtime.launch import stopped_at_once
+
+    writer = listeners[0].writer if listeners else None
+    if writer is not None and writer.dir.is_dir():
+        return PipelineFailure(stopped_at_once(signal_.signame, writer.job.checkpoint, writer.job.schedule.n_stages,
+                                               writer.dir))
+    return failure or PipelineFailure(str(signal_))
+
+
 class ProgressListener:
     """Draws a progress bar on a terminal (plain lines otherwise) and forwards to the run writer.
 
@@ -212,6 +226,10 @@ def train(print_config: bool, resume: str | None, **kwargs) -> None:
                                            started_at=process_start_epoch())
         else:
             result, run_dir = run_training(cfg, listener_factory=factory, started_at=process_start_epoch())
+    except SecondSignal as exc:  # under torchrun it comes straight from the stage's own handler
+        for lst in listeners:
+            lst.close()
+        raise _stopped_at_once(exc, listeners) from None
     except (KeyboardInterrupt, StartupInterrupted) as exc:  # a stop before the first step
         after = f"the run folder is unchanged; continue with: unbubble train --resume {resume}" if resume else \
             "nothing of the new run was kept"
@@ -221,12 +239,7 @@ def train(print_config: bool, resume: str | None, **kwargs) -> None:
         for lst in listeners:
             lst.close()
         if isinstance(exc.__context__, SecondSignal) and listeners:  # name the kept checkpoint and the command
-            from unbubble.runtime.launch import stopped_at_once
-
-            writer = listeners[0].writer
-            if writer.dir.is_dir():  # (a new run stopped before its first step has been removed)
-                raise PipelineFailure(stopped_at_once(exc.__context__.signame, writer.job.checkpoint,
-                                                      writer.job.schedule.n_stages, writer.dir)) from None
+            raise _stopped_at_once(exc.__context__, listeners, exc) from None
         raise
     except BaseException:
         for lst in listeners:
