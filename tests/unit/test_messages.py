@@ -314,3 +314,21 @@ def test_second_ctrl_c_under_torchrun_names_the_kept_checkpoint(tmp_path, monkey
     assert res.stderr.strip().splitlines()[-1] == (
         f"error: second SIGINT: stopped at once; the newest complete checkpoint, step 2 ({run}/checkpoints/"
         f"step-00000002), is kept: unbubble train --resume {run} continues from it")
+
+
+def test_sweep_dry_run_stopped_during_its_calibration_gives_no_estimate(tmp_path, monkeypatch):
+    # a Ctrl-C during the calibration run cut it short: its per-micro-batch figure was printed as the estimate
+    import unbubble.experiments.sweep as sweep_mod
+
+    def stopped(spec, out, workers, rows, flag=None, max_share=None):
+        flag.stop_requested = True  # what the calibration run's stop sets
+        return "about 0 min (from a run cut short)"
+
+    monkeypatch.setattr(sweep_mod, "estimate", stopped)
+    spec = tmp_path / "s.yaml"
+    spec.write_text("name: s\nmicro_batches: 40\nstages: [2]\nlrs: [1e-3]\nseeds: [0]\n"
+                    "base: {engine: emulator, model: tiny, seq_len: 32}\nmethods:\n  - {label: f, schedule: 1f1b-flush, m: 2}\n")
+    res = CliRunner().invoke(cli, ["-q", "sweep", str(spec), "--out", str(tmp_path / "out"), "--dry-run"])
+    assert res.exit_code == 130, res.output
+    assert res.stderr.strip().splitlines()[-1] == "s: stopped during the calibration run: no estimate"
+    assert "about 0 min" not in res.stdout

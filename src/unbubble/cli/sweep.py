@@ -23,7 +23,8 @@ def sweep(spec: Path, out: Path | None, workers: int, dry_run: bool) -> None:
     docs/experiments.md). Each method's lr is tuned on the first seed, the other seeds run at the
     tuned lr, every run sees the same micro-batches. Finished runs are skipped when the same
     command runs again. Writes runs.csv (one row per run) and curves.csv (loss curves)."""
-    from unbubble.experiments.sweep import SweepStopped, estimate, load_spec, plan, run_sweep, summary_rows
+    from unbubble.experiments.sweep import SweepStopped, estimate, load_spec, plan, run_sweep, stop_handlers, \
+        summary_rows
 
     s = load_spec(spec)
     folder = out or Path("runs") / "sweeps" / s.name
@@ -31,7 +32,12 @@ def sweep(spec: Path, out: Path | None, workers: int, dry_run: bool) -> None:
         rows = plan(s, folder)
         for what, mb, certainty in rows:
             click.echo(f"{certainty:>8}  {what}  ({mb:,} micro-batches)")
-        click.echo(estimate(s, folder, workers, rows))
+        with stop_handlers() as flag:  # a Ctrl-C during the calibration run: no estimate from a cut-short run
+            line = estimate(s, folder, workers, rows, flag)
+        if flag.stop_requested:
+            click.echo(f"{s.name}: stopped during the calibration run: no estimate", err=True)
+            sys.exit(130)
+        click.echo(line)
         return
     try:
         records = run_sweep(s, folder, workers=workers, progress=click.echo)
