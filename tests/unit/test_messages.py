@@ -1,7 +1,9 @@
 """One line per bad input or event, naming the value and the fix (issue 28, items 2, 6, 7 and 8's
 picklability): each message asserted verbatim, from the command line where it is a CLI message."""
 
+import contextlib
 import dataclasses
+import logging
 import os
 import signal
 import time
@@ -35,6 +37,27 @@ def _error(args: list[str]) -> str:
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), res.stderr
     return lines[0].removeprefix("error: ")
+
+
+@contextlib.contextmanager
+def _warnings(*names: str):
+    """The messages of WARNING and above that the loggers ``names`` log inside the block."""
+    class Lines(logging.Handler):
+        def __init__(self):
+            super().__init__(logging.WARNING)
+            self.lines = []
+
+        def emit(self, record):
+            self.lines.append(record.getMessage())
+
+    lines, loggers = Lines(), [logging.getLogger(n) for n in names]
+    for logger in loggers:
+        logger.addHandler(lines)
+    try:
+        yield lines.lines
+    finally:
+        for logger in loggers:
+            logger.removeHandler(lines)
 
 
 def _simulate(tmp_path, *args: str) -> str:
@@ -192,30 +215,13 @@ def test_second_ctrl_c_names_the_kept_checkpoint(tmp_path, corpus, cache_dir, mo
 
 def test_overlapping_validation_windows_are_warned_once_per_run_with_the_remedy(tmp_path, corpus, cache_dir):
     # every stage evaluates (the emulator's two, each evaluation): the warning came once per stage
-    import logging
-
-    class Lines(logging.Handler):
-        def __init__(self):
-            super().__init__(logging.WARNING)
-            self.lines = []
-
-        def emit(self, record):
-            self.lines.append(record.getMessage())
-
-    lines = Lines()
-    loggers = [logging.getLogger(name) for name in ("unbubble.train", "unbubble.data.sampler")]
-    for logger in loggers:
-        logger.addHandler(lines)
-    try:
+    with _warnings("unbubble.train", "unbubble.data.sampler") as lines:
         res = CliRunner().invoke(cli, ["-q", "train", "--engine", "emulator", "--cache-dir", cache_dir, "--corpus",
                                        corpus, "--stages", "2", "--steps", "2", "--seq-len", "32",
                                        "--micro-batch-size", "2", "--eval-batches", "100", "--eval-interval", "1",
                                        "--no-tensorboard", "--run-dir", str(tmp_path / "run")])
-    finally:
-        for logger in loggers:
-            logger.removeHandler(lines)
     assert res.exit_code == 0, res.output
-    overlap = [line for line in lines.lines if "windows overlap" in line]
+    overlap = [line for line in lines if "windows overlap" in line]
     assert res.stderr.count("windows overlap") == 1 and overlap == [
         "the validation split's 5,568 tokens hold 173 windows of seq_len=32, fewer than the 200 an evaluation reads "
         "(eval_batches=100 × micro_batch_size=2): windows overlap and the validation loss counts tokens more than "
@@ -266,25 +272,11 @@ def test_yaml_numbers_in_exponent_form_are_numbers():
 
 
 def test_simulate_says_when_it_rounds_the_micro_batches_up_to_whole_updates(tmp_path):
-    import logging
-
-    class Lines(logging.Handler):
-        def __init__(self):
-            super().__init__(logging.WARNING)
-            self.lines = []
-
-        def emit(self, record):
-            self.lines.append(record.getMessage())
-
-    lines, logger = Lines(), logging.getLogger("unbubble.simulate")
-    logger.addHandler(lines)
-    try:
+    with _warnings("unbubble.simulate") as lines:
         res = CliRunner().invoke(cli, ["-q", "simulate", "--schedule", "paci", "--a", "8", "--micro-batches", "20",
                                        "--uniform", "1:2", "--out", str(tmp_path / "sim")])
-    finally:
-        logger.removeHandler(lines)
     assert res.exit_code == 0, res.output
-    assert lines.lines == ["paci: 24 micro-batches simulated, not 20: 3 whole updates of 8 (give --micro-batches 24)"]
+    assert lines == ["paci: 24 micro-batches simulated, not 20: 3 whole updates of 8 (give --micro-batches 24)"]
 
 
 def test_second_ctrl_c_under_torchrun_names_the_kept_checkpoint(tmp_path, monkeypatch, cache_dir):
