@@ -51,6 +51,20 @@ def tiny_gpt_job(schedule: Schedule, optimizer: str = "adamw", lr: float = 1e-2,
     )
 
 
+def assert_resume_is_bit_identical(job: PipelineJob, step: int) -> None:
+    """Runs ``job`` (whose ``checkpoint`` saves at ``step``) on the emulator whole, then resumed
+    from ``step``, and asserts the resumed run gives the same later losses and final weights, bit for bit."""
+    import dataclasses
+
+    from unbubble.runtime.emulator import run_emulator
+
+    full = run_emulator(job)
+    resumed = run_emulator(dataclasses.replace(job, checkpoint=dataclasses.replace(job.checkpoint, resume_step=step)))
+    assert resumed.step_losses == full.step_losses[step:]
+    for got, want in zip(resumed.final_states, full.final_states):
+        assert all(torch.equal(got[k], want[k]) for k in want)
+
+
 def train_without_pipeline(job: PipelineJob) -> tuple[list[dict[str, torch.Tensor]], list[float]]:
     """Independent reference for synchronous schedules: the same stages composed into one
     model, trained in one process with one optimizer per stage, mean loss over each step's

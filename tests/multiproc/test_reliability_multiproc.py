@@ -5,7 +5,6 @@ import dataclasses
 import multiprocessing as mp
 import os
 import signal
-import time
 
 import pytest
 import torch
@@ -86,16 +85,12 @@ def test_sigint_stops_at_a_checkpoint_and_the_run_resumes(tmp_path):
 def test_a_dead_or_hung_stage_stops_every_rank_naming_its_last_action(sig, stage, message, limits):
     job = tiny_gpt_job(get_schedule("paci", 4, 5000, a=2))
 
-    struck = []
-
     def strike():
         victim = next(p for p in _stage_processes() if p.name == f"unbubble-rank-{stage}")
         os.kill(victim.pid, sig)
-        struck.append(time.monotonic())
 
+    # detected (a stopped stage would hang the run, a killed one fail it without a name): the
+    # message names the stage and its last action; no duration is asserted
     with pytest.raises(PipelineFailure, match=message):
         run_processes(job, listener=_OnFirstStep(strike), **limits)
-    # detected, not trained to the end (5000 steps take many minutes); counted from the strike, so
-    # a slow start-up on a busy machine does not count
-    assert time.monotonic() - struck[0] < 60
     assert not _stage_processes()

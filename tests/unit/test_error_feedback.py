@@ -18,7 +18,7 @@ from unbubble.runtime.emulator import run_emulator
 from unbubble.runtime.executor import StageExecutor
 from unbubble.runtime.precision import to_bf16
 from unbubble.schedules import get_schedule
-from unbubble.testing import tiny_gpt_job
+from unbubble.testing import assert_resume_is_bit_identical, tiny_gpt_job
 
 torch.set_num_threads(1)
 
@@ -210,10 +210,7 @@ def test_the_allowed_schedules_are_the_asynchronous_ones():
 @pytest.mark.parametrize("predict,precision", [("none", "fp32"), ("bound", "fp32"), ("none", "bf16")])
 def test_resume_is_bit_identical(predict, precision, tmp_path):
     job = _job(1.0, predict, steps=8, precision=precision, checkpoint=Checkpointing(str(tmp_path), every=4, keep=3))
-    full = run_emulator(job)
-    resumed = run_emulator(dataclasses.replace(job, checkpoint=dataclasses.replace(job.checkpoint, resume_step=4)))
-    assert resumed.step_losses == full.step_losses[4:]
-    assert all(torch.equal(a[k], b[k]) for a, b in zip(resumed.final_states, full.final_states) for k in a)
+    assert_resume_is_bit_identical(job, 4)
 
 
 def test_summary_json_counts_the_buffers(tmp_path):

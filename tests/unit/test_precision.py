@@ -20,7 +20,7 @@ from unbubble.runtime.executor import StageExecutor
 from unbubble.runtime.job import PipelineJob
 from unbubble.runtime.precision import check_modes, to_bf16
 from unbubble.schedules import ActionKind, get_schedule
-from unbubble.testing import tiny_gpt_config, tiny_gpt_job
+from unbubble.testing import assert_resume_is_bit_identical, tiny_gpt_config, tiny_gpt_job
 
 torch.set_num_threads(1)
 BF16 = torch.bfloat16
@@ -292,11 +292,7 @@ def test_recompute_stores_only_the_stage_input():
 def test_resume_is_bit_identical(precision, recompute, tmp_path):
     job = dataclasses.replace(_job("paci", 4, 8, precision, recompute, a=2),
                               checkpoint=Checkpointing(str(tmp_path), every=4, keep=3))
-    full = run_emulator(job)
-    resumed = run_emulator(dataclasses.replace(job, checkpoint=dataclasses.replace(job.checkpoint, resume_step=4)))
-    assert resumed.step_losses == full.step_losses[4:]
-    for got, want in zip(resumed.final_states, full.final_states):
-        assert all(torch.equal(got[k], want[k]) for k in want)
+    assert_resume_is_bit_identical(job, 4)
 
 
 @pytest.mark.parametrize("kw,message", [

@@ -276,7 +276,7 @@ def test_dropout_draws_depend_on_stage_and_micro_batch_only(tmp_path):
 
     from unbubble.runtime.checkpoint import Checkpointing
     from unbubble.runtime.executor import seed_forward
-    from unbubble.testing import tiny_gpt_config
+    from unbubble.testing import assert_resume_is_bit_identical, tiny_gpt_config
 
     def draw(seed, stage, k, noise):
         torch.rand(noise)  # what other micro-batches consumed before
@@ -290,11 +290,7 @@ def test_dropout_draws_depend_on_stage_and_micro_batch_only(tmp_path):
     config = dataclasses.replace(tiny_gpt_config(), dropout=0.1)
     job = dataclasses.replace(tiny_gpt_job(get_schedule("paci", 2, steps=8, a=2), config=config),
                               checkpoint=Checkpointing(str(tmp_path), every=4, keep=3))
-    full = run_emulator(job)
-    resumed = run_emulator(dataclasses.replace(job, checkpoint=dataclasses.replace(job.checkpoint, resume_step=4)))
-    assert resumed.step_losses == full.step_losses[4:]
-    for got, want in zip(resumed.final_states, full.final_states):
-        assert all(torch.equal(got[k], want[k]) for k in want)
+    assert_resume_is_bit_identical(job, 4)
 
 
 def test_the_emulator_runs_on_the_threads_it_is_given_and_restores_the_callers():
