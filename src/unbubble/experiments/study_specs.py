@@ -210,3 +210,69 @@ def horizon_spec(h1: dict[str, Any], tuned: dict[str, float], pairs: list[tuple[
                 m["budgets"] = []
             methods.append(m)
     return {**h1, "name": f"{h1['name']}-{horizon:g}x", "methods": methods, "extend_grid": 0, "budgets": []}
+
+
+#: Token budgets of the longer horizons: below 1 when 1× already meets the twin, so the overhead is
+#: a number and not "≤ 1"; 1.5 only when 1.3 falls short (the budgets are trained in order).
+LONG_BUDGETS = [0.85, 0.92, 1.15, 1.3, 1.5]
+
+
+def horizon_study_spec(size: str, part: str = "main") -> dict[str, Any]:
+    """``horizon-study`` (asynchrony at length), in two sweeps run one after the other:
+
+    * ``part="main"``: the token overhead of PACI + Muon + weight prediction at 4× the horizon
+      (budgets ``LONG_BUDGETS``; the lr checked at 4× on seed 0: the 1× tuned lr and one step
+      lower, on both sides) and error feedback (``--error-feedback 1``) at 1× on PACI + Muon and
+      PACI + AdamW, with and without prediction, each at the tuned lr of the same method without
+      it (a one-point grid; its corrections telescope to c·(u_T − u_0), so the total step is the
+      optimizer's);
+    * ``part="trend"``: the same method at 2× (budgets), the middle point of the trend.
+
+    Both reuse overhead-study's published runs whose settings are identical
+    (:func:`~unbubble.experiments.sweep.reuse_runs`), so the 1× rows and flush + Muon at 4× are
+    not trained again."""
+    h1 = overhead_spec(size)
+    tiny = size == "tiny"
+    flush, paci = ("1f1b-flush m=2", "paci a=2") if tiny else ("1f1b-flush m=4", "paci a=4")
+    by = {m["label"]: m for m in h1["methods"]}
+    sched_f, sched_p = by[flush], by[paci]
+    mlr, alr = ([3e-3], [3e-3]) if tiny else ([1e-2], [1e-3])  # the tuned lrs of overhead-study
+    muon = {"optimizer": "muon"}
+    pred = {"predict_weights": "bound"}
+    ef = {"error_feedback": 1.0}
+    keep = ("schedule", "m", "a")
+
+    def base_of(m: dict[str, Any]) -> dict[str, Any]:
+        return {k: m[k] for k in keep if k in m}
+
+    f, p = base_of(sched_f), base_of(sched_p)
+    fm, pmp = f"{flush} + muon", f"{paci} + muon + prediction"
+    long_lrs = [1e-3, 3e-3] if tiny else [3e-3, 1e-2]
+    if part == "trend":
+        methods = [{"label": f"{fm} @2×", **f, **muon, "lrs": mlr, "horizon": 2.0},
+                   {"label": f"{pmp} @2×", **p, **muon, **pred, "lrs": mlr, "horizon": 2.0,
+                    "baseline": f"{fm} @2×", "budgets": LONG_BUDGETS}]
+    else:
+        long = 2.0 if tiny else 4.0
+        flr = [3e-3] if tiny else [1e-2]
+        methods = [
+            # the longer horizon first (the longest runs start first), lr checked there on seed 0
+            {"label": f"{fm} @{long:g}×", **f, **muon, "lrs": long_lrs, "horizon": long},
+            {"label": f"{pmp} @{long:g}×", **p, **muon, **pred, "lrs": long_lrs, "horizon": long,
+             "baseline": f"{fm} @{long:g}×", "budgets": LONG_BUDGETS},
+            {"label": fm, **f, **muon, "lrs": mlr},
+            {"label": pmp, **p, **muon, **pred, "lrs": mlr, "baseline": fm},
+            {"label": f"{paci} + muon", **p, **muon, "lrs": mlr, "baseline": fm},
+            {"label": flush, **f, "lrs": flr},
+            {"label": paci, **p, "lrs": alr, "baseline": flush},
+            # error feedback at 1×, and AdamW + prediction (the control EF + prediction needs), each at
+            # the tuned lr of the same method without it (a one-point grid: they start in phase 1)
+            {"label": f"{paci} + muon + error feedback", **p, **muon, **ef, "lrs": mlr, "baseline": fm},
+            {"label": f"{pmp} + error feedback", **p, **muon, **pred, **ef, "lrs": mlr, "baseline": fm},
+            {"label": f"{paci} + prediction", **p, **pred, "lrs": alr, "baseline": flush, "budgets": [1.5, 2]},
+            {"label": f"{paci} + error feedback", **p, **ef, "lrs": alr, "baseline": flush, "budgets": [1.5, 2]},
+            {"label": f"{paci} + prediction + error feedback", **p, **pred, **ef, "lrs": alr,
+             "baseline": flush, "budgets": [1.5, 2]},
+        ]
+    return {**h1, "name": "horizon-study" + ("" if part == "main" else f"-{part}"), "methods": methods,
+            "extend_grid": 0, "budgets": [1.5, 2, 3]}

@@ -796,6 +796,39 @@ def _load(out: Path, run: RunSpec) -> dict[str, Any] | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
+def reuse_runs(spec: SweepSpec, out: Path, folder: str | Path, source: SweepSpec) -> list[str]:
+    """Files the published runs of ``folder`` (``runs.csv`` + ``curves.csv`` of the sweep
+    ``source``) as finished runs of ``spec`` in ``out/results/``, so that ``spec`` does not train
+    them again: only runs whose method has the same label, settings (TrainConfig overrides and
+    horizon) and depth in both specs, under the same ``base``, ``micro_batches`` and ``evals``.
+    A run already in ``out/results/`` is kept. Returns the reused run ids.
+
+    The settings check is what makes reuse sound: a label names a configuration only within its
+    own spec. The reused records lack ``train_wall_s`` and the training curve (not published).
+    """
+    if (spec.base, spec.micro_batches, spec.evals) != (source.base, source.micro_batches, source.evals):
+        return []
+    same = {m.label for m in spec.methods for s in source.methods
+            if m.label == s.label and (m.overrides, m.horizon) == (s.overrides, s.horizon)}
+    data = read_tables(folder)
+    reused = []
+    for row in data.runs:
+        if row["method"] not in same:
+            continue
+        path = out / "results" / f"{row['run_id']}.json"
+        if path.is_file():
+            continue
+        record = {k: row[k] for k in RUN_COLUMNS}
+        for k in ("f_s", "b_s", "u_s"):
+            record[k] = json.dumps(row[k])
+        record["val_curve"] = [list(p) for p in data.val.get(row["run_id"], [])]
+        record["train_curve"] = []
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(record))
+        reused.append(row["run_id"])
+    return reused
+
+
 def tuned_lrs(records: list[dict[str, Any]]) -> dict[tuple[str, int], float]:
     """The lr with the lowest final validation loss per (method, N), over the tuning runs
     (a diverged run, loss None, loses; ties go to the smaller lr)."""
