@@ -1,0 +1,530 @@
+"""PACI on torch.distributed.pipelining's ``PipelineStage``: an asynchronous schedule class, one stage per rank.
+
+:class:`SchedulePACI` runs unbubble's PACI(a) (DESIGN §2: asynchronous 1F1B, never flushed, each stage
+updated after every a-th local backward, backward on the current weights with forward-time activations)
+over torch's own ``PipelineStage`` and its point-to-point sends, in the user's processes (``torchrun``, any
+``torch.distributed`` backend): no unbubble launcher, no unbubble executor. The user's training loop keeps
+its shape, torchtitan's ``train_step`` included:
+
+.. code-block:: python
+
+    stage = PipelineStage(model_part, rank, n_ranks, device)
+    schedule = SchedulePACI(stage, n_microbatches=4, loss_fn=loss_fn)        # a = 4 by default
+    for step in range(steps):
+        optimizer.zero_grad()
+        losses = []
+        schedule.step(data_iterator, losses=losses)   # this stage's next a backwards
+        clip_grad_norm_pp(model_part.parameters(), 1.0)  # optional: a global clip over the pipeline
+        optimizer.step()                               # = PACI's local update U of this stage
+        lr_scheduler.step()
+    schedule.drain()                                   # nothing in flight: evaluate, checkpoint, stop
+
+[Note: the step contract]
+* One ``step()`` on a rank runs its stage's next a backwards (micro-batches t·a … t·a + a − 1 in call t,
+  0-based) and the forwards PACI's back-pressure admits in between (in-flight q_i < N + 1 − i, i = stage + 1),
+  in the fixed per-stage order of ``OrderedPaciPolicy`` ([Note: deterministic order] in
+  ``schedules/policy.py``), and returns right after the a-th backward. The gradients in ``.grad`` are then
+  exactly those of that update: the loop's ``optimizer.step()`` *is* PACI's ``U``, so clipping, the
+  non-finite check, ``optimizer.step()``, ``lr_scheduler.step()`` and ``zero_grad()`` stay after ``step()``
+  where torchtitan has them. Micro-batches already forwarded stay in flight across calls; nothing is
+  flushed.
+* Inputs come through an **iterator** of ``(inputs, target)`` batches, each split along dim 0 into
+  ``n_microbatches`` micro-batches (torch's default chunking), passed on every rank (the first stage reads
+  the inputs, the last the targets, the others nothing). Not a batch per call: the first stage's a-th
+  backward of update t comes after the forwards of up to N − 1 later micro-batches (the back-pressure
+  admits them before the update, on the old weights: that is where PACI's drift comes from), which belong
+  to the next batch, so it must read ahead. The iterator must not run out before the last ``step()`` has
+  read ahead (torchtitan's loaders are infinite).
+* ``losses`` receives the unscaled losses of the micro-batches whose backward ran on the last stage in this
+  call: exactly call t's a micro-batches, as torch's schedules fill it (other ranks leave it untouched).
+* Per-step global operations sit at the call boundary, where every rank has just finished the same update:
+  :func:`clip_grad_norm_pp` (one all-reduce of a scalar) clips over the whole pipeline and its norm is the
+  global non-finite check. It costs a synchronisation per step (each rank waits for the slowest to finish
+  its a-th backward; ``unbubble bench`` measures it), it does not deadlock, and the arithmetic stays PACI's.
+* :meth:`SchedulePACI.drain` leaves nothing in flight: the forwards read ahead beyond the last finished
+  update are discarded (at most N − 1 − stage per rank) and the next ``step()`` runs them again on the
+  updated weights, which is unbubble's checkpoint cut ([Note: the checkpoint cut] in
+  ``runtime/checkpoint.py``): a run drained after step V equals the emulator's run with a cut at V, and a
+  checkpoint written after ``drain()`` resumes bit for bit (:meth:`SchedulePACI.state_dict`). Evaluate
+  with the model parts directly after ``drain()`` (or without it: the weights are already version V).
+
+[Note: backward on current weights, through a public seam]
+The graphs of in-flight micro-batches were built before the loop's in-place ``optimizer.step()``; stock
+autograd refuses their backward ("modified by an inplace operation"). Every forward (and the last stage's
+loss) runs under ``torch.autograd.graph.saved_tensors_hooks`` (public, documented): saved tensors are kept
+by reference, so a backward reads the current weights with the forward's activations, PACI's semantics,
+and never a weight copy. The hook path skips autograd's version check; the hooks put it back for
+everything that is not a parameter: a saved activation modified in place still raises at its backward.
+This replaces unbubble's own runtime's ``_unsafe_set_version_counter`` (``runtime/versions.py``).
+
+Private torch APIs are used in one place only, ``_torch_private`` below; ``tests/unit/test_pipelining.py``
+fails loudly when a torch upgrade changes one of them.
+
+Source: PACI, arXiv 2606.07881, §3; torch.distributed.pipelining (``PipelineStage``,
+``PipelineScheduleSingle``), torch 2.13.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import PipelineScheduleSingle
+
+from unbubble.errors import ConfigError
+
+__all__ = ["SchedulePACI", "clip_grad_norm_pp", "split_torchtitan_model", "pipeline_paci"]
+
+LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
+
+
+# -- [Note: private torch APIs] ---------------------------------------------------------------------
+# Every use of torch that is neither public nor documented, in one place:
+#   * PipelineScheduleSingle._initialize_stage(args, kwargs, target): the stage's shape inference and
+#     receive buffers, as torch's own schedules run it on their first step (no public way exists);
+#   * PipelineStage.fwd_cache: drain() drops the graphs of the forwards it discards from it;
+#   * Tensor._version (read only): the in-place check for saved activations under the hooks.
+# tests/unit/test_pipelining.py::test_private_torch_seams_are_as_this_module_expects checks all three.
+class _torch_private:
+    @staticmethod
+    def initialize_stage(schedule: PipelineScheduleSingle, args: tuple, target: torch.Tensor | None) -> None:
+        schedule._initialize_stage(args, {}, target)
+
+    @staticmethod
+    def drop_forward(stage: PipelineStage, slot: int) -> None:
+        stage.fwd_cache.pop(slot, None)
+
+    @staticmethod
+    def version(t: torch.Tensor) -> int:
+        return t._version
+
+
+class _SavedByReference:
+    """``saved_tensors_hooks`` under which a backward may follow in-place updates of ``params``
+    ([Note: backward on current weights, through a public seam])."""
+
+    def __init__(self, params: Iterable[torch.Tensor]):
+        self._storages = {p.untyped_storage().data_ptr() for p in params}
+
+    def _pack(self, t: torch.Tensor) -> tuple[torch.Tensor, int]:
+        return t, _torch_private.version(t)
+
+    def _unpack(self, packed: tuple[torch.Tensor, int]) -> torch.Tensor:
+        t, version = packed
+        if _torch_private.version(t) != version and t.untyped_storage().data_ptr() not in self._storages:
+            raise RuntimeError(f"a tensor of shape {tuple(t.shape)} saved by the stage's forward was modified in place "
+                               f"before its backward (version {version} → {_torch_private.version(t)}); only the "
+                               "stage's parameters may change between a forward and its backward")
+        return t
+
+    def __call__(self):
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+
+def _check_int(name: str, value: Any, what: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{name}={value!r} is invalid: must be an integer ≥ 1 ({what})")
+
+
+class SchedulePACI(PipelineScheduleSingle):
+    """PACI(a) over one torch ``PipelineStage`` per rank, never flushed between ``step()`` calls.
+
+    Stage i (1-based, i = stage + 1) of N admits a forward while its in-flight count q_i < N + 1 − i,
+    otherwise runs the backward of its oldest in-flight micro-batch; after every a-th backward it returns
+    from ``step()`` and the caller's ``optimizer.step()`` is the local update. The drift of stage i is
+    bounded by Δ_i ≤ ⌈(N − i)/a⌉, attained in steady state. Each micro-batch's loss is multiplied by
+    1/a before its backward (so an update applies the mean gradient); ``losses`` holds the unscaled ones.
+    The step contract is [Note: the step contract] in this module's docstring.
+
+    With ``flush=True`` no forward of update t + 1's micro-batches starts before update t: every
+    ``step()`` ends drained, which is 1F1B-flush with m = a (torch's ``Schedule1F1B`` order).
+
+    Args:
+        stage: this rank's ``torch.distributed.pipelining.PipelineStage``; ``num_stages`` must equal the
+            size of its process group (one stage per rank). Its module's input on the first stage is the
+            micro-batch's inputs (a tensor, e.g. token ids ``(B, T)`` int64, or a tuple of tensors), else the
+            previous stage's output; any tensor-valued output.
+        n_microbatches: m, the micro-batches each batch from the data iterator splits into (dim 0).
+        loss_fn: ``loss_fn(last_stage_output, target_micro_batch) -> scalar`` mean loss.
+        a: accumulation factor, backwards per ``step()`` and update (default m). Need not divide m, nor
+            m divide it: micro-batches carry over between batches and calls.
+        flush: drain at the end of every ``step()`` (1F1B-flush) instead of PACI's carry-over.
+
+    Raises:
+        ConfigError: ``n_microbatches`` or ``a`` not an integer ≥ 1, no ``loss_fn``, a ``stage`` that is
+            not a ``PipelineStage``, or ``num_stages`` different from the number of ranks.
+
+    Memory: each stage holds at most N + 1 − i micro-batches' activations, as 1F1B-flush; no weight copy.
+
+    Source: PACI, arXiv 2606.07881, §3 (accumulation as version control, local flow control).
+    """
+
+    def __init__(self, stage: PipelineStage, n_microbatches: int, loss_fn: LossFn, a: int | None = None, *,
+                 flush: bool = False):
+        _check_int("n_microbatches", n_microbatches, "micro-batches per batch of the data iterator")
+        a = n_microbatches if a is None else a
+        _check_int("a", a, "backward passes per step() and local update")
+        if loss_fn is None:
+            raise ConfigError("loss_fn=None is invalid: SchedulePACI trains, give loss_fn(output, target) -> scalar")
+        if not isinstance(stage, PipelineStage):
+            raise ConfigError(f"stage={type(stage).__name__} is invalid: SchedulePACI runs one "
+                              "torch.distributed.pipelining.PipelineStage per rank")
+        if stage.num_stages != stage.group_size:
+            raise ConfigError(f"num_stages={stage.num_stages} is invalid with {stage.group_size} ranks: SchedulePACI "
+                              f"runs one stage per rank (build the PipelineStage with num_stages={stage.group_size})")
+        # torch's receive buffers are per chunk id: micro-batch k uses slot k mod N; a slot is reused only
+        # after its micro-batch's backward (at most N + 1 − i are in flight)
+        super().__init__(stage, n_microbatches=stage.num_stages, loss_fn=loss_fn, scale_grads=False)
+        self.m, self.a, self.flush = n_microbatches, a, flush
+        self.cap = stage.num_stages - stage.stage_index  # N + 1 − i, i = stage + 1
+        self._scale = 1.0 / a
+        self._steps = 0  # step() calls finished = updates the loop has applied (the weight version)
+        self._n_fwd = self._n_bwd = 0
+        self._fwd_version: dict[int, int] = {}
+        self._loss: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # k -> (scaled loss, detached loss)
+        self._batches: dict[int, tuple[list[tuple], list[torch.Tensor] | None]] = {}
+        self._next_batch = 0
+        self._data: Iterator | None = None
+        self._sends: dict[str, list] = {"fwd": [], "bwd": []}
+        self._hooks: _SavedByReference | None = None
+        self._initialized = False
+        self._owed = False  # an activation sent by the previous stage that no forward here will receive
+        self.drift: Counter[int] = Counter()  #: Δ = v_B − v_F -> backwards of this stage with that drift
+
+    # -- public state ---------------------------------------------------------------------------------
+    @property
+    def steps(self) -> int:
+        """``step()`` calls finished (the weight version, once the loop has applied each update)."""
+        return self._steps
+
+    @property
+    def in_flight(self) -> int:
+        """Micro-batches forwarded on this stage and not yet backwarded (q_i)."""
+        return self._n_fwd - self._n_bwd
+
+    def state_dict(self) -> dict[str, Any]:
+        """The schedule's position, to checkpoint beside the model and optimizer after :meth:`drain`.
+
+        Returns:
+            ``{"steps": V, "next_micro_batch": V·a, "drift": {Δ: count}}``. The data iterator of the
+            resumed run must start at batch ``next_micro_batch // n_microbatches``.
+
+        Raises:
+            RuntimeError: micro-batches are in flight (call :meth:`drain` first).
+        """
+        if self.in_flight or self._owed:
+            raise RuntimeError(f"stage {self._stage.stage_index} has {self.in_flight} micro-batches in flight: call "
+                               "drain() before state_dict()")
+        return {"steps": self._steps, "next_micro_batch": self._n_bwd, "drift": dict(self.drift)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restores :meth:`state_dict`'s position (before the first ``step()`` of the resumed run).
+
+        Raises:
+            RuntimeError: micro-batches are in flight.
+        """
+        if self.in_flight or self._owed:
+            raise RuntimeError(f"stage {self._stage.stage_index} has {self.in_flight} micro-batches in flight: "
+                               "load_state_dict() needs a drained schedule")
+        self._steps = state["steps"]
+        self._n_fwd = self._n_bwd = state["next_micro_batch"]
+        self._next_batch = self._n_bwd // self.m
+        self._batches.clear()
+        self.drift = Counter(state.get("drift", {}))
+
+    # -- the step -------------------------------------------------------------------------------------
+    def step(self, data: Iterator | None = None, *, losses: list | None = None, **kwargs) -> None:
+        """Runs this stage's next a backwards and the forwards back-pressure admits ([Note: the step contract]).
+
+        Args:
+            data: iterator of ``(inputs, target)`` batches: ``inputs`` a tensor (or tuple of tensors) and
+                ``target`` a tensor, each with m·B rows along dim 0 (B the micro-batch size). Needed on the
+                first and last stage at the first call (later calls may pass it again or ``None``); ignored
+                elsewhere.
+            losses: on the last stage, cleared and filled with this call's a unscaled micro-batch losses
+                (0-dim tensors, oldest first).
+
+        Raises:
+            ConfigError: ``data`` missing where it is read, not an iterator, a batch smaller than m, or
+                extra keyword arguments.
+            RuntimeError: called under ``torch.no_grad()``, or the iterator ran out.
+        """
+        st = self._stage
+        if kwargs:
+            raise ConfigError(f"{', '.join(kwargs)}= is invalid for SchedulePACI.step: it takes the data iterator "
+                              "and losses= only (targets come with the inputs from the iterator)")
+        if data is not None:
+            if not isinstance(data, Iterator):
+                raise ConfigError(f"data={type(data).__name__} is invalid: SchedulePACI.step takes an iterator of "
+                                  "(inputs, target) batches, because the first stage reads up to N−1 micro-batches "
+                                  "ahead of its update (pass iter(batches) or your data loader's iterator)")
+            self._data = data
+        if (st.is_first or st.is_last) and self._data is None:
+            raise ConfigError(f"data=None is invalid on stage {st.stage_index}: the {'first' if st.is_first else 'last'} "
+                              "stage reads the micro-batches' inputs or targets; pass the data iterator on every rank")
+        if not torch.is_grad_enabled():
+            raise RuntimeError("SchedulePACI.step() needs gradients: it was called under torch.no_grad()")
+        st.has_backward = True
+        if not self._initialized:
+            self._initialize()
+        end = (self._steps + 1) * self.a
+        call_losses: list[torch.Tensor] = []
+        while self._n_bwd < end:
+            if self.in_flight < self.cap and not (self.flush and self._n_fwd >= end):
+                self._forward(self._n_fwd)
+            else:
+                call_losses += self._backward(self._n_bwd)
+        self._steps += 1
+        # under PACI the previous stage ends each call with exactly one forward more than this one
+        # (n_fwd = a·(t+1) + N − i on stage i − 1, one less here): drain() receives it
+        self._owed = not (st.is_first or self.flush)
+        if st.is_last and losses is not None:
+            losses.clear()
+            losses.extend(call_losses)
+
+    def drain(self) -> None:
+        """Leaves no micro-batch in flight and no send pending ([Note: the step contract]).
+
+        The forwards this stage ran beyond its last finished update (at most N − 1 − stage) are discarded,
+        and the one activation the previous stage sent beyond them is received and dropped; the next
+        ``step()`` forwards those micro-batches again on the updated weights (unbubble's checkpoint cut).
+        Every rank must call it (after the same number of ``step()`` calls). Cost: the discarded forwards.
+        """
+        st = self._stage
+        if self._owed:  # the previous stage read one micro-batch further ahead than this one and sent it
+            self._recv(st.get_fwd_recv_ops(self._n_fwd % self._n_microbatches))
+            self._owed = False
+        for k in range(self._n_bwd, self._n_fwd):
+            _torch_private.drop_forward(st, k % self._n_microbatches)
+            self._fwd_version.pop(k, None)
+            self._loss.pop(k, None)
+        self._n_fwd = self._n_bwd
+        for kind in self._sends:
+            self._wait(kind)
+
+    # -- actions --------------------------------------------------------------------------------------
+    def _initialize(self) -> None:
+        st = self._stage
+        args = self._inputs(self._n_fwd) if st.is_first else ()
+        target = self._target(self._n_fwd) if st.is_last else None
+        _torch_private.initialize_stage(self, args, target)
+        self._hooks = _SavedByReference(st.submod.parameters())
+        self._initialized = True
+
+    def _forward(self, k: int) -> None:
+        st, slot = self._stage, k % self._n_microbatches
+        args = self._inputs(k) if st.is_first else ()
+        if not st.is_first:
+            self._recv(st.get_fwd_recv_ops(slot))
+        with self._hooks():
+            out = st.forward_one_chunk(slot, args, None, save_forward_output=False)
+            if st.is_last:
+                loss = self._loss_fn(out, self._target(k))
+                self._loss[k] = (loss * self._scale, loss.detach())
+        if not st.is_last:
+            self._send("fwd", st.get_fwd_send_ops(slot))
+        self._fwd_version[k] = self._steps
+        self._n_fwd += 1
+
+    def _backward(self, k: int) -> list[torch.Tensor]:
+        st, slot = self._stage, k % self._n_microbatches
+        if not st.is_last:
+            self._recv(st.get_bwd_recv_ops(slot))
+        scaled, value = self._loss.pop(k) if st.is_last else (None, None)
+        st.backward_one_chunk(slot, loss=scaled, full_backward=True, last_backward=False)
+        if not st.is_first:
+            self._send("bwd", st.get_bwd_send_ops(slot))
+        self.drift[self._steps - self._fwd_version.pop(k)] += 1
+        self._n_bwd += 1
+        for b in [b for b in self._batches if (b + 1) * self.m <= self._n_bwd]:
+            del self._batches[b]  # every micro-batch of batch b is done (a drain re-forwards only later ones)
+        return [] if value is None else [value]
+
+    # -- point to point -------------------------------------------------------------------------------
+    @staticmethod
+    def _recv(ops: list) -> None:
+        if ops:
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+
+    def _send(self, kind: str, ops: list) -> None:
+        """Starts ``ops`` after the previous send of the same direction has completed (one pending per
+        direction; the receiver posts its receives in the same order, so this never deadlocks)."""
+        self._wait(kind)
+        if ops:
+            self._sends[kind] = [dist.batch_isend_irecv(ops), ops]  # the ops keep the tensors alive
+
+    def _wait(self, kind: str) -> None:
+        if self._sends[kind]:
+            for work in self._sends[kind][0]:
+                work.wait()
+            self._sends[kind] = []
+
+    # -- data -----------------------------------------------------------------------------------------
+    def _batch(self, k: int) -> tuple[list[tuple], list[torch.Tensor] | None]:
+        b = k // self.m
+        while self._next_batch <= b:
+            try:
+                item = next(self._data)
+            except StopIteration:
+                raise RuntimeError(f"the data iterator ran out at batch {self._next_batch} (micro-batch {k}) on stage "
+                                   f"{self._stage.stage_index}: PACI's first stage reads up to N−1 = "
+                                   f"{self._stage.num_stages - 1} micro-batches ahead of its update; give it more "
+                                   "batches or an endless iterator") from None
+            self._batches[self._next_batch] = self._split(item)
+            self._next_batch += 1
+        return self._batches[b]
+
+    def _split(self, item: Any) -> tuple[list[tuple], list[torch.Tensor] | None]:
+        if not (isinstance(item, (tuple, list)) and len(item) == 2):
+            raise ConfigError(f"a batch of type {type(item).__name__} is invalid: the data iterator must yield "
+                              "(inputs, target) pairs")
+        inputs, target = item
+        inputs = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
+        for t in inputs + ((target,) if isinstance(target, torch.Tensor) else ()):
+            if t.shape[0] < self.m:
+                raise ConfigError(f"a batch of {t.shape[0]} rows is invalid for n_microbatches={self.m}: each batch "
+                                  f"splits along dim 0 into {self.m} micro-batches")
+        chunks = [torch.tensor_split(t, self.m, dim=0) for t in inputs]  # torch's TensorChunkSpec(0) split
+        args = [tuple(c[j] for c in chunks) for j in range(self.m)]
+        targets = list(torch.tensor_split(target, self.m, dim=0)) if isinstance(target, torch.Tensor) else None
+        return args, targets
+
+    def _inputs(self, k: int) -> tuple:
+        return self._batch(k)[0][k % self.m]
+
+    def _target(self, k: int) -> torch.Tensor:
+        targets = self._batch(k)[1]
+        if targets is None:
+            raise ConfigError("target=None is invalid on the last stage: the data iterator's batches must carry "
+                              "the targets the loss needs")
+        return targets[k % self.m]
+
+    def _step_microbatches(self, *args, **kwargs):  # the abstract method of torch's base class: unused
+        raise NotImplementedError("SchedulePACI runs through step(data_iterator); it has no per-batch "
+                                  "_step_microbatches")
+
+
+def clip_grad_norm_pp(parameters: Iterable[torch.Tensor], max_norm: float, group: dist.ProcessGroup | None = None,
+                      norm_type: float = 2.0) -> torch.Tensor:
+    """Clips the gradients of this rank's stage by the norm over the whole pipeline (torchtitan's PP clipping).
+
+    Call it after ``SchedulePACI.step()`` on every rank: each rank then holds the gradients of the same
+    update, so the global norm is that update's. One all-reduce of a scalar: every rank waits for the
+    slowest to finish its a-th backward (the cost ``unbubble bench`` measures). Its result is also the global
+    non-finite check (``torch.isfinite(norm)``).
+
+    Args:
+        parameters: this stage's parameters (their ``.grad``).
+        max_norm: largest allowed total norm.
+        group: the pipeline's process group (default: the world).
+        norm_type: p of the p-norm (finite).
+
+    Returns:
+        The total norm over all stages before clipping, a 0-dim tensor.
+    """
+    params = [p for p in parameters if p.grad is not None]
+    local = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type) if params else torch.zeros(())
+    total = local.double() ** norm_type
+    dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
+    total = (total ** (1.0 / norm_type)).to(local.dtype)
+    if params:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return total
+
+
+def split_torchtitan_model(model: nn.Module, stage: int, n_stages: int,
+                           layers_per_stage: list[int] | None = None) -> nn.Module:
+    """Prunes a torchtitan-layout model, in place, to what ``stage`` owns (torchtitan's split by module names).
+
+    The model has ``tok_embeddings``, ``layers`` (an ``nn.ModuleDict`` keyed by the original index),
+    ``norm`` and ``output``, and its ``forward`` skips the parts that are ``None`` (``h =
+    self.tok_embeddings(tokens) if self.tok_embeddings else tokens``), as torchtitan's models do. Stage 0
+    keeps the embeddings, the last stage the norm and the output; the layers are cut contiguously. The
+    remaining parameters keep their fully-qualified names, so checkpoints merge into the whole model's.
+
+    Args:
+        model: the whole model (on any device, ``meta`` included).
+        stage: 0-based stage index.
+        n_stages: N ≥ 1.
+        layers_per_stage: layers of each stage (sums to the model's); default as even as possible, the
+            earlier stages taking the remainder.
+
+    Returns:
+        ``model`` itself, pruned.
+
+    Raises:
+        ConfigError: the model lacks the layout, ``stage`` is out of range, more stages than layers, or
+            ``layers_per_stage`` that does not fit.
+    """
+    for name in ("tok_embeddings", "layers", "norm", "output"):
+        if not hasattr(model, name):
+            raise ConfigError(f"model={type(model).__name__} is invalid: a torchtitan-layout model has "
+                              f"tok_embeddings, layers (nn.ModuleDict), norm and output; it lacks {name}")
+    if not isinstance(model.layers, nn.ModuleDict):
+        raise ConfigError(f"model.layers={type(model.layers).__name__} is invalid: it must be an nn.ModuleDict keyed "
+                          "by layer index (torchtitan's layout), so pruned stages keep the original names")
+    _check_int("n_stages", n_stages, "pipeline stages")
+    if isinstance(stage, bool) or not isinstance(stage, int) or not 0 <= stage < n_stages:
+        raise ConfigError(f"stage={stage!r} is invalid: must be in 0 … {n_stages - 1} (n_stages={n_stages})")
+    names = list(model.layers.keys())
+    if layers_per_stage is None:
+        if n_stages > len(names):
+            raise ConfigError(f"n_stages={n_stages} is invalid: the model has {len(names)} layers, at most one stage "
+                              "per layer")
+        q, r = divmod(len(names), n_stages)
+        layers_per_stage = [q + (s < r) for s in range(n_stages)]
+    if len(layers_per_stage) != n_stages or sum(layers_per_stage) != len(names) or min(layers_per_stage) < 0:
+        raise ConfigError(f"layers_per_stage={layers_per_stage} is invalid: {n_stages} counts ≥ 0 that sum to the "
+                          f"model's {len(names)} layers")
+    start = sum(layers_per_stage[:stage])
+    keep = set(names[start:start + layers_per_stage[stage]])
+    for name in names:
+        if name not in keep:
+            del model.layers[name]
+    if stage != 0:
+        model.tok_embeddings = None
+    if stage != n_stages - 1:
+        model.norm = None
+        model.output = None
+    return model
+
+
+def pipeline_paci(model: nn.Module, *, device: torch.device, loss_fn: LossFn, n_microbatches: int,
+                  a: int | None = None, group: dist.ProcessGroup | None = None,
+                  layers_per_stage: list[int] | None = None,
+                  parallelize: Callable[[nn.Module], nn.Module] | None = None,
+                  flush: bool = False) -> tuple[SchedulePACI, list[nn.Module], bool, bool]:
+    """A torchtitan ``pipelining_fn``-style factory: this rank's stage of ``model`` under :class:`SchedulePACI`.
+
+    Args:
+        model: a torchtitan-layout model (:func:`split_torchtitan_model`), pruned in place.
+        device: where the stage runs.
+        loss_fn: ``loss_fn(logits, labels) -> scalar`` mean loss.
+        n_microbatches: m, micro-batches per batch of the data iterator.
+        a: PACI's accumulation factor (default m).
+        group: the pipeline's process group (torchtitan: ``parallel_dims.get_mesh("pp").get_group()``);
+            default the world. Rank r of the group runs stage r.
+        layers_per_stage: as in :func:`split_torchtitan_model`.
+        parallelize: applied to the pruned part before it is wrapped (torchtitan's ``parallelize_fn``:
+            TP, activation checkpointing, compile; FSDP/DDP inside a PACI stage is untested).
+        flush: see :class:`SchedulePACI`.
+
+    Returns:
+        ``(schedule, [model_part], has_first_stage, has_last_stage)``, torchtitan's ``pipeline_llm`` shape.
+
+    Raises:
+        ConfigError: as :func:`split_torchtitan_model` and :class:`SchedulePACI`.
+    """
+    rank, n_ranks = dist.get_rank(group), dist.get_world_size(group)
+    part = split_torchtitan_model(model, rank, n_ranks, layers_per_stage)
+    if parallelize is not None:
+        part = parallelize(part)
+    stage = PipelineStage(part, rank, n_ranks, device, group=group)
+    schedule = SchedulePACI(stage, n_microbatches, loss_fn, a=a, flush=flush)
+    return schedule, [part], rank == 0, rank == n_ranks - 1
