@@ -31,7 +31,8 @@ no entry here.
 Usage::
 
     python benchmarks/plan_validation.py --size tiny        # the script's check: calibration + 3 runs of 10 steps
-    python benchmarks/plan_validation.py --size full        # 10 configurations of deep-cpu, 200 steps each
+    python benchmarks/plan_validation.py --size full --out runs/plan-validation   # 10 configurations of deep-cpu,
+                                                            # 200 steps each: ≈ 6 min on an idle 2-core machine (estimate)
     python benchmarks/plan_validation.py --size full --model small-cpu
     python benchmarks/plan_validation.py --part published   # part 2 only (simulation, seconds)
 
@@ -172,12 +173,12 @@ def calibrated_hardware(run_dir: Path, model: str, setup: dict):
                 "stages": [dict(f=s.f_s, b=s.b_s, u=s.u_s) for s in mc.stages]}
 
 
-def measured_part(model: str, size: str, out: Path, threads: int) -> dict:
+def measured_part(model: str, size: str, out: Path, threads: int, steps: int | None = None) -> dict:
     from unbubble.schedules.registry import SCHEDULES
     from unbubble.sim.plan import Cluster, candidates
 
     setup = SETUPS[model]
-    steps = {"tiny": 10, "full": 200}[size]
+    steps = steps or {"tiny": 10, "full": 200}[size]
     configs = [c for c in (TINY if size == "tiny" else CONFIGS) if c[0] in SCHEDULES]
     print(f"# Part 1: {model}, {setup['sequences']} sequences of {setup['seq_len']} tokens per update, "
           f"{steps} steps per run, process engine, {threads} torch thread(s) per stage", flush=True)
@@ -198,15 +199,26 @@ def measured_part(model: str, size: str, out: Path, threads: int) -> dict:
                       schedules=names, stages=(1, 2), v_values=(2,), recompute=(False,), precision="fp32",
                       vocab_size=257, predict_weights=False, token_overhead=None)
     plan_s = time.perf_counter() - t0
-    by_key = {(r.schedule, r.stages, r.dp, r.mb_per_update, r.v): r for r in rows}
+    def predicted(config):
+        name, n, dp, k, v = config
+        k = 1 if name in ("async-1f1b", "pipedream", "pipemare") else k
+        return next((r for r in rows if (r.schedule, r.stages, r.dp, r.mb_per_update) == (name, n, dp, k)
+                     and (v is None or r.v == v)), None)
+
+    own = predicted(CALIBRATION)
+    cal_steady = steady_measured(cal_dir, CALIBRATION[2])
+    cal_info["self_check"] = {"predicted": own.tokens_per_s, "measured_steady": cal_steady,
+                              "measured_summary": cal["summary"]["tokens_per_s"]}
+    print(f"self-check, the calibration run itself: predicted {own.tokens_per_s:,.0f} tokens/s, measured "
+          f"{cal_steady:,.0f} in steady state ({own.tokens_per_s / cal_steady:.3f}), "
+          f"{cal['summary']['tokens_per_s']:,.0f} over the whole run", flush=True)
     results = []
     print("\n| configuration | N | dp | b | predicted tok/s | measured tok/s (summary) | measured steady tok/s "
           "| predicted ÷ measured (summary) | predicted ÷ steady | load before→after |", flush=True)
     print("|---|---|---|---|---|---|---|---|---|---|", flush=True)
     for cfg in configs:
         name, n, dp, k, v = cfg
-        row = by_key.get((name, n, dp, k if name not in ("async-1f1b", "pipedream", "pipemare") else 1,
-                          v or (2 if name in ("zbv", "dualpipev") else 1)))
+        row = predicted(cfg)
         run_dir = out / (f"{name}-N{n}-dp{dp}-k{k}" + (f"-v{v}" if v else ""))
         shutil.rmtree(run_dir, ignore_errors=True)
         got = train(run_dir, model, setup, cfg, steps, threads)
@@ -289,6 +301,7 @@ def main() -> None:
     p.add_argument("--model", choices=tuple(SETUPS), default="deep-cpu")
     p.add_argument("--part", choices=("measured", "published", "both"), default="both")
     p.add_argument("--threads", type=int, default=1, help="torch threads per stage process")
+    p.add_argument("--steps", type=int, default=None, help="optimizer steps per run [default: 10 tiny, 200 full]")
     p.add_argument("--out", default=None, help="folder for the run folders and plan_validation.json "
                                                 "[default: a temporary folder, removed]")
     a = p.parse_args()
@@ -298,7 +311,7 @@ def main() -> None:
               "cpus": os.cpu_count(), "argv": sys.argv[1:]}
     try:
         if a.part in ("measured", "both"):
-            report["measured"] = measured_part(a.model, a.size, out, a.threads)
+            report["measured"] = measured_part(a.model, a.size, out, a.threads, a.steps)
         if a.part in ("published", "both"):
             report["published"] = published_part()
         report["load_at_end"] = load()

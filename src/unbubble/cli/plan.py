@@ -10,6 +10,7 @@ import time
 import click
 
 from unbubble.errors import ConfigError
+from unbubble.sim.hardware import HARDWARE
 
 log = logging.getLogger("unbubble.plan")
 
@@ -55,10 +56,10 @@ def _print(obj, fmt: str, width: int | None) -> None:
 @click.command(context_settings={"show_default": True})
 @click.option("--model", default="gpt2-medium", help="Model preset (tiny … gpt2-xl, small-cpu, deep-cpu, llama-1b, "
                                                       "llama-8b, mixtral-8x7b, zb-1.5b …; see `unbubble simulate --help`).")
-@click.option("--gpus", default="8xH200", help="Cluster as COUNTxGPU from the hardware table (a100-80g, h100, h200): "
+@click.option("--gpus", default="8xH200", help=f"Cluster as COUNTxGPU from the hardware table ({', '.join(HARDWARE)}): "
                                                "1 to a node's 8, or whole nodes.")
 @click.option("--global-batch-tokens", default=262_144, type=int,
-              help="Tokens per update of the whole cluster [default: the PACI paper's 256 × 1024].")
+              help="Tokens per update of the whole cluster (the default: the PACI paper's 256 sequences of 1024).")
 @click.option("--seq-len", default=None, type=int, help="Tokens per sequence [default: the model's block size].")
 @click.option("--memory-gb", default=None, type=float, help="Memory per device, GB [default: the table's].")
 @click.option("--link-gb-s", default=None, type=float,
