@@ -29,7 +29,8 @@ OPTIMIZERS = ("adamw", "basis-rotation", "nesterov", "nadam", "pipedream-lr", "s
 #: ignores them, so a flag given for one of those is refused (:func:`check_schedule_options`).
 SCHEDULE_OPTIONS: dict[str, tuple[tuple[str, ...], str]] = {
     "a": (("paci", "paci-stashed"), "backward passes per update"),
-    "m": (("gpipe", "1f1b-flush", "interleaved-1f1b", "looped-bfs", "interleaved-zb", "zb-h1", "zb-h2", "pipedream-2bw"),
+    "m": (("gpipe", "1f1b-flush", "interleaved-1f1b", "looped-bfs", "interleaved-zb", "zb-h1", "zb-h2", "zbv", "dualpipev",
+           "pipedream-2bw"),
           "micro-batches per step"),
     "v": (("interleaved-1f1b", "looped-bfs", "interleaved-zb"), "virtual stages per device"),
 }
@@ -77,7 +78,7 @@ class TrainConfig:
     stages: int = field(default=4, metadata={"help": "Pipeline depth N (one process per stage with engine='processes')."})
     dp: int = field(default=1, metadata={"help": "Data-parallel pipeline replicas D: D × stages processes; the replicas of a stage average their gradients at each of its updates (replica d reads micro-batch ids k·D + d)."})
     a: int = field(default=4, metadata={"help": 'PACI accumulation factor: backward passes per local optimizer step (= micro-batches per step).'})
-    m: int = field(default=4, metadata={"help": 'Micro-batches per optimizer step of gpipe, 1f1b-flush, interleaved-1f1b, looped-bfs, interleaved-zb, zb-h1, zb-h2 and pipedream-2bw.'})
+    m: int = field(default=4, metadata={"help": 'Micro-batches per optimizer step of gpipe, 1f1b-flush, interleaved-1f1b, looped-bfs, interleaved-zb, zb-h1, zb-h2, zbv, dualpipev (m ≥ 2N) and pipedream-2bw.'})
     v: int = field(default=2, metadata={"help": "Virtual stages (model chunks) per rank for interleaved-1f1b, looped-bfs and interleaved-zb."})
     micro_batch_size: int = field(default=8, metadata={"help": 'Sequences per micro-batch.'})
     seq_len: int = field(default=128, metadata={"help": "Tokens per sequence (≤ the model's block size)."})
@@ -120,7 +121,7 @@ class TrainConfig:
     nan_lr_factor: float = field(default=0.5, metadata={"help": "Learning-rate factor per dropped micro-batch with --nan-policy lower-lr, in (0, 1]."})
     precision: Literal["fp32", "bf16-autocast", "bf16"] = field(default="fp32", metadata={"help": "fp32; bf16-autocast (fp32 weights, forwards under torch.autocast: an in-flight micro-batch's input gradient uses its forward-time bf16 weights and holds a bf16 copy of them); bf16 (bf16 weights updated in place from fp32 master copies and fp32 moments, gradients summed in fp32: the backward uses the current weights, as in fp32)."})
     recompute: Literal["none", "full"] = field(default="none", metadata={"help": "full: each stage keeps only its input per in-flight micro-batch and re-runs its forward, on the weights the backward uses (v_B) and with the forward's RNG state, right before the backward (one more forward per backward)."})
-    compile: bool = field(default=False, metadata={"help": "torch.compile each stage's module (the loss stays eager) with --compile-backend. The compiled backward reads the current weights as the eager one does, so every schedule keeps its weight-version semantics (tested against the eager runtime), except zb-h1, zb-h2 and interleaved-zb, which are refused (a compiled backward cannot be split into I and W). Compiles during the first micro-batches (inductor: seconds to minutes per stage; with the processes engine raise --timeout-s above that)."})
+    compile: bool = field(default=False, metadata={"help": "torch.compile each stage's module (the loss stays eager) with --compile-backend. The compiled backward reads the current weights as the eager one does, so every schedule keeps its weight-version semantics (tested against the eager runtime), except zb-h1, zb-h2, interleaved-zb, zbv and dualpipev, which are refused (a compiled backward cannot be split into I and W). Compiles during the first micro-batches (inductor: seconds to minutes per stage; with the processes engine raise --timeout-s above that)."})
     compile_backend: Literal["inductor", "aot_eager"] = field(default="inductor", metadata={"help": "torch.compile backend of --compile: inductor (generated kernels) or aot_eager (AOTAutograd graphs run op by op: compiles in well under a second; for checking that a model traces)."})
     timeout_s: float = field(default=60.0, metadata={"help": "Seconds a stage process waits for a neighbour before the run fails (processes engine, torchrun)."})
     threads_per_stage: int = field(default=1, metadata={"help": 'torch threads in each stage process (processes engine), and in the emulator.'})

@@ -102,7 +102,8 @@ def test_a_failing_stage_stops_the_run_with_its_message():
         run_processes(job, timeout_s=30)
 
 
-@pytest.mark.parametrize("name,kw", [("gpipe", {}), ("interleaved-1f1b", {"v": 2}), ("zb-h1", {}), ("zb-h2", {})])
+@pytest.mark.parametrize("name,kw", [("gpipe", {}), ("interleaved-1f1b", {"v": 2}), ("zb-h1", {}), ("zb-h2", {}),
+                                     ("zbv", {}), ("dualpipev", {})])
 def test_synchronous_schedules_across_processes_equal_reference(name, kw):
     job = tiny_gpt_job(get_schedule(name, 2, steps=2, m=4, **kw))
     result = run_processes(job)

@@ -202,7 +202,7 @@ def test_the_allowed_schedules_are_the_asynchronous_ones():
     def kw(name):
         return {opt: 4 for opt, (names, _) in SCHEDULE_OPTIONS.items() if name in names}
 
-    asynchronous = {n for n in SCHEDULES if get_schedule(n, 4, 2, **kw(n)).asynchronous}
+    asynchronous = {n for n in SCHEDULES if get_schedule(n, 2, 2, **kw(n)).asynchronous}
     assert asynchronous == set(ERROR_FEEDBACK_SCHEDULES)
     TrainConfig(error_feedback=1.0, schedule="pipedream")  # accepted
 

@@ -94,7 +94,7 @@ def test_train_a_given_to_a_schedule_without_accumulation(cache_dir):
 def test_train_m_given_to_paci(cache_dir):
     assert _error(["train", "--engine", "emulator", "--cache-dir", cache_dir, "--m", "8"]) == (
         "m=8 has no effect on schedule='paci', whose backward passes per update are --a: only gpipe, 1f1b-flush, "
-        "interleaved-1f1b, looped-bfs, interleaved-zb, zb-h1, zb-h2, pipedream-2bw take --m (micro-batches per step); "
+        "interleaved-1f1b, looped-bfs, interleaved-zb, zb-h1, zb-h2, zbv, dualpipev, pipedream-2bw take --m (micro-batches per step); "
         "drop --m or change --schedule")
 
 

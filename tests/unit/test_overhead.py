@@ -299,7 +299,8 @@ def test_overhead_study_tiny_values_and_analysis_from_the_csvs(tmp_path):
 def test_train_prints_the_break_even_of_an_asynchronous_run():
     """On unit costs (F = 1, B = 2) at N = 4, m = a = 4 PACI is 1.125× as fast as interleaved-zb with
     v = 2, the fastest synchronous schedule there (the break-even table of docs/faq.md; 1.25× against
-    ZB-H1); a flushed run prints nothing."""
+    ZB-H1 and ZBV); at m = 16 ZBV, within 1F1B-flush's activation memory, is as fast as PACI (its
+    bubble vanishes across steps at F = I = W); a flushed run prints nothing."""
     from types import SimpleNamespace
 
     from unbubble.cli.train import _break_even_line
@@ -317,7 +318,8 @@ def test_train_prints_the_break_even_of_an_asynchronous_run():
 
     trace16 = run_policies(get_schedule("paci", 4, 8, a=16), UniformCosts(f=1.0, b=2.0))
     line16 = _break_even_line(TrainConfig(stages=4, a=16), SimpleNamespace(trace=trace16))
-    assert "at m = 16 (zb-h2) (1.03× against interleaved-zb v=2, the fastest within 1F1B-flush's" in line16
+    assert async_over_sync(UniformCosts(f=1.0, b=2.0), 4, 16, schedules=("zbv",))[0] == pytest.approx(1.0, abs=1e-9)
+    assert "at m = 16 (zb-h2) (1.00× against zbv, the fastest within 1F1B-flush's" in line16
     assert _break_even_line(TrainConfig(schedule="1f1b-flush"), SimpleNamespace(trace=trace)) is None
 
 
@@ -353,14 +355,19 @@ def test_break_even_against_flush_is_the_analytic_bubble_ratio(n, m):
 def test_the_fastest_synchronous_schedule_includes_interleaved_zero_bubble(n, m):
     """Unit costs, N | m: interleaved-zb (v = 2 chunks, each half a stage) takes 3·v·m + N − 1 chunk
     actions of half a unit per step against PACI's 3m units, and beats ZB-H1's 3m + N − 1; at
-    1F1B-flush's memory it is the fastest (zb-h2, when m ≥ 2N − 1 zero-bubble across steps, holds 2N)."""
+    1F1B-flush's memory it is the fastest of the one-chunk and looped schedules (zb-h2, when m ≥ 2N − 1
+    zero-bubble across steps, holds 2N); ZBV, at that memory too, has zero bubble across steps once
+    m ≥ 2N − 1 (its source's condition, arXiv 2401.10241 §6) and is then as fast as PACI."""
     from unbubble.sim.costs import UniformCosts
     from unbubble.sim.extrapolate import SYNCHRONOUS, async_over_sync
 
-    assert {"looped-bfs", "interleaved-zb"} <= set(SYNCHRONOUS)
+    assert {"looped-bfs", "interleaved-zb", "zbv", "dualpipev"} <= set(SYNCHRONOUS)
+    loops = [s for s in SYNCHRONOUS if s not in ("zbv", "dualpipev")]
     costs, v = UniformCosts(f=1.0, b=2.0), 2
-    ratio, name = async_over_sync(costs, n, m, memory="1f1b")
+    ratio, name = async_over_sync(costs, n, m, memory="1f1b", schedules=loops)
     assert name == "interleaved-zb v=2" and ratio == pytest.approx((3 * v * m + n - 1) / (3 * v * m), rel=1e-9)
+    with_v = async_over_sync(costs, n, m, memory="1f1b")
+    assert with_v == ((pytest.approx(1.0), "zbv") if m >= 2 * n - 1 else (ratio, name))
     assert async_over_sync(costs, n, m, schedules=("zb-h1",))[0] == pytest.approx((3 * m + n - 1) / (3 * m))
     unconstrained = async_over_sync(costs, n, m)
     assert unconstrained[0] <= ratio + 1e-9
@@ -381,18 +388,21 @@ def test_interleaved_zero_bubble_loses_where_its_extra_messages_cost():
 
 def test_the_1f1b_memory_variant_keeps_only_schedules_within_1f1b_flushs_activations():
     """The simulator's memory model, busiest device, in stage-sized micro-batches (a chunk counts 1/v):
-    at N = 8, m = 16 1F1B-flush, ZB-H1 and interleaved-zb hold 8, ZB-H2 and looped-bfs 16 (2N, m),
-    interleaved 1F1B 11.5; at m = 4 ≤ N every schedule holds m (interleaved 1F1B does not run)."""
+    at N = 8, m = 16 1F1B-flush, ZB-H1, interleaved-zb and zbv hold 8, ZB-H2 and looped-bfs 16 (2N, m),
+    interleaved 1F1B 11.5, dualpipev 8.5 (2N + 1 chunks); at m = 4 ≤ N every schedule holds m
+    (interleaved 1F1B and dualpipev, which needs m ≥ 2N, do not run)."""
     from unbubble.sim.extrapolate import SYNCHRONOUS, peak_activations, synchronous_options
 
     held = {s: peak_activations(s, 8, 16) for s in SYNCHRONOUS}
     assert held == {"1f1b-flush": 8, "zb-h1": 8, "zb-h2": 16, "interleaved-1f1b": 11.5, "looped-bfs": 16,
-                    "interleaved-zb": 8}
-    assert synchronous_options(8, 16, memory="1f1b") == ["1f1b-flush", "zb-h1", "interleaved-zb"]
+                    "interleaved-zb": 8, "zbv": 8, "dualpipev": 8.5}
+    assert synchronous_options(8, 16, memory="1f1b") == ["1f1b-flush", "zb-h1", "interleaved-zb", "zbv"]
     assert synchronous_options(8, 16) == list(SYNCHRONOUS)
-    assert synchronous_options(8, 4, memory="1f1b") == [s for s in SYNCHRONOUS if s != "interleaved-1f1b"]
+    assert synchronous_options(8, 4, memory="1f1b") == [s for s in SYNCHRONOUS
+                                                        if s not in ("interleaved-1f1b", "dualpipev")]
     assert {s: peak_activations(s, 8, 4) for s in SYNCHRONOUS} == {
-        "1f1b-flush": 4, "zb-h1": 4, "zb-h2": 4, "interleaved-1f1b": None, "looped-bfs": 4, "interleaved-zb": 4}
+        "1f1b-flush": 4, "zb-h1": 4, "zb-h2": 4, "interleaved-1f1b": None, "looped-bfs": 4, "interleaved-zb": 4,
+        "zbv": 4, "dualpipev": None}
     with pytest.raises(ConfigError, match="memory='half'"):
         synchronous_options(8, 4, memory="half")
 
@@ -402,6 +412,6 @@ def test_break_even_rows_at_1f1b_memory_use_the_shared_selection():
 
     rows = break_even_rows(ns=(8,), ms=(16,), memory="1f1b")
     unit = next(r for r in rows if r["setup"].startswith("unit"))
-    assert unit["m=16"] == "1.07 (interleaved-zb v=2)"
+    assert unit["m=16"] == "1.00 (zbv)"  # zero bubble across steps at 1F1B's memory (m = 16 ≥ 2N − 1)
     assert next(r for r in break_even_rows(ns=(8,), ms=(16,)) if r["setup"].startswith("unit"))["m=16"] == \
         "1.00 (zb-h2)"

@@ -24,7 +24,7 @@ torch.set_num_threads(1)
 SCHEDULES = [("paci", 4, dict(a=2)), ("async-1f1b", 4, {}), ("1f1b-flush", 4, dict(m=2)), ("gpipe", 3, dict(m=3)),
              ("interleaved-1f1b", 2, dict(m=4, v=2)), ("looped-bfs", 2, dict(m=4, v=2)),
              ("interleaved-zb", 2, dict(m=4, v=2)), ("zb-h1", 4, dict(m=4)), ("zb-h2", 4, dict(m=4)),
-             ("pipedream", 4, {}), ("pipedream-2bw", 4, dict(m=4)), ("pipemare", 4, {}), ("paci-stashed", 4, dict(a=2))]
+             ("zbv", 2, dict(m=4)), ("dualpipev", 2, dict(m=4)), ("pipedream", 4, {}), ("pipedream-2bw", 4, dict(m=4)), ("pipemare", 4, {}), ("paci-stashed", 4, dict(a=2))]
 
 
 def _equal_states(a, b) -> bool:

@@ -201,14 +201,15 @@ def test_emulator_is_deterministic():
 
 
 SYNC = [("gpipe", {}), ("interleaved-1f1b", {"v": 2}), ("looped-bfs", {"v": 2}), ("interleaved-zb", {"v": 2}),
-        ("zb-h1", {}), ("zb-h2", {})]
-# 4 ranks × 2 chunks would need 8 layers; the tiny model has 4: schedules with v chunks run on 2 ranks.
+        ("zb-h1", {}), ("zb-h2", {}), ("zbv", {}), ("dualpipev", {})]
+# 4 ranks × 2 chunks would need 8 layers; the tiny model has 4: schedules with v chunks (and the V-shaped
+# zbv and dualpipev, 2 chunks) run on 2 ranks.
 # looped-bfs runs each stage's backwards in reverse micro-batch order (as torch), so its gradients are
 # summed in another order than the reference's: AdamW turns that rounding (≈ 1e-10) on gradients that are
 # zero in theory (attention key biases) into differences above rtol, SGD does not. With AdamW it equals,
 # bit for bit, the reference summed in its order (test_schedules_torch.py).
 SYNC_CASES = [(name, kw, n, "sgd" if name == "looped-bfs" else "adamw") for name, kw in SYNC
-              for n in ([2] if "v" in kw else [2, 4])]
+              for n in ([2] if "v" in kw or name in ("zbv", "dualpipev") else [2, 4])]
 
 
 @pytest.mark.parametrize("name,kw,n,optimizer", SYNC_CASES)

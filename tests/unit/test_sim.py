@@ -6,7 +6,7 @@ import re
 import pytest
 
 from unbubble.schedules import SCHEDULES, ActionKind, get_schedule
-from unbubble.schedules.registry import VIRTUAL
+from unbubble.schedules.registry import V_SHAPED, VIRTUAL
 from unbubble.sim import PipelineCosts, StageCosts, Straggler, UniformCosts, run_policies
 
 K = ActionKind
@@ -35,7 +35,7 @@ _COSTS = [
 ]
 
 
-@pytest.mark.parametrize("name", [s for s in SCHEDULES if s not in VIRTUAL])  # 4-stage PipelineCosts: one stage a rank
+@pytest.mark.parametrize("name", [s for s in SCHEDULES if s not in VIRTUAL + V_SHAPED])  # 4-stage PipelineCosts: one stage a rank
 def test_fast_engine_equals_reference(name):
     """[Note: engine fast paths]: the inlined ListPolicy/PaciPolicy rules give the reference's trace."""
     for n, x, costs in itertools.product([1, 2, 4], [1, 3, 4], _COSTS):

@@ -57,6 +57,8 @@ def _random_schedule(rng: random.Random):
     n, x, steps = rng.randint(1, 6), rng.randint(1, 6), rng.randint(1, 4)
     if name == "pipedream-2bw":
         x = max(x, n - 1)
+    if name == "dualpipev":
+        x = max(x, 2 * n)
     kw = {"paci": dict(a=x), "paci-stashed": dict(a=x), "async-1f1b": {}, "pipedream": {},
           "pipemare": {}}.get(name, dict(m=x))
     return get_schedule(name, n, steps=steps, **kw)

@@ -31,7 +31,7 @@ def prediction_rows(run, statistic: str = "mean", blocking_sends: bool = True):
     m_span, p_span = run.trace.makespan, pred.makespan
     rows = []
     for r in range(nr):
-        send_s = sum(n_send[s] * sends[s] for s in range(r, n, nr))
+        send_s = sum(n_send[s] * sends[s] for s in run.schedule.stages_of(r))
         rows.append({"rank": r, "measured_utilization": m_busy[r] / m_span,
                      "predicted_utilization": (p_busy[r] - send_s) / p_span,
                      "predicted_busy_with_sends": p_busy[r] / p_span,

@@ -77,7 +77,7 @@ class Clock:
         key = (method, schedule, steps, a, m, v)
         if key not in self._cache:
             sched = get_schedule(schedule, self.n, steps, a=a, m=m, v=v)
-            costs = chunk_costs(self._costs(method), self.n, sched.virtual)
+            costs = chunk_costs(self._costs(method), self.n, sched.virtual, sched.placement)
             self._cache[key] = run_policies(sched, costs).makespan
         return self._cache[key]
 

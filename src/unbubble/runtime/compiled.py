@@ -39,7 +39,7 @@ back to eager silently. :func:`compile_stats` reads Dynamo's counters so tests a
 
 Memory is measured as for eager stages, except that weight copies are recognised by value
 (``SavedBytes(by_value=True)``): the compiled function's saved tensors have no per-op ``grad_fn``
-chain to follow. Split backward (zb-h1, zb-h2, interleaved-zb) is refused: see :data:`SPLIT_BACKWARD_SCHEDULES`.
+chain to follow. Split backward (zb-h1, zb-h2, interleaved-zb, zbv, dualpipev) is refused: see :data:`SPLIT_BACKWARD_SCHEDULES`.
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ COMPILED_PREFIX = "_orig_mod."
 #: I would run the whole backward and W run it again (and AOTAutograd's donated buffers forbid the
 #: second run). torch refuses them too (``_check_torch_compile_compatibility`` in
 #: ScheduleInterleavedZeroBubble and ScheduleZBVZeroBubble).
-SPLIT_BACKWARD_SCHEDULES = ("zb-h1", "zb-h2", "interleaved-zb")
+SPLIT_BACKWARD_SCHEDULES = ("zb-h1", "zb-h2", "interleaved-zb", "zbv", "dualpipev")
 
 #: Graphs Dynamo may keep per code object before it stops compiling it. Every stage of a model
 #: class shares its ``forward``'s cache, so the emulator (all stages in one process) needs more

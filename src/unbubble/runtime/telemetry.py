@@ -11,7 +11,7 @@ import torch
 
 from unbubble.runtime.job import PipelineJob, evaluate
 from unbubble.schedules.actions import ActionKind
-from unbubble.sim.engine import ActionRecord, Trace
+from unbubble.sim.engine import ActionRecord, Trace, placement_of
 
 
 class Listener(Protocol):
@@ -91,7 +91,7 @@ class Telemetry:
         self.job, self.listener, self.start_step = job, listener, start_step
         self.events: list[dict[str, Any]] = []
         n = job.schedule.n_stages
-        self.trace = Trace(n, n_ranks=job.schedule.n_ranks)
+        self.trace = Trace(n, n_ranks=job.schedule.n_ranks, placement=placement_of(job.schedule))
         self.step_losses: list[float] = []
         self.val_losses: list[tuple[int, float]] = []
         self._snapshots: dict[int, dict[int, dict]] = {}

@@ -65,7 +65,7 @@ import contextlib
 import queue
 import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
@@ -300,14 +300,18 @@ def channel_groups(keys: list[tuple[Any, list[int]]]) -> list[Any]:
     return out
 
 
-def act_channel(rank: int, n_ranks: int) -> tuple[int, int]:
-    """``(source, destination)`` pipeline ranks of the activations rank ``rank`` sends."""
-    return rank, (rank + 1) % n_ranks
-
-
-def grad_channel(rank: int, n_ranks: int) -> tuple[int, int]:
-    """``(source, destination)`` pipeline ranks of the gradients rank ``rank`` sends."""
-    return rank, (rank - 1) % n_ranks
+def pipeline_channels(placement: Sequence[int]) -> list[tuple[bool, int, int, int]]:
+    """The point-to-point channels of one pipeline: ``(forward, source rank, destination rank,
+    stage boundaries it carries)`` for every boundary s → s + 1 whose stages live on two ranks
+    (``placement[s]``: the rank of stage s); activations go forward, gradients back. Stages on one
+    rank hand over locally and need none. Every rank computes the same list in the same order."""
+    count: dict[tuple[bool, int, int], int] = {}
+    for s in range(len(placement) - 1):
+        a, b = placement[s], placement[s + 1]
+        if a != b:
+            for key in ((True, a, b), (False, b, a)):
+                count[key] = count.get(key, 0) + 1
+    return [(fwd, src, dst, c) for (fwd, src, dst), c in count.items()]
 
 
 class PeerFailure(RuntimeError):
@@ -317,8 +321,10 @@ class PeerFailure(RuntimeError):
 class P2PTransport:
     """Sends and receives the activations and gradients of the stages one rank hosts.
 
-    Rank r hosts stages r, r + R, r + 2R, … (R ranks; one stage per rank unless
-    interleaved). Activations flow from stage s to s + 1, gradients from s to s − 1; each
+    Rank r hosts the stages ``placement`` gives it (default r, r + R, r + 2R, …: R ranks, one stage
+    per rank unless interleaved; a V-shaped schedule's r and 2R − 1 − r). Activations flow from
+    stage s to s + 1, gradients from s to s − 1, over one channel per (direction, source rank,
+    destination rank) (:func:`pipeline_channels`); each
     message is one frame: the payload, then its trailer ``(destination stage, k)``, shape and dtype
     ([Note: shapes travel with each frame]). With D replicas,
     replica d's pipeline rank r is global rank ``d·R + r`` ([Note: 2-D rank layout] in
@@ -332,37 +338,35 @@ class P2PTransport:
         replica: d, this process's replica.
         dp: D, replicas (every rank creates every replica's channel groups).
         device: where payloads live: a CUDA device with NCCL, ``None`` (CPU) with gloo.
+        placement: the rank of each stage (``Schedule.ranks``); default ``s mod R``.
     """
 
     def __init__(self, rank: int, n_ranks: int, n_stages: int, total_mb: int, replica: int = 0, dp: int = 1,
-                 device: torch.device | str | None = None):
+                 device: torch.device | str | None = None, placement: Sequence[int] | None = None):
         self.rank, self.n_ranks, self.n_stages, self.total_mb = rank, n_ranks, n_stages, total_mb
         self.replica, self.base = replica, replica * n_ranks
         self.device = torch.device("cpu") if device is None else torch.device(device)
         self.cuda = self.device.type == "cuda"
-        self.stages = list(range(rank, n_stages, n_ranks))
+        self.placement = tuple(s % n_ranks for s in range(n_stages)) if placement is None else tuple(placement)
+        self.stages = [s for s in range(n_stages) if self.placement[s] == rank]
         self.inbox: queue.Queue = queue.Queue()
         self._pending_sends: collections.deque = collections.deque()  # CUDA: polled with is_completed()
         self._reaper = None if self.cuda else SendReaper()  # gloo: [Note: reaping gloo sends]
         self._threads: list[threading.Thread] = []
-        self._capacity = {True: 0, False: 0}  # payload bytes of the frames this rank sends (forward?)
-        # [Note: one process group per channel]: (direction, replica, source rank) -> group
+        self.channels = pipeline_channels(self.placement)
+        # payload bytes of the frames this rank sends, per (forward?, destination rank)
+        self._capacity = {(fwd, dst): 0 for fwd, src, dst, _ in self.channels if src == rank}
+        # [Note: one process group per channel]: (forward?, replica, source, destination) -> group
         keys, names = [], []
-        if n_ranks > 1:
-            for d in range(dp):
-                for direction, channel in (("act", act_channel), ("grad", grad_channel)):
-                    for r in range(n_ranks):
-                        src, dst = channel(r, n_ranks)
-                        names.append((direction, d, src))
-                        keys.append(((direction, src, dst), [d * n_ranks + src, d * n_ranks + dst]))
-        groups = dict(zip(names, channel_groups(keys)))
-        prev, nxt = (rank - 1) % n_ranks, (rank + 1) % n_ranks
-        self._send_group = {True: groups.get(("act", replica, rank)), False: groups.get(("grad", replica, rank))}
-        self._recv_group = {True: groups.get(("act", replica, prev)), False: groups.get(("grad", replica, nxt))}
+        for d in range(dp):
+            for fwd, src, dst, _ in self.channels:
+                names.append((fwd, d, src, dst))
+                keys.append((("act" if fwd else "grad", src, dst), [d * n_ranks + src, d * n_ranks + dst]))
+        self._groups = dict(zip(names, channel_groups(keys)))
 
     def rank_of(self, stage: int) -> int:
         """Pipeline rank hosting ``stage``."""
-        return stage % self.n_ranks
+        return self.placement[stage]
 
     # -- start-up ---------------------------------------------------------------------------
     def start(self, start_mb: int = 0) -> None:
@@ -373,14 +377,10 @@ class P2PTransport:
                 ``total_mb − start_mb`` messages per stage.
         """
         remaining = self.total_mb - start_mb
-        if self.n_ranks == 1:
-            return  # every neighbour is on this rank: sends loop back into the inbox
-        act_in = [s for s in self.stages if s > 0]
-        grad_in = [s for s in self.stages if s < self.n_stages - 1]
-        if act_in:
-            self._spawn(ActionKind.F, self.rank_of(act_in[0] - 1), self._recv_group[True], len(act_in) * remaining)
-        if grad_in:
-            self._spawn(ActionKind.B, self.rank_of(grad_in[0] + 1), self._recv_group[False], len(grad_in) * remaining)
+        for fwd, src, dst, boundaries in self.channels:  # none when every neighbour is on this rank
+            if dst == self.rank:
+                self._spawn(ActionKind.F if fwd else ActionKind.B, src, self._groups[(fwd, self.replica, src, dst)],
+                            boundaries * remaining)
 
     def _spawn(self, kind: ActionKind, src_rank: int, group, count: int) -> None:
         src, device = self.base + src_rank, self.device
@@ -430,8 +430,9 @@ class P2PTransport:
             return
         meta = TensorMeta.of(tensor, dst_stage, k)  # raises before anything is sent
         self._fit(forward, tensor.numel() * tensor.element_size(), dst)
-        frame = pack_frame(tensor, dst_stage, k, frame_bytes(self._capacity[forward]), meta)
-        self._submit(dist.isend(frame, self.base + dst, group=self._send_group[forward]), frame)
+        frame = pack_frame(tensor, dst_stage, k, frame_bytes(self._capacity[(forward, dst)]), meta)
+        self._submit(dist.isend(frame, self.base + dst, group=self._groups[(forward, self.replica, self.rank, dst)]),
+                     frame)
 
     def _submit(self, work: Any, frame: torch.Tensor) -> None:
         """Keeps ``frame`` alive until its send ``work`` is done, without waiting here: NCCL's
@@ -448,26 +449,28 @@ class P2PTransport:
     def _fit(self, forward: bool, nbytes: int, dst: int) -> None:
         """Announces a larger capacity on the ``forward`` channel if ``nbytes`` does not fit
         ([Note: shapes travel with each frame])."""
-        old = self._capacity[forward]
+        old = self._capacity[(forward, dst)]
         if nbytes <= old:
             return
         new = grown_capacity(old, nbytes)
         frame = announce_frame(frame_bytes(old), new, self.device)
-        self._submit(dist.isend(frame, self.base + dst, group=self._send_group[forward]), frame)
-        self._capacity[forward] = new
+        self._submit(dist.isend(frame, self.base + dst, group=self._groups[(forward, self.replica, self.rank, dst)]),
+                     frame)
+        self._capacity[(forward, dst)] = new
 
     def send_end(self, forward: bool, step: int) -> None:
-        """Sends the end-of-stream frame of a stop at ``step`` to the next rank (``forward``, after
-        the last activation) or the previous one (after the last gradient); its receiver
-        thread delivers ``(END, stage, step, None)`` and ends."""
-        dst_stage = min(s for s in self.stages if s < self.n_stages - 1) + 1 if forward \
-            else max(s for s in self.stages if s > 0) - 1
-        dst = self.rank_of(dst_stage)
-        if dst == self.rank or self.n_ranks == 1:
-            return  # no receiver thread on a loop-back channel
-        size = frame_bytes(self._capacity[forward])
-        frame = pack_frame(torch.zeros(0, device=self.device), dst_stage, _END_BASE + step, size)
-        self._submit(dist.isend(frame, self.base + dst, group=self._send_group[forward]), frame)
+        """Sends the end-of-stream frame of a stop at ``step`` on every channel this rank sends on
+        in that direction (``forward``: after the last activation; else after the last gradient);
+        each receiver thread delivers ``(END, stage, step, None)`` and ends. Local hand-overs
+        have no receiver thread and get none."""
+        for fwd, src, dst, _ in self.channels:
+            if fwd != forward or src != self.rank:
+                continue
+            dst_stage = next(s + 1 if forward else s for s in range(self.n_stages - 1)
+                             if (self.placement[s], self.placement[s + 1]) == ((src, dst) if forward else (dst, src)))
+            size = frame_bytes(self._capacity[(forward, dst)])
+            frame = pack_frame(torch.zeros(0, device=self.device), dst_stage, _END_BASE + step, size)
+            self._submit(dist.isend(frame, self.base + dst, group=self._groups[(forward, self.replica, src, dst)]), frame)
 
     def _reap(self) -> None:
         if self._reaper is not None:

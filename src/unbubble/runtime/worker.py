@@ -91,7 +91,7 @@ def run_stage(job: PipelineJob, rank: int, sink: Sink, replay: list[Action] | No
     layout = Layout(job.dp, sched.n_ranks)
     replica, prank = layout.split(rank)
     primary = replica == 0  # replica 0 reports; the others' weights are identical
-    stages = list(range(prank, n, sched.n_ranks))
+    stages = sched.stages_of(prank)
     # [Note: 2-D rank layout]: every rank creates every data-parallel group, in the same order
     dp_groups = channel_groups([(("dp", r), layout.replica_ranks(r)) for r in range(sched.n_ranks)]) \
         if job.dp > 1 else None
@@ -107,7 +107,8 @@ def run_stage(job: PipelineJob, rank: int, sink: Sink, replay: list[Action] | No
     if primary and job.wants_snapshot(0) and not start:
         for s, ex in execs.items():
             sink(("snapshot", s, (0, to_bytes(ex.module.state_dict()))))
-    transport = P2PTransport(prank, sched.n_ranks, n, sched.total_mb, replica=replica, dp=job.dp, device=device)
+    transport = P2PTransport(prank, sched.n_ranks, n, sched.total_mb, replica=replica, dp=job.dp, device=device,
+                             placement=sched.ranks)
     transport.start(start * m)
     inner = ListPolicy(replay) if replay is not None else sched.policy(prank, job.order)
     states = {s: StageState(s, n, sched.total_mb) for s in stages}

@@ -73,6 +73,46 @@ class Action:
         return cls(stage, kind, int(mb) if mb else None)
 
 
+@dataclass(frozen=True, slots=True)
+class Overlap:
+    """A compound action: two compute actions of one rank run as one, overlapped (DualPipeV's
+    forward of one chunk with the backward of the other, torch's ``OVERLAP_F_B``).
+
+    The engines run the parts one after the other, in order (as torch's runtime does without a
+    custom overlap function); the simulator gives the pair the duration
+    d₁ + d₂ − φ·min(d₁, d₂), φ the cost model's ``overlap`` factor (0: sequential, the CPU case;
+    1: the shorter part hidden entirely under the longer).
+
+    Attributes:
+        first: the part that runs first (a forward in DualPipeV).
+        second: the part that runs second (a backward).
+    """
+
+    first: Action
+    second: Action
+
+    def __str__(self) -> str:
+        return f"({self.first};{self.second})OVERLAP_F_B"
+
+    @property
+    def parts(self) -> tuple[Action, Action]:
+        return self.first, self.second
+
+
+def flatten(acts: list) -> tuple[list[Action], frozenset[int]]:
+    """A rank's list with :class:`Overlap` items as ``(plain actions, positions of each compound's
+    first part)``: what the engines run and where the simulator applies the overlap."""
+    out: list[Action] = []
+    firsts = []
+    for a in acts:
+        if isinstance(a, Overlap):
+            firsts.append(len(out))
+            out += a.parts
+        else:
+            out.append(a)
+    return out, frozenset(firsts)
+
+
 def F(stage: int, mb: int) -> Action:
     return Action(stage, ActionKind.F, mb)
 
@@ -92,8 +132,9 @@ def format_order(order: list[list[Action]]) -> str:
 
 def dump_csv(order: list[list[Action]]) -> str:
     """unbubble's full CSV: one row per rank, one action per cell, ``U`` included, global
-    micro-batch ids (every step). :func:`load_csv` reads it back; torch's loader does not
-    (it has no ``U``): use :func:`export_torch_csv` for torch."""
+    micro-batch ids (every step); an :class:`Overlap` is one ``(a;b)OVERLAP_F_B`` cell, as torch
+    writes it. :func:`load_csv` reads it back; torch's loader does not (it has no ``U``): use
+    :func:`export_torch_csv` for torch."""
     return "".join(",".join(map(str, acts)) + "\n" for acts in order)
 
 

@@ -218,8 +218,10 @@ class ListPolicy:
     recorded by another engine, which makes a distributed run follow the emulator's order.
     """
 
-    def __init__(self, actions: list[Action]):
+    def __init__(self, actions: list[Action], overlaps: frozenset[int] = frozenset()):
         self.actions = list(actions)
+        #: positions of the first parts of compound actions (:func:`~unbubble.schedules.actions.flatten`)
+        self.overlaps = overlaps
 
     def next_action(self, state: StageState) -> Action | None:
         if state.n_actions >= len(self.actions):
@@ -288,6 +290,7 @@ class CutPolicy:
 
     def __init__(self, inner, cuts: Cuts):
         self.inner, self.cuts = inner, cuts
+        self.overlaps = getattr(inner, "overlaps", frozenset())  # for the simulator's compound actions
 
     @staticmethod
     def _states(view) -> list[StageState]:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from unbubble.errors import ConfigError, did_you_mean
-from unbubble.schedules.actions import Action
+from unbubble.schedules.actions import Action, flatten
 from unbubble.schedules.policy import ListPolicy, OrderedPaciPolicy, PaciPolicy, Policy, check_order
 from unbubble.schedules import static
 
@@ -24,6 +24,8 @@ SCHEDULES: dict[str, str] = {
     "interleaved-zb": "v stages per rank, interleaved 1F1B with B split into I and W (ZB1P, torch's order), flush; Δ=0; 1F1B's N activations per device; bubble (N−1)/(3·v·m+N−1) at F=I=W, N | m  [arXiv 2401.10241]",
     "zb-h1": "B split into I and W, W fills bubbles, flush; Δ=0; 1F1B memory; critical-path bubble 1/3 of 1F1B's at F=I=W  [arXiv 2401.10241]",
     "zb-h2": "as zb-h1 with 2N activations; one step's bubble is zb-h1's, later steps' max(0, 2N−1−m) at F=I=W (still flushed)  [arXiv 2401.10241]",
+    "zbv": "zero-bubble V: 2 chunks per rank in a V (rank r holds stages r and 2N−1−r), B split into I and W, torch's order, flush; Δ=0; 1F1B's activations per device  [arXiv 2401.10241 §6]",
+    "dualpipev": "DualPipeV: 2 chunks per rank in a V, F of one chunk overlapped with B of the other as one compound action, torch's order, flush; m ≥ 2N; Δ=0; 2N+1 chunk activations per device  [arXiv 2412.19437]",
     "async-1f1b": "naive async 1F1B (= paci, a=1): U after every B on current weights; Δ_i ≤ N−i; no extra weights",
     "paci": "async 1F1B never flushed; U after every a-th local B; B on current weights; Δ_i ≤ ⌈(N−i)/a⌉; no weight copies  [arXiv 2606.07881]",
     "paci-stashed": "PACI's schedule with weight stashing: U after every a-th B, B on its F's version; Δ=0, τ_i ≤ ⌈(N−i)/a⌉; ≤ ⌈(N−i)/a⌉+1 weight versions (the control that separates gradient delay from PACI's inconsistency)",
@@ -34,6 +36,12 @@ SCHEDULES: dict[str, str] = {
 
 #: Schedules with v stages per rank (stage s on rank s mod N), taking ``--v``.
 VIRTUAL = ("interleaved-1f1b", "looped-bfs", "interleaved-zb")
+
+#: Schedules with two stages per rank placed in a V (rank r holds stages r and 2N − 1 − r).
+V_SHAPED = ("zbv", "dualpipev")
+
+#: Where a schedule's stages live: ``"loop"``, stage s on rank s mod N; ``"v"``, the V shape.
+Placement = Literal["loop", "v"]
 
 ASYNC = ("paci", "paci-stashed", "async-1f1b", "pipedream", "pipedream-2bw", "pipemare")
 
@@ -52,8 +60,9 @@ class Schedule:
         mb_per_step: micro-batches per optimizer step (a for PACI, m otherwise).
         steps: optimizer steps each stage applies.
         asynchronous: True if stages are never flushed.
-        virtual: virtual stages per rank (interleaved 1F1B), else 1.
+        virtual: stages per rank (interleaved 1F1B, V-shaped schedules), else 1.
         backward_weights: which weights B uses (see :data:`BackwardWeights`).
+        placement: which rank holds each stage (:data:`Placement`; :meth:`rank_of`).
     """
 
     name: str
@@ -63,6 +72,7 @@ class Schedule:
     asynchronous: bool
     virtual: int = 1
     backward_weights: BackwardWeights = "current"
+    placement: Placement = "loop"
 
     @property
     def n_ranks(self) -> int:
@@ -70,8 +80,21 @@ class Schedule:
         return self.n_stages // self.virtual
 
     def rank_of(self, stage: int) -> int:
-        """The rank that hosts ``stage`` (stage s lives on rank s mod N)."""
+        """The rank that hosts ``stage``: s mod N, or in a V min(s, 2N − 1 − s)."""
+        if self.placement == "v":
+            return min(stage, self.n_stages - 1 - stage)
         return stage % self.n_ranks
+
+    def stages_of(self, rank: int) -> list[int]:
+        """The stages ``rank`` hosts, in increasing order (its chunks)."""
+        if self.placement == "v":
+            return [rank, self.n_stages - 1 - rank]
+        return list(range(rank, self.n_stages, self.n_ranks))
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        """``rank_of(s)`` for every stage s (what traces and the memory model are given)."""
+        return tuple(self.rank_of(s) for s in range(self.n_stages))
 
     @property
     def total_mb(self) -> int:
@@ -104,14 +127,22 @@ class Schedule:
         if self.asynchronous:
             cls = OrderedPaciPolicy if order == "deterministic" else PaciPolicy
             return cls(rank, self.n_stages, self.mb_per_step)
-        return ListPolicy(self.static_order()[rank])
+        acts, overlaps = _flat_order(self.name, self.n_stages, self.mb_per_step, self.steps, self.virtual)[rank]
+        return ListPolicy(acts, overlaps)
 
     def static_order(self) -> list[list[Action]]:
-        """Per-rank action lists of a synchronous schedule (generated once per shape, cached).
+        """Per-rank action lists of a synchronous schedule (generated once per shape, cached); a
+        compound action (:class:`~unbubble.schedules.actions.Overlap`) is listed as its two parts.
 
         Raises:
             ConfigError: the schedule is asynchronous (it is a rule, not a list).
         """
+        return [list(acts) for acts, _ in _flat_order(self.name, self.n_stages, self.mb_per_step, self.steps,
+                                                      self.virtual)]
+
+    def compound_order(self) -> list[list]:
+        """:meth:`static_order` with DualPipeV's compound actions as
+        :class:`~unbubble.schedules.actions.Overlap` items (what ``dump_csv`` writes)."""
         return [list(acts) for acts in _static_order(self.name, self.n_stages, self.mb_per_step, self.steps,
                                                      self.virtual)]
 
@@ -146,9 +177,18 @@ def _static_order(name: str, n: int, m: int, steps: int, v: int) -> tuple[tuple[
         order = static.zb_h1(n, m, steps)
     elif name == "zb-h2":
         order = static.zero_bubble(n, m, steps, memory=2)
+    elif name == "zbv":
+        order = static.zbv(n // 2, m, steps)
+    elif name == "dualpipev":
+        order = static.dualpipev(n // 2, m, steps)
     else:
         raise ConfigError(f"schedule={name!r} has no static action list: it is asynchronous")
     return tuple(tuple(acts) for acts in order)
+
+
+@functools.lru_cache(maxsize=64)
+def _flat_order(name: str, n: int, m: int, steps: int, v: int) -> tuple[tuple[tuple[Action, ...], frozenset[int]], ...]:
+    return tuple((tuple(acts), firsts) for acts, firsts in map(flatten, _static_order(name, n, m, steps, v)))
 
 def _check_int(name: str, value, lo: int = 1) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < lo:
@@ -167,7 +207,8 @@ def get_schedule(name: str, n_stages: int, steps: int, a: int | None = None, m: 
         m: micro-batches per step of gpipe, 1f1b-flush, interleaved-1f1b, looped-bfs,
             interleaved-zb, zb-h1, zb-h2 and pipedream-2bw, ≥ 1 (interleaved-1f1b: a multiple of N;
             interleaved-zb: a multiple of max(1, ⌊m/N⌋), as torch requires).
-        v: stages per rank of interleaved-1f1b, looped-bfs and interleaved-zb, ≥ 1 (default 2).
+        v: stages per rank of interleaved-1f1b, looped-bfs and interleaved-zb, ≥ 1 (default 2);
+            zbv and dualpipev always hold 2 (V-shaped, :data:`V_SHAPED`) and ignore it.
 
     Raises:
         ConfigError: unknown name, a value out of range or an invalid combination (the
@@ -202,4 +243,9 @@ def get_schedule(name: str, n_stages: int, steps: int, a: int | None = None, m: 
             raise ConfigError(f"m={m} is invalid for interleaved-zb with stages={n_stages}: it must be a multiple of "
                               f"max(1, ⌊m/N⌋) = {rounds} (torch's rounds), e.g. m={ok[0]} or m={ok[1]} (set --m)")
         return Schedule(name, n_stages * v, m, steps, False, virtual=v)
+    if name in V_SHAPED:
+        if name == "dualpipev" and m < 2 * n_stages:
+            raise ConfigError(f"m={m} is invalid for dualpipev with stages={n_stages}: it needs m ≥ 2N = {2 * n_stages} "
+                              "micro-batches per step (2 chunks per rank, as torch requires; set --m)")
+        return Schedule(name, 2 * n_stages, m, steps, False, virtual=2, placement="v")
     return Schedule(name, n_stages, m, steps, False)

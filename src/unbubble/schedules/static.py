@@ -7,15 +7,21 @@ step's last backward, so every backward runs on the weights of its forward (Δ =
 
 from __future__ import annotations
 
-from unbubble.schedules.actions import Action, ActionKind
+from unbubble.schedules.actions import Action, ActionKind, Overlap
 from unbubble.schedules.policy import StageState
 
 F, B, I, W, U = ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W, ActionKind.U
 
 
-def _repeat(one_step: list[list[Action]], m: int, steps: int) -> list[list[Action]]:
-    """Repeats step 0's per-rank lists for ``steps`` steps, shifting micro-batch ids by m."""
-    return [[Action(a.stage, a.kind, None if a.mb is None else a.mb + t * m) for t in range(steps) for a in acts]
+def _shift(a: Action, by: int) -> Action:
+    return Action(a.stage, a.kind, None if a.mb is None else a.mb + by)
+
+
+def _repeat(one_step: list[list], m: int, steps: int) -> list[list]:
+    """Repeats step 0's per-rank lists for ``steps`` steps, shifting micro-batch ids by m
+    (an :class:`Overlap` shifts both parts)."""
+    return [[Overlap(_shift(a.first, t * m), _shift(a.second, t * m)) if isinstance(a, Overlap) else _shift(a, t * m)
+             for t in range(steps) for a in acts]
             for acts in one_step]
 
 
@@ -287,4 +293,146 @@ def interleaved_zero_bubble(n_ranks: int, v: int, m: int, steps: int) -> list[li
         acts += [act(W, bwd_stage(j)) for j in backwards[done_w:]]
         acts += [Action(c * n_ranks + r, U) for c in range(v)]
         one.append(acts)
+    return _repeat(one, m, steps)
+
+
+def v_stages(n_ranks: int, rank: int) -> tuple[int, int]:
+    """The two stages rank r holds in a V-shaped placement: r and 2N − 1 − r (the first chunk goes
+    down the ranks, the second comes back up, so stages N − 1 and N share rank N − 1)."""
+    return rank, 2 * n_ranks - 1 - rank
+
+
+def zbv(n_ranks: int, m: int, steps: int) -> list[list[Action]]:
+    """ZB-V (zero-bubble V): two chunks per rank placed in a V (:func:`v_stages`), the backward
+    split into I and W; torch 2.13's ``ScheduleZBVZeroBubble`` order.
+
+    Rank r (0-based) with chunks c0 = r and c1 = 2N − 1 − r runs, on ``max(m, 2N − 1)`` micro-batch
+    slots (slots ≥ m dropped afterwards): 2(N − r) − 1 forwards of c0; r × [F c1, F c0]; (N − r) ×
+    [F c1, I c1, W c1]; while c1 has forwarded less than c0 or c0 has slots left: [F c0 (if any
+    left), I c0, W c0, F c1, I c1, W c1]; then r × [I c0, I c1] and (N − r) × [I c0, W c0 (oldest
+    pending)]; then the pending W of c1, then of c0; then ``U`` on both stages (flush).
+
+    On unit costs F = I = W per chunk the busiest device holds 1F1B's activations (N stage-sized
+    micro-batches = 2N chunk-sized) and the bubble is the fill and drain of one step; the source's
+    "zero bubble" holds across steps once m ≥ 2N − 1 with optimizer post-validation (no flush),
+    which unbubble does not do: the bubble per flushed step is measured in the tests.
+
+    Source: Qi et al., Zero Bubble Pipeline Parallelism, arXiv 2401.10241, §6 (ZB-V); torch's
+    ScheduleZBVZeroBubble.
+    """
+    slots = max(2 * n_ranks - 1, m)
+    one: list[list[Action]] = []
+    for r in range(n_ranks):
+        c0, c1 = v_stages(n_ranks, r)
+        count = {(c, k): 0 for c in (c0, c1) for k in (F, I, W)}
+        acts: list[Action] = []
+
+        def run(stage: int, kind: ActionKind) -> None:
+            acts.append(Action(stage, kind, count[(stage, kind)]))
+            count[(stage, kind)] += 1
+
+        for _ in range(2 * (n_ranks - r) - 1):
+            run(c0, F)
+        for _ in range(r):
+            run(c1, F)
+            run(c0, F)
+        for _ in range(n_ranks - r):
+            run(c1, F)
+            run(c1, I)
+            run(c1, W)
+        while count[(c1, F)] < count[(c0, F)] or count[(c0, F)] < slots:
+            if count[(c0, F)] < slots:
+                run(c0, F)
+            run(c0, I)
+            run(c0, W)
+            run(c1, F)
+            run(c1, I)
+            run(c1, W)
+        for _ in range(r):
+            run(c0, I)
+            run(c1, I)
+        for _ in range(n_ranks - r):
+            run(c0, I)
+            run(c0, W)
+        while count[(c1, W)] < count[(c1, I)]:
+            run(c1, W)
+        while count[(c0, W)] < count[(c0, I)]:
+            run(c0, W)
+        one.append([a for a in acts if a.mb < m] + [Action(c0, U), Action(c1, U)])
+    return _repeat(one, m, steps)
+
+
+def dualpipev(n_ranks: int, m: int, steps: int) -> list[list]:
+    """DualPipeV: DeepSeek's DualPipe folded onto N ranks, two chunks per rank placed in a V
+    (:func:`v_stages`), a forward of one chunk overlapped with a backward of the other as one
+    compound action (:class:`~unbubble.schedules.actions.Overlap`); torch 2.13's
+    ``ScheduleDualPipeV`` order. Needs m ≥ 2N.
+
+    Rank r with chunks c0 = r, c1 = 2N − 1 − r: (N − r − 1)·2 × F c0; (r + 1) × [F c0, F c1];
+    (N − r − 1) × [I c1, the oldest pending W, F c1]; (m − 2N + r + 1) × [(F c0; B c1), (F c1;
+    B c0)] (the last rank runs its first pair unoverlapped); (N − r − 1) × [B c1, (F c1; B c0)];
+    (r + 1) × [backward c1, backward c0], switching from B to I half-way (on c1 first for odd r, on
+    c0 first for even r); (N − r − 1) × [the oldest pending W, backward c0]; the remaining W's;
+    then ``U`` on both stages (flush).
+
+    Bubble and memory (DeepSeek-V3, arXiv 2412.19437, Table 2; DualPipe's README for DualPipeV):
+    (PP/2 − 1)(F&B + B − 3W) per step with PP = 2N chunks, F&B the duration of an overlapped pair,
+    2× a chunk's parameters and PP + 1 chunk activations per device — measured against the
+    simulator in the tests.
+
+    Source: DeepSeek-AI, DeepSeek-V3 Technical Report, arXiv 2412.19437, §3.2.1 (DualPipe);
+    deepseek-ai/DualPipe (DualPipeV); torch's ScheduleDualPipeV.
+    """
+    one: list[list] = []
+    for r in range(n_ranks):
+        c0, c1 = v_stages(n_ranks, r)
+        count = {(c, k): 0 for c in (c0, c1) for k in (F, I, W)}
+        pending_w: list[tuple[int, int]] = []
+        acts: list = []
+
+        def take(stage: int, kind: ActionKind) -> Action:
+            """The next action of ``kind`` on ``stage``; B counts as I and W (it is both)."""
+            key = (stage, I if kind is B else kind)
+            a = Action(stage, kind, count[key])
+            count[key] += 1
+            if kind is I:
+                pending_w.append((stage, a.mb))
+            return a
+
+        def weight() -> None:
+            if pending_w:
+                stage, k = pending_w.pop(0)
+                acts.append(Action(stage, W, k))
+
+        for _ in range((n_ranks - r - 1) * 2):
+            acts.append(take(c0, F))
+        for _ in range(r + 1):
+            acts += [take(c0, F), take(c1, F)]
+        for _ in range(n_ranks - r - 1):
+            acts.append(take(c1, I))
+            weight()
+            acts.append(take(c1, F))
+        for i in range(m - 2 * n_ranks + r + 1):
+            if i == 0 and r == n_ranks - 1:  # as the source: the last rank's first pair is not overlapped
+                acts += [take(c0, F), take(c1, B)]
+            else:
+                acts.append(Overlap(take(c0, F), take(c1, B)))
+            acts.append(Overlap(take(c1, F), take(c0, B)))
+        for _ in range(n_ranks - r - 1):
+            acts.append(take(c1, B))
+            acts.append(Overlap(take(c1, F), take(c0, B)))
+        split = False
+        for i in range(r + 1):
+            if i == (r + 1) // 2 and r % 2 == 1:
+                split = True
+            acts.append(take(c1, I if split else B))
+            if i == (r + 1) // 2 and r % 2 == 0:
+                split = True
+            acts.append(take(c0, I if split else B))
+        for _ in range(n_ranks - r - 1):
+            weight()
+            acts.append(take(c0, I if split else B))
+        for _ in range(r + 1):
+            weight()
+        one.append(acts + [Action(c0, U), Action(c1, U)])
     return _repeat(one, m, steps)

@@ -74,7 +74,7 @@ def validate(schedule: Schedule, order: list[list[Action]] | None = None):
                     if a.kind is W and not seen[(a.stage, I, a.mb)]:
                         raise _fail(order, r, pos, f"runs before its input gradient {a.stage}I{a.mb}")
                 seen[key] += 1
-            for s in range(r, n, schedule.n_ranks):
+            for s in schedule.stages_of(r):
                 for k in range(total):
                     if not seen[(s, F, k)] or not (seen[(s, B, k)] or (seen[(s, I, k)] and seen[(s, W, k)])):
                         raise ScheduleError(f"stage {s} never completes micro-batch {k} (needs F and B, or F, I and W)")

@@ -42,6 +42,12 @@ def _check_nonneg(name: str, value: float) -> None:
         raise ConfigError(f"{name}={value!r} is invalid: must be a finite number ≥ 0 (seconds)")
 
 
+def _check_overlap(value: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+        raise ConfigError(f"overlap={value!r} is invalid: the share of a compound action's shorter part hidden "
+                          "under the longer must be in [0, 1] (0: sequential, 1: fully overlapped)")
+
+
 @dataclass(frozen=True)
 class UniformCosts:
     """Per-action durations in seconds, the same on every stage unless scaled.
@@ -54,6 +60,9 @@ class UniformCosts:
         stage_scale: multiplies every duration of stage s by ``stage_scale[s]`` (non-uniform stages).
         i: input-gradient duration (s); default ``b / 2``.
         w: weight-gradient duration (s); default ``b / 2``.
+        overlap: φ of compound actions (DualPipeV's overlapped F and B): the pair takes
+            d₁ + d₂ − φ·min(d₁, d₂); 0 (default) runs them one after the other, as on a CPU; 1 hides
+            the shorter under the longer (separate streams, communication fully overlapped).
     """
 
     f: float = 1.0
@@ -63,8 +72,10 @@ class UniformCosts:
     stage_scale: tuple[float, ...] = field(default=())
     i: float | None = None
     w: float | None = None
+    overlap: float = 0.0
 
     def __post_init__(self) -> None:
+        _check_overlap(self.overlap)
         for name in ("f", "b", "u", "latency"):
             _check_nonneg(name, getattr(self, name))
         for name in ("i", "w"):
@@ -198,6 +209,7 @@ class PipelineCosts:
             [Note: common random numbers].
         seed: seed of the jitter streams.
         stragglers: slow windows of single stages.
+        overlap: φ of compound actions, as :class:`UniformCosts`'s.
     """
 
     stages: tuple[StageCosts, ...]
@@ -207,8 +219,10 @@ class PipelineCosts:
     jitter: float = 0.0
     seed: int = 0
     stragglers: tuple[Straggler, ...] = ()
+    overlap: float = 0.0
 
     def __post_init__(self) -> None:
+        _check_overlap(self.overlap)
         n = len(self.stages)
         if n < 1:
             raise ConfigError("stages=() is invalid: a pipeline needs at least one StageCosts")

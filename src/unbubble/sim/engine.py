@@ -99,11 +99,15 @@ class Trace:
         n_stages: pipeline stages (N·v when interleaved).
         records: initial records (default: none).
         n_ranks: devices; stage s runs on rank ``s % n_ranks`` (default: one per stage).
+        placement: the rank of each stage where it is not ``s % n_ranks`` (a V-shaped schedule's
+            ``Schedule.ranks``); it sets ``n_ranks``.
     """
 
-    def __init__(self, n_stages: int, records: list[ActionRecord] | None = None, n_ranks: int | None = None):
+    def __init__(self, n_stages: int, records: list[ActionRecord] | None = None, n_ranks: int | None = None,
+                 placement: tuple[int, ...] | None = None):
         self.n_stages = n_stages
-        self.n_ranks = n_ranks
+        self.n_ranks = n_ranks if placement is None else max(placement) + 1
+        self.placement = placement
         self._records: list[ActionRecord] | None = [] if records is None else records
         self._rows: list[Row] | None = None
         self._actions: list[Action] | None = None  # one per row, or None
@@ -113,8 +117,9 @@ class Trace:
 
     @classmethod
     def _from_rows(cls, n_stages: int, n_ranks: int | None, rows: list[Row], actions: list[Action] | None = None,
-                   stage_lists: list[list[Action] | None] | None = None) -> "Trace":
-        t = cls(n_stages, n_ranks=n_ranks)
+                   stage_lists: list[list[Action] | None] | None = None,
+                   placement: tuple[int, ...] | None = None) -> "Trace":
+        t = cls(n_stages, n_ranks=n_ranks, placement=placement)
         t._records, t._rows, t._actions, t._stage_lists = None, rows, actions, stage_lists
         return t
 
@@ -134,6 +139,14 @@ class Trace:
     def ranks(self) -> int:
         """Ranks (devices): ``n_ranks``, or one per stage."""
         return self.n_ranks or self.n_stages
+
+    def rank_of(self, stage: int) -> int:
+        """The rank that ran ``stage``."""
+        return self.placement[stage] if self.placement is not None else stage % self.ranks
+
+    def stages_of(self, rank: int) -> list[int]:
+        """The stages ``rank`` ran, in increasing order."""
+        return [s for s in range(self.n_stages) if self.rank_of(s) == rank]
 
     @property
     def records(self) -> list[ActionRecord]:
@@ -176,7 +189,7 @@ class Trace:
         """Per-rank action order (feed it to replay mode)."""
         out: list[list[Action]] = [[] for _ in range(self.ranks)]
         for r in self.records:
-            out[r.action.stage % self.ranks].append(r.action)
+            out[self.rank_of(r.action.stage)].append(r.action)
         return out
 
     @property
@@ -191,10 +204,11 @@ class Trace:
         nr = self.ranks
         if self._cols is not None and self._records is None:  # bincount adds in row order, as the loop below
             s, _, _, start, end = self._cols[:5]
-            return np.bincount(s % nr, weights=end - start, minlength=nr).tolist()
+            ranks = s % nr if self.placement is None else np.asarray(self.placement)[s]
+            return np.bincount(ranks, weights=end - start, minlength=nr).tolist()
         busy = [0.0] * self.ranks
         for s, _, _, start, end, _, _ in self.rows():
-            busy[s % nr] += end - start
+            busy[self.rank_of(s)] += end - start
         return busy
 
     def busy(self, rank: int) -> float:
@@ -375,13 +389,13 @@ def run_policies(schedule: Schedule, costs: CostModel, execute: Execute | None =
     else:
         rows, actions, states, views = _run_reference(schedule, pols, costs, table, noise, fdelay, bdelay,
                                                       execute, stashed)
-        trace = Trace._from_rows(n, n_ranks, rows, actions=actions)
+        trace = Trace._from_rows(n, n_ranks, rows, actions=actions, placement=placement_of(schedule))
     stuck = [r for r in range(n_ranks) if not pols[r].done(views[r])]
     if stuck:
         lines = [
             f"stage {s}: in_flight={states[s].in_flight} fwd_ready={sorted(states[s].fwd_ready)} "
             f"bwd_ready={sorted(states[s].bwd_ready)} done F={states[s].n_fwd} B={states[s].n_bwd} v={states[s].version}"
-            for r in stuck for s in range(r, n, n_ranks)
+            for r in stuck for s in _stages_of(schedule, r)
         ]
         raise ScheduleError(
             f"schedule {schedule.name!r} deadlocked: stages {stuck} cannot act\n" + "\n".join(lines)
@@ -390,12 +404,43 @@ def run_policies(schedule: Schedule, costs: CostModel, execute: Execute | None =
     return trace
 
 
+def placement_of(schedule) -> tuple[int, ...] | None:
+    """The schedule's stage → rank map where it is not s mod N (V-shaped schedules)."""
+    return schedule.ranks if getattr(schedule, "placement", "loop") != "loop" else None
+
+
+def _stages_of(schedule, rank: int) -> list[int]:
+    if hasattr(schedule, "stages_of"):
+        return schedule.stages_of(rank)
+    return list(range(rank, schedule.n_stages, schedule.n_ranks))
+
+
+def _compound_scale(costs, table, first: Action, second: Action) -> float:
+    """The factor both parts of a compound action (:class:`~unbubble.schedules.actions.Overlap`)
+    take of their own durations: (d₁ + d₂ − φ·min(d₁, d₂)) / (d₁ + d₂), φ = ``costs.overlap``
+    (default 0: the parts run one after the other)."""
+    phi = getattr(costs, "overlap", 0.0)
+    if not phi:
+        return 1.0
+    d1, d2 = ((table[a.stage][KIND_INDEX[a.kind]] if table is not None else costs.duration(a)) for a in (first, second))
+    return (d1 + d2 - phi * min(d1, d2)) / (d1 + d2) if d1 + d2 > 0 else 1.0
+
+
 def _run_reference(schedule, pols, costs, table, noise, fdelay, bdelay, execute, stashed):
     """The engine's semantics: ask each idle rank's policy; see [Note: engine fast paths]."""
     n, n_ranks, total = schedule.n_stages, schedule.n_ranks, schedule.total_mb
     states = [StageState(s, n, total) for s in range(n)]
-    views = states if n_ranks == n else [
-        RankView([states[s] for s in range(r, n, n_ranks)]) for r in range(n_ranks)]
+    stages_of = [_stages_of(schedule, r) for r in range(n_ranks)]
+    rank_of = [0] * n
+    for r, ss in enumerate(stages_of):
+        for s in ss:
+            rank_of[s] = r
+    # two stages on one rank hand over locally: no link latency between them
+    fdelay = [0.0 if s + 1 < n and rank_of[s] == rank_of[s + 1] else fdelay[s] for s in range(n)]
+    bdelay = [0.0 if s > 0 and rank_of[s] == rank_of[s - 1] else bdelay[s] for s in range(n)]
+    overlaps = [getattr(p, "overlaps", frozenset()) for p in pols]
+    scale_next = [1.0] * n_ranks  # the factor of a compound's second part, set when its first runs
+    views = states if n_ranks == n else [RankView([states[s] for s in stages_of[r]]) for r in range(n_ranks)]
     rows: list[Row] = []
     actions: list[Action] = []
     fwd_version: dict[tuple[int, int], int] = {}
@@ -414,7 +459,7 @@ def _run_reference(schedule, pols, costs, table, noise, fdelay, bdelay, execute,
         t, _, r = heapq.heappop(events)
         if t < busy_until[r]:
             continue
-        for s in range(r, n, n_ranks):
+        for s in stages_of[r]:
             for q, ready in ((fin[s], states[s].fwd_ready), (bin_[s], states[s].bwd_ready)):
                 while q and q[0][0] <= t:
                     ready.add(q.popleft()[1])
@@ -428,6 +473,14 @@ def _run_reference(schedule, pols, costs, table, noise, fdelay, bdelay, execute,
             d = costs.duration(action)
         else:
             d = table[s][k] if noise is None else noise(s, k, t)
+        if overlaps[r]:  # a compound action: both parts take _compound_scale of their durations
+            pos = views[r].n_actions
+            if pos in overlaps[r]:
+                scale_next[r] = _compound_scale(costs, table, action, pols[r].inner.actions[pos + 1]
+                                                if hasattr(pols[r], "inner") else pols[r].actions[pos + 1])
+                d *= scale_next[r]
+            elif pos - 1 in overlaps[r]:
+                d *= scale_next[r]
         end = t + d
         if execute is not None:
             execute(action)
@@ -443,10 +496,10 @@ def _run_reference(schedule, pols, costs, table, noise, fdelay, bdelay, execute,
         wake(end, r)
         if k == _F and s + 1 < n:
             fin[s + 1].append((end + fdelay[s], mb))
-            wake(end + fdelay[s], (s + 1) % n_ranks)
+            wake(end + fdelay[s], rank_of[s + 1])
         elif (k == _B or k == _I) and s > 0:
             bin_[s - 1].append((end + bdelay[s], mb))
-            wake(end + bdelay[s], (s - 1) % n_ranks)
+            wake(end + bdelay[s], rank_of[s - 1])
     return rows, actions, states, views
 
 

@@ -180,9 +180,9 @@ def speedups(model: str, hardware: Hardware, n_stages: int = 8, ms: Sequence[int
 
 
 #: Schedules that compute 1F1B-flush's updates (the same loss curve on another clock): the one list
-#: every "fastest synchronous schedule" of the break-even analyses is chosen from. ZBV and DualPipeV
-#: (V-shaped placement) are not implemented yet, so not included.
-SYNCHRONOUS = ("1f1b-flush", "zb-h1", "zb-h2", "interleaved-1f1b", "looped-bfs", "interleaved-zb")
+#: every "fastest synchronous schedule" of the break-even analyses is chosen from. DualPipeV runs its
+#: overlapped pairs at the cost model's ``overlap`` (0 unless set: the parts one after the other).
+SYNCHRONOUS = ("1f1b-flush", "zb-h1", "zb-h2", "interleaved-1f1b", "looped-bfs", "interleaved-zb", "zbv", "dualpipev")
 
 #: Chunks per rank of the schedules in :data:`VIRTUAL` in these comparisons: the registry's default
 #: (``--v``), Megatron's usual choice; every chunk does 1/v of its rank's stage (:func:`chunk_costs`).
@@ -192,42 +192,54 @@ COMPARE_V = 2
 MEMORY_LIMITS = ("any", "1f1b")
 
 
-def _chunk_links(value, n_stages: int, v: int):
+def _chunk_rank(j: int, n_stages: int, placement: str) -> int:
+    """The rank of chunk j: j mod N, or in a V min(j, 2N − 1 − j)."""
+    return min(j, 2 * n_stages - 1 - j) if placement == "v" else j % n_stages
+
+
+def _chunk_links(value, n_stages: int, v: int, placement: str = "loop"):
     """A per-boundary link value of N stages for the N·v − 1 chunk boundaries: chunk j sends to chunk
-    j + 1, rank j mod N to rank (j + 1) mod N, i.e. over boundary j mod N; the wrap-around link
-    (rank N − 1 to rank 0) gets the mean of the N − 1 boundaries."""
+    j + 1 over the boundary between their ranks (ranks r and r + 1 use boundary r); the loop's
+    wrap-around link (rank N − 1 to rank 0) gets the mean of the N − 1 boundaries, and the V's turn
+    (chunks N − 1 and N, both on rank N − 1) is a local hand-over (the engine gives it no latency)."""
     if not isinstance(value, tuple):
         return value
     wrap = sum(value) / len(value) if value else 0.0
-    return tuple(value[j % n_stages] if j % n_stages < n_stages - 1 else wrap for j in range(n_stages * v - 1))
+    out = []
+    for j in range(n_stages * v - 1):
+        a, b = _chunk_rank(j, n_stages, placement), _chunk_rank(j + 1, n_stages, placement)
+        out.append(value[min(a, b)] if abs(a - b) == 1 else wrap)
+    return tuple(out)
 
 
-def chunk_costs(costs, n_stages: int, v: int):
-    """Costs of the N·v chunks of a schedule in :data:`VIRTUAL`, assuming each rank's stage splits
-    evenly into v chunks (chunk j on rank j mod N does 1/v of stage j mod N's F, B, I, W and U; links
-    as in :func:`_chunk_links`). ``UniformCosts`` get every duration divided by v; ``v = 1`` returns
+def chunk_costs(costs, n_stages: int, v: int, placement: str = "loop"):
+    """Costs of the N·v chunks of a schedule in :data:`VIRTUAL` (or a V-shaped one, ``placement="v"``,
+    v = 2), assuming each rank's stage splits evenly into v chunks (chunk j on rank r does 1/v of
+    stage r's F, B, I, W and U; r = j mod N, or min(j, 2N − 1 − j) in a V; links as in
+    :func:`_chunk_links`). ``UniformCosts`` get every duration divided by v; ``v = 1`` returns
     ``costs``."""
     from unbubble.sim.costs import PipelineCosts, StageCosts, Straggler, UniformCosts
 
     if v == 1:
         return costs
+    rank = [_chunk_rank(j, n_stages, placement) for j in range(n_stages * v)]
     if isinstance(costs, UniformCosts):
         return dataclasses.replace(costs, f=costs.f / v, b=costs.b / v, u=costs.u / v,
                                    i=None if costs.i is None else costs.i / v,
                                    w=None if costs.w is None else costs.w / v,
-                                   stage_scale=tuple(costs.stage_scale[j % n_stages]
+                                   stage_scale=tuple(costs.stage_scale[rank[j]]
                                                      for j in range(n_stages * v)) if costs.stage_scale else ())
     if not isinstance(costs, PipelineCosts):
         raise ConfigError(f"costs of type {type(costs).__name__} cannot be split into chunks: give PipelineCosts "
                           "or UniformCosts")
     chunks = tuple(StageCosts(x.f_s / v, x.b_s / v, x.i_s / v, x.w_s / v, x.u_s / v)
-                   for j in range(n_stages * v) for x in [costs.stages[j % n_stages]])
+                   for j in range(n_stages * v) for x in [costs.stages[rank[j]]])
     return dataclasses.replace(
-        costs, stages=chunks, message_bytes=_chunk_links(costs.message_bytes, n_stages, v),
-        bandwidth_bytes_per_s=_chunk_links(costs.bandwidth_bytes_per_s, n_stages, v),
-        latency_s=_chunk_links(costs.latency_s, n_stages, v),
-        stragglers=tuple(Straggler(st.stage + c * n_stages, st.slowdown, st.start_s, st.end_s)
-                         for st in costs.stragglers for c in range(v)))
+        costs, stages=chunks, message_bytes=_chunk_links(costs.message_bytes, n_stages, v, placement),
+        bandwidth_bytes_per_s=_chunk_links(costs.bandwidth_bytes_per_s, n_stages, v, placement),
+        latency_s=_chunk_links(costs.latency_s, n_stages, v, placement),
+        stragglers=tuple(Straggler(j, st.slowdown, st.start_s, st.end_s)
+                         for st in costs.stragglers for j in range(n_stages * v) if rank[j] == st.stage))
 
 
 @functools.lru_cache(maxsize=512)
@@ -246,7 +258,8 @@ def peak_activations(name: str, n_stages: int, m: int, v: int = COMPARE_V) -> fl
         return None
     k = sched.virtual
     spec = MemorySpec.uniform(sched.n_stages, act=1.0 / k, act_w=1.0 / k)
-    return max(r.activations for r in simulate(sched, chunk_costs(UniformCosts(), n_stages, k), spec).memory)
+    return max(r.activations for r in simulate(sched, chunk_costs(UniformCosts(), n_stages, k, sched.placement),
+                                               spec).memory)
 
 
 def synchronous_options(n_stages: int, m: int, schedules: Sequence[str] = SYNCHRONOUS, memory: str = "any",
@@ -297,7 +310,7 @@ def async_over_sync(costs, n_stages: int, m: int, a: int | None = None, schedule
     best, name = 0.0, ""
     for s in synchronous_options(n_stages, m, schedules, memory, v):
         sched = get_schedule(s, n_stages, steps=4, m=m, v=v)
-        rate = simulate(sched, chunk_costs(costs, n_stages, sched.virtual)).steady_samples_per_s
+        rate = simulate(sched, chunk_costs(costs, n_stages, sched.virtual, sched.placement)).steady_samples_per_s
         if rate > best:
             best, name = rate, sync_label(s, v)
     return paci / best, name

@@ -32,7 +32,7 @@ from unbubble.errors import ConfigError
 from unbubble.schedules.actions import Action
 from unbubble.schedules.registry import Schedule, get_schedule
 from unbubble.sim.costs import KIND_INDEX, PipelineCosts, StageCosts
-from unbubble.sim.engine import ActionRecord, Trace
+from unbubble.sim.engine import ActionRecord, Trace, placement_of
 
 if TYPE_CHECKING:
     from unbubble.sim.memory import MemorySpec
@@ -100,7 +100,7 @@ def load_run(run_dir: str | Path) -> MeasuredRun:
         records.append(ActionRecord(Action.parse(rec["action"]), rec["start_s"] - t0, rec["end_s"] - t0,
                                     rec["version"], weights))
     records.sort(key=lambda r: (r.start, r.action.stage))
-    return MeasuredRun(path, config, summary, schedule, Trace(schedule.n_stages, records, n_ranks=schedule.n_ranks))
+    return MeasuredRun(path, config, summary, schedule, Trace(schedule.n_stages, records, n_ranks=schedule.n_ranks, placement=placement_of(schedule)))
 
 
 def send_times(trace: Trace) -> list[float]:

@@ -178,10 +178,12 @@ def peak_memory(trace: Trace, spec: MemorySpec, *, stashed: bool = False) -> lis
         raise ConfigError(f"the memory spec describes {spec.n_stages} stages but the trace has {n}")
     # Actions of one rank never overlap, so walking them in start order visits that rank's
     # allocations (at F's start) and frees (at a backward's end) in time order, frees first on ties.
-    weights = [sum(spec.weights_bytes[s] for s in range(r, n, nr)) for r in range(nr)]
-    grads = [sum(spec.grads_bytes[s] for s in range(r, n, nr)) for r in range(nr)]
-    optim = [sum(spec.optimizer_bytes[s] for s in range(r, n, nr)) for r in range(nr)]
-    extra = [sum(spec.extra(s) for s in range(r, n, nr)) for r in range(nr)]
+    on = [trace.stages_of(r) for r in range(nr)]
+    rank_of = [trace.rank_of(s) for s in range(n)]
+    weights = [sum(spec.weights_bytes[s] for s in on[r]) for r in range(nr)]
+    grads = [sum(spec.grads_bytes[s] for s in on[r]) for r in range(nr)]
+    optim = [sum(spec.optimizer_bytes[s] for s in on[r]) for r in range(nr)]
+    extra = [sum(spec.extra(s) for s in on[r]) for r in range(nr)]
     base = [weights[r] + grads[r] + optim[r] + extra[r] for r in range(nr)]
     act_b = list(spec.act_bytes)
     act_w = [spec.act_w(s) for s in range(n)]
@@ -197,13 +199,14 @@ def peak_memory(trace: Trace, spec: MemorySpec, *, stashed: bool = False) -> lis
     versions_peak = [1] * nr
     cols = trace.columns()
     if cols is not None and not stashed:
-        return _peak_from_columns(cols, spec, nr, base, (weights, grads, optim, extra), act_b, act_w, rec, recompute)
+        return _peak_from_columns(cols, spec, rank_of, base, (weights, grads, optim, extra), act_b, act_w, rec,
+                                  recompute)
     current = [0] * n
     live: list[dict[int, int]] = [{} for _ in range(n)]  # stage -> {v_F: micro-batches still needing it}
     extra_versions = [0] * n
     fwd_v: dict[tuple[int, int], int] = {}
     for s, k, mb, _, _, ver, _ in trace.rows():
-        r = s % nr
+        r = rank_of[s]
         if k == _F:
             act[r] += act_b[s]
             q[r] += 1
@@ -254,7 +257,7 @@ def peak_memory(trace: Trace, spec: MemorySpec, *, stashed: bool = False) -> lis
     return out
 
 
-def _peak_from_columns(cols, spec: MemorySpec, nr: int, base, static, act_b, act_w, rec, recompute) -> list[RankMemory]:
+def _peak_from_columns(cols, spec: MemorySpec, rank_of: list[int], base, static, act_b, act_w, rec, recompute) -> list[RankMemory]:
     """``peak_memory`` without stashing, on a trace's numpy columns: the same additions in the same
     order (a running sum per rank is ``cumsum`` of its rows' changes, which adds sequentially), so
     the same floats."""
@@ -268,7 +271,8 @@ def _peak_from_columns(cols, spec: MemorySpec, nr: int, base, static, act_b, act
     delta[isi] = rc[isi] if recompute else -(ab[isi] - aw[isi])
     delta[isw] = -(ab[isw] + rc[isw]) if recompute else -aw[isw]
     dq = (k == _F).astype(np.int64) - isb - isw
-    rank = s % nr
+    rank = np.asarray(rank_of, np.int64)[s]
+    nr = max(rank_of) + 1
     order = np.argsort(rank, kind="stable")
     bounds = np.searchsorted(rank[order], np.arange(nr + 1))
     out = []

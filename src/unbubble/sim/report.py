@@ -103,7 +103,7 @@ def stage_rows(result: SimResult) -> list[dict[str, Any]]:
     drift, delay = result.trace.max_drift(), result.trace.max_delay()
     rows = []
     for r in range(nr):
-        stages = list(range(r, n, nr))
+        stages = result.trace.stages_of(r)
         row: dict[str, Any] = {
             "schedule": result.label, "rank": r, "stages": " ".join(map(str, stages)),
             "utilization": util[r], "bubble": 1 - util[r],
@@ -252,7 +252,7 @@ def bottleneck_line(result: SimResult, layers: Sequence[range] | None = None, mi
     head = f"{result.label}: {bubble:.1%} mean bubble"
     if ratio < 1.02:
         return f"{head}, every device does the same work (±2 %): the bubble is the schedule's fill, drain and flushes"
-    stages = range(r, n, nr)
+    stages = result.trace.stages_of(r)
     who = f"stage {r}" if nr == n else f"device {r} (stages {', '.join(map(str, stages))})"
     what = ""
     if layers is not None and len(layers) == n:
