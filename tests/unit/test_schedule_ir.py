@@ -8,7 +8,7 @@ import pytest
 
 from unbubble.errors import ScheduleError
 from unbubble.schedules import Action, ActionKind, get_schedule
-from unbubble.schedules.actions import dump_csv, export_torch_csv, load_csv, parse_cell, with_updates
+from unbubble.schedules.actions import F, dump_csv, export_torch_csv, load_csv, parse_cell, with_updates
 from unbubble.schedules.validate import validate
 from unbubble.sim import UniformCosts, run_policies
 
@@ -150,17 +150,22 @@ def test_torch_reduce_grad_is_the_update_where_torch_puts_it(tmp_path):
 
 
 @pytest.mark.parametrize("comms", [False, True], ids=["compute", "comms"])
-@pytest.mark.parametrize("cls_name", ["ScheduleZBVZeroBubble", "ScheduleDualPipeV"])
+@pytest.mark.parametrize("cls_name,name", [("ScheduleZBVZeroBubble", "zbv"), ("ScheduleDualPipeV", "dualpipev")])
 @pytest.mark.parametrize("n", [2, 4])
-def test_torch_v_shaped_schedules_name_the_missing_placement(cls_name, n, comms, tmp_path):
-    text = _torch_csv(_torch_schedule(cls_name, n, 2 * n, 2), tmp_path, comms)
-    with pytest.raises(ScheduleError) as exc:
-        load_csv(text)
-    msg = str(exc.value)
-    assert "\n" not in msg
-    # rank 0 hosts stages 0 and 2N−1; unbubble would put 2N−1 on rank N−1
-    assert f"rank 0 runs stage {2 * n - 1}" in msg and f"stage {2 * n - 1} on rank {n - 1} for N={n}" in msg
-    assert "V-shaped placement" in msg and "not supported yet" in msg
+def test_torch_v_shaped_csvs_load_as_our_v_schedules(cls_name, name, n, comms, tmp_path):
+    # rank r holds stages r and 2N − 1 − r: the V placement is read from the rows
+    m = 2 * n
+    loaded = load_csv(_torch_csv(_torch_schedule(cls_name, n, m, 2), tmp_path, comms))
+    assert _compute(loaded) == _compute(get_schedule(name, n, steps=1, m=m).static_order())
+    validate(get_schedule(name, n, steps=2, m=m), with_updates(loaded, m, steps=2))
+
+
+def test_a_placement_that_is_neither_loop_nor_v_names_the_rank_and_stage():
+    assert load_csv("0F0,3F0\n1F0,2F0\n") == [[F(0, 0), F(3, 0)], [F(1, 0), F(2, 0)]]  # a V
+    assert load_csv("0F0,2F0\n1F0,3F0\n") == [[F(0, 0), F(2, 0)], [F(1, 0), F(3, 0)]]  # a loop
+    with pytest.raises(ScheduleError, match=r"^row 0, column 1: rank 0 runs stage 1, but the file places its stages "
+                                            r"on rank s mod N, which puts stage 1 on rank 1 for N=2 ranks"):
+        load_csv("0F0,1F0\n2F0,3F0\n")
 
 
 @pytest.mark.parametrize("comms", [False, True], ids=["compute", "comms"])

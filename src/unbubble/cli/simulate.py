@@ -143,7 +143,7 @@ class CostSource:
             am = analytic_model(self.config, schedule.n_ranks, self.hardware, o["micro_batch_size"], virtual=v,
                                 layers_per_stage=layers, flash_attention=o["flash_attention"], jitter=o["jitter"],
                                 seed=o["seed"], stragglers=self.stragglers, precision=self.precision,
-                                recompute=self.recompute)
+                                recompute=self.recompute, placement=schedule.placement)
             return am.costs, am.memory, am.stage_layers
         if schedule.n_stages != schedule.n_ranks:
             raise ConfigError(f"schedule={schedule.name!r} has {schedule.n_stages} virtual stages: it needs costs per "

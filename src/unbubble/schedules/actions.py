@@ -201,17 +201,18 @@ def load_csv(text: str) -> list[list[Action]]:
     torch file holds one step without an optimizer step of its own: :func:`with_updates`
     repeats it for several steps.
 
+    The placement is read from the rows: stage s on rank s mod N (N rows), or a V (rank r holds
+    stages r and 2N − 1 − r: torch's ScheduleZBVZeroBubble and ScheduleDualPipeV).
+
     Raises:
-        ScheduleError: a cell is not an action (the message gives its row and column); or a
-            rank runs a stage unbubble would place elsewhere (stage s runs on rank s mod N, for
-            N rows): V-shaped placement (torch's ScheduleZBVZeroBubble, ScheduleDualPipeV) is not
-            supported yet, and the message names the rank and the stage.
+        ScheduleError: a cell is not an action (the message gives its row and column); or the rows
+            place their stages neither way (the message names the rank and the stage).
     """
     rows = text.splitlines()
     while rows and not rows[-1].strip():  # a trailing blank line is not an empty rank
         rows.pop()
     n = len(rows)
-    order = []
+    order, where = [], []
     for row_i, line in enumerate(rows):
         acts = []
         for col, cell in enumerate(line.split(",")):
@@ -219,14 +220,17 @@ def load_csv(text: str) -> list[list[Action]]:
                 acts += parse_cell(cell)
             except ScheduleError as exc:
                 raise ScheduleError(f"row {row_i}, column {col}: {exc}") from None
-            for s in _cell_stages(cell):
-                if s % n != row_i:
-                    raise ScheduleError(
-                        f"row {row_i}, column {col}: rank {row_i} runs stage {s}, but unbubble runs stage s on "
-                        f"rank s mod N (stage {s} on rank {s % n} for N={n} ranks): V-shaped placement (stages r "
-                        "and 2N−1−r on rank r, torch's ScheduleZBVZeroBubble and ScheduleDualPipeV) is not "
-                        "supported yet")
+            where += [(s, row_i, col) for s in _cell_stages(cell)]
         order.append(acts)
+    stages = 1 + max((s for s, _, _ in where), default=-1)
+    v_shaped = stages == 2 * n > 2 and all(r == min(s, 2 * n - 1 - s) for s, r, _ in where)
+    for s, r, col in where:
+        want = min(s, 2 * n - 1 - s) if v_shaped else s % n
+        if r != want:
+            layout = "a V (stages r and 2N−1−r on rank r)" if v_shaped else "rank s mod N"
+            raise ScheduleError(
+                f"row {r}, column {col}: rank {r} runs stage {s}, but the file places its stages on {layout}, which "
+                f"puts stage {s} on rank {want} for N={n} ranks: unbubble runs stages s mod N or in a V")
     return order
 
 

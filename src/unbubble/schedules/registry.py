@@ -43,6 +43,11 @@ V_SHAPED = ("zbv", "dualpipev")
 #: Where a schedule's stages live: ``"loop"``, stage s on rank s mod N; ``"v"``, the V shape.
 Placement = Literal["loop", "v"]
 
+
+def stage_rank(stage: int, n_ranks: int, placement: str = "loop") -> int:
+    """The rank of ``stage`` among ``n_ranks`` ranks: s mod N, or in a V (2N stages) min(s, 2N − 1 − s)."""
+    return min(stage, 2 * n_ranks - 1 - stage) if placement == "v" else stage % n_ranks
+
 ASYNC = ("paci", "paci-stashed", "async-1f1b", "pipedream", "pipedream-2bw", "pipemare")
 
 #: Which weights a backward uses: the current ones, the forward's stashed version, or the
@@ -81,9 +86,7 @@ class Schedule:
 
     def rank_of(self, stage: int) -> int:
         """The rank that hosts ``stage``: s mod N, or in a V min(s, 2N − 1 − s)."""
-        if self.placement == "v":
-            return min(stage, self.n_stages - 1 - stage)
-        return stage % self.n_ranks
+        return stage_rank(stage, self.n_ranks, self.placement)
 
     def stages_of(self, rank: int) -> list[int]:
         """The stages ``rank`` hosts, in increasing order (its chunks)."""

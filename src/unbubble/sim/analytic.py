@@ -188,7 +188,8 @@ def analytic_model(config: "ModelConfig", n_stages: int, hardware: Hardware, mic
                    seq_len: int | None = None, *, virtual: int = 1, layers_per_stage: Sequence[int] | None = None,
                    precision: Precision = Precision(), flash_attention: bool = False, jitter: float = 0.0,
                    seed: int = 0, stragglers: Sequence[Straggler] = (), recompute: bool = False,
-                   predict_weights: bool = False, error_feedback: bool = False) -> AnalyticModel:
+                   predict_weights: bool = False, error_feedback: bool = False,
+                   placement: str = "loop") -> AnalyticModel:
     """Builds the per-stage costs and memory sizes of ``config`` split over ``n_stages · virtual`` stages.
 
     Args:
@@ -197,7 +198,8 @@ def analytic_model(config: "ModelConfig", n_stages: int, hardware: Hardware, mic
         hardware: the device type (``unbubble.sim.hardware``).
         micro_batch_size: sequences per micro-batch b ≥ 1.
         seq_len: tokens per sequence s (default ``config.block_size``).
-        virtual: stages per device (interleaved 1F1B); stage j runs on device j mod N.
+        virtual: stages per device (interleaved 1F1B, V-shaped schedules); stage j runs on device j mod N,
+            or with ``placement="v"`` (v = 2) on device min(j, 2N − 1 − j): the links follow it.
         layers_per_stage: blocks of each of the N·v stages in pipeline order (zeros allowed for the first
             and last stage, which then hold only the embedding or the head); default: the cost-balanced
             contiguous split of ``unbubble.models.partition.partition_layers``.
@@ -282,8 +284,10 @@ def analytic_model(config: "ModelConfig", n_stages: int, hardware: Hardware, mic
 
     msg = tokens * h * p.activation_bytes
     lat, bw = [], []
+    from unbubble.schedules.registry import stage_rank
+
     for j in range(n - 1):
-        la, bwj = hardware.link(j % n_stages, (j + 1) % n_stages)
+        la, bwj = hardware.link(stage_rank(j, n_stages, placement), stage_rank(j + 1, n_stages, placement))
         lat.append(la)
         bw.append(bwj)
     costs = PipelineCosts(tuple(stages), message_bytes=float(msg) if n > 1 else 0.0,

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from unbubble.errors import ConfigError, did_you_mean
-from unbubble.schedules.registry import SCHEDULES, VIRTUAL, get_schedule
+from unbubble.schedules.registry import SCHEDULES, VIRTUAL, get_schedule, stage_rank
 from unbubble.sim.analytic import ZB_MODELS, analytic_model, make_model, zb_layers_per_stage
 from unbubble.sim.hardware import Hardware
 from unbubble.sim.result import SimResult, simulate
@@ -192,11 +192,6 @@ COMPARE_V = 2
 MEMORY_LIMITS = ("any", "1f1b")
 
 
-def _chunk_rank(j: int, n_stages: int, placement: str) -> int:
-    """The rank of chunk j: j mod N, or in a V min(j, 2N − 1 − j)."""
-    return min(j, 2 * n_stages - 1 - j) if placement == "v" else j % n_stages
-
-
 def _chunk_links(value, n_stages: int, v: int, placement: str = "loop"):
     """A per-boundary link value of N stages for the N·v − 1 chunk boundaries: chunk j sends to chunk
     j + 1 over the boundary between their ranks (ranks r and r + 1 use boundary r); the loop's
@@ -207,7 +202,7 @@ def _chunk_links(value, n_stages: int, v: int, placement: str = "loop"):
     wrap = sum(value) / len(value) if value else 0.0
     out = []
     for j in range(n_stages * v - 1):
-        a, b = _chunk_rank(j, n_stages, placement), _chunk_rank(j + 1, n_stages, placement)
+        a, b = stage_rank(j, n_stages, placement), stage_rank(j + 1, n_stages, placement)
         out.append(value[min(a, b)] if abs(a - b) == 1 else wrap)
     return tuple(out)
 
@@ -222,7 +217,7 @@ def chunk_costs(costs, n_stages: int, v: int, placement: str = "loop"):
 
     if v == 1:
         return costs
-    rank = [_chunk_rank(j, n_stages, placement) for j in range(n_stages * v)]
+    rank = [stage_rank(j, n_stages, placement) for j in range(n_stages * v)]
     if isinstance(costs, UniformCosts):
         return dataclasses.replace(costs, f=costs.f / v, b=costs.b / v, u=costs.u / v,
                                    i=None if costs.i is None else costs.i / v,

@@ -342,8 +342,8 @@ def candidates(model: "str | ModelConfig", cluster: Cluster, global_batch_tokens
                         if rc and fitted:
                             continue  # recomputing only adds work: never faster than the fitting row without
                         try:
-                            am = analytic_model(cfg, n, hw, b, s_len, virtual=sched.virtual, precision=prec,
-                                                flash_attention=flash_attention, recompute=rc,
+                            am = analytic_model(cfg, n, hw, b, s_len, virtual=sched.virtual, placement=sched.placement,
+                                                precision=prec, flash_attention=flash_attention, recompute=rc,
                                                 predict_weights=predict_weights and name in PREDICT_SCHEDULES)
                         except ConfigError:
                             break  # e.g. more chunks than blocks
