@@ -91,6 +91,9 @@ def _variant(name: str) -> tuple[str, str]:
 #: our schedules also timed with every stage under torch.compile (``--compile``)
 COMPILED = ("1f1b-flush", "paci")
 TORCH = ("ScheduleGPipe", "Schedule1F1B")
+#: unbubble.pipelining.SchedulePACI on torch's PipelineStage (a = m), without and with a global clip per step
+TORCH_STAGE = ("PipelineStage", "PipelineStage + global clip")
+TORCH_STAGE_ENGINE = "paci on torch"  #: rows "paci on torch PipelineStage[ + global clip]"
 
 
 @dataclass
@@ -114,6 +117,7 @@ class BenchConfig:
     sleep_steps: int = 3
     compile: bool = True  #: also time COMPILED with torch.compile'd stages
     compile_backend: str = "inductor"
+    torch_stage: bool = True  #: also time TORCH_STAGE (unbubble.pipelining over torch's PipelineStage)
     parts: tuple[str, ...] = field(default=("model", "synthetic"))
 
 
@@ -240,13 +244,73 @@ def _run_torch(cfg: BenchConfig, name: str, rank: int, steps: int) -> dict:
     return {"wall_s": time.perf_counter() - t0, "busy_s": busy}
 
 
+def _run_torch_stage_paci(cfg: BenchConfig, rank: int, steps: int, clip: bool) -> dict:
+    """``steps`` PACI updates of ``unbubble.pipelining.SchedulePACI`` (a = m) over torch's ``PipelineStage`` on
+    this rank, the loop written as torchtitan's; ``clip``: :func:`~unbubble.pipelining.clip_grad_norm_pp` over
+    the pipeline (max norm 1.0, one all-reduce per step) between ``step()`` and ``optimizer.step()``."""
+    import itertools
+
+    from torch.distributed.pipelining import PipelineStage
+
+    from unbubble.pipelining import SchedulePACI, clip_grad_norm_pp
+
+    job = _model_job(cfg, "paci", steps)
+    module = job.stage_fn(rank)
+    stage = PipelineStage(module, rank, cfg.n, torch.device("cpu"))
+    schedule = SchedulePACI(stage, cfg.m, gpt_loss)
+    opt = job.optimizer_fn(list(module.parameters()), rank)
+
+    def batches():  # step t's m micro-batches, the same tensors as every other system's
+        for t in itertools.count():
+            mbs = [job.batch_fn(t * cfg.m + j) for j in range(cfg.m)]
+            yield torch.cat([x for x, _ in mbs]), torch.cat([y for _, y in mbs])
+
+    data = batches()
+    clip_s = [0.0]
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        schedule.step(data)
+        if clip:
+            t = time.perf_counter()
+            clip_grad_norm_pp(module.parameters(), 1.0)
+            clip_s[0] += time.perf_counter() - t
+        opt.step()
+
+    step()  # shape inference and the first fill (untimed), as torch's rows
+    busy = [0.0]
+
+    def timed(fn):
+        def call(*args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                busy[0] += time.perf_counter() - t
+        return call
+
+    stage.forward_one_chunk = timed(stage.forward_one_chunk)
+    schedule._user_loss = timed(schedule._user_loss)  # the last stage's loss, outside forward_one_chunk
+    stage.backward_one_chunk = timed(stage.backward_one_chunk)
+    opt.step = timed(opt.step)
+    clip_s[0] = 0.0
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step()
+    schedule.drain()
+    busy = busy[0]
+    dist.barrier()
+    return {"wall_s": time.perf_counter() - t0, "busy_s": busy, "clip_s": clip_s[0]}
+
+
 def _model_worker(rank: int, world: int, cfg: BenchConfig, port: int, q) -> None:
     try:
         from unbubble.runtime.compiled import compile_stats
 
         _init(rank, world, port, cfg.threads)
         systems = [("unbubble", s) for s in OURS] + [("unbubble", f"{s} compiled") for s in COMPILED if cfg.compile] \
-            + [("torch", s) for s in TORCH]
+            + [("torch", s) for s in TORCH] + [(TORCH_STAGE_ENGINE, s) for s in TORCH_STAGE if cfg.torch_stage]
         results = []
         for rep in range(-1, cfg.repeats):  # rep −1: warm-up of every system in these processes (compiles)
             steps = cfg.steps if rep >= 0 else 2
@@ -259,6 +323,8 @@ def _model_worker(rank: int, world: int, cfg: BenchConfig, port: int, q) -> None
                     res = _run_ours(_model_job(cfg, variant, steps, compiled=variant != name), rank)
                     res.pop("records")
                     res["graphs_compiled"] = compile_stats()["frames"] - graphs
+                elif engine == TORCH_STAGE_ENGINE:
+                    res = _run_torch_stage_paci(cfg, rank, steps, clip=name != TORCH_STAGE[0])
                 else:
                     res = _run_torch(cfg, name, rank, steps)
                 results.append({"repeat": rep, "engine": engine, "schedule": name, **res})
@@ -286,6 +352,8 @@ def bench_model(cfg: BenchConfig) -> dict:
             "repeat": row["repeat"], "wall_s": wall, "tokens_per_s": tokens / wall,
             "utilization": [per_rank[r][i]["busy_s"] / wall for r in range(cfg.n)],
             "busy_ms_per_mb": [1e3 * per_rank[r][i]["busy_s"] / (cfg.steps * cfg.m) for r in range(cfg.n)],
+            **({"clip_ms_per_step": [1e3 * per_rank[r][i]["clip_s"] / cfg.steps for r in range(cfg.n)]}
+               if "clip_s" in per_rank[0][i] else {}),
         })
     systems = {}
     for name, rs in runs.items():
@@ -293,6 +361,8 @@ def bench_model(cfg: BenchConfig) -> dict:
             "tokens_per_s": statistics.median(r["tokens_per_s"] for r in rs),
             "utilization": [statistics.median(r["utilization"][s] for r in rs) for s in range(cfg.n)],
             "busy_ms_per_mb": [statistics.median(r["busy_ms_per_mb"][s] for r in rs) for s in range(cfg.n)],
+            **({"clip_ms_per_step": [statistics.median(r["clip_ms_per_step"][s] for r in rs) for s in range(cfg.n)]}
+               if "clip_ms_per_step" in rs[0] else {}),
             "runs": rs,
         }
 
@@ -309,6 +379,11 @@ def bench_model(cfg: BenchConfig) -> dict:
         "paci deterministic / dynamic order": ratio("unbubble paci", "unbubble paci dynamic"),
         "torch 1F1B / torch GPipe": ratio("torch Schedule1F1B", "torch ScheduleGPipe"),
     }
+    if cfg.torch_stage:  # unbubble.pipelining: PACI over torch's PipelineStage, beside our runtime's and torch's 1F1B
+        ts, ts_clip = (f"{TORCH_STAGE_ENGINE} {s}" for s in TORCH_STAGE)
+        ratios[f"{ts} / unbubble paci"] = ratio(ts, "unbubble paci")
+        ratios[f"{ts} / torch 1F1B"] = ratio(ts, "torch Schedule1F1B")
+        ratios["global clip per step: with / without"] = ratio(ts_clip, ts)
     # the schedule's own gain, free of compute slowing down when both processes compute at once:
     # the ratio of mean utilizations (= of tokens/s at equal busy time per micro-batch)
     util = {name: statistics.fmean(s["utilization"]) for name, s in systems.items()}
@@ -500,15 +575,19 @@ def format_report(res: dict) -> str:
         mod = res["model"]
         lines.append(f"Same model and micro-batches, N={cfg['n']} gloo processes, m={cfg['m']} (PACI a={cfg['m']}), "
                      f"{cfg['steps']} steps × {cfg['repeats']} repeats, {cfg['threads']} thread(s) per process")
-        lines.append(f"{'system':28} {'tokens/s':>10}  {'utilization':>11}  busy ms per micro-batch, per stage")
+        lines.append(f"{'system':44} {'tokens/s':>10}  {'utilization':>11}  busy ms per micro-batch, per stage")
         for name, s in mod["systems"].items():
-            lines.append(f"{name:28} {s['tokens_per_s']:>10,.0f}  {' '.join(f'{u:.2f}' for u in s['utilization']):>11}  "
+            lines.append(f"{name:44} {s['tokens_per_s']:>10,.0f}  {' '.join(f'{u:.2f}' for u in s['utilization']):>11}  "
                          f"{' '.join(f'{b:.1f}' for b in s['busy_ms_per_mb'])}")
         lines.append("")
-        lines.append(f"{'ratio (median of per-repeat ratios)':40} {'value':>7}")
+        lines.append(f"{'ratio (median of per-repeat ratios)':56} {'value':>7}")
         for name, v in mod["ratios"].items():
-            lines.append(f"{name:40} {v:>7.3f}")
-        lines.append(f"{'(m+N-1)/m':40} {mod['bubble_ratio']:>7.3f}")
+            lines.append(f"{name:56} {v:>7.3f}")
+        lines.append(f"{'(m+N-1)/m':56} {mod['bubble_ratio']:>7.3f}")
+        clipped = mod["systems"].get(f"{TORCH_STAGE_ENGINE} {TORCH_STAGE[1]}", {}).get("clip_ms_per_step")
+        if clipped:
+            lines.append("global clip (clip_grad_norm_pp, one all-reduce): ms per step inside it, per stage "
+                         + " ".join(f"{c:.2f}" for c in clipped) + " (the wait for the slowest stage included)")
         for name, t in mod["targets"].items():
             lines.append(f"target {name}: {t['value']:.3f} vs {t['target']:.3f} -> {'met' if t['met'] else 'NOT met'}")
         for name, c in mod.get("compiled", {}).items():
@@ -547,6 +626,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--only", choices=["model", "synthetic"], default=None)
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile variants")
     p.add_argument("--compile-backend", choices=["inductor", "aot_eager"], default="inductor")
+    p.add_argument("--no-torch-stage", action="store_true", help="skip paci on torch PipelineStage (unbubble.pipelining)")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
     cfg = quick_config() if a.quick else BenchConfig()
@@ -556,6 +636,7 @@ def main(argv: list[str] | None = None) -> dict:
     if a.only:
         cfg.parts = (a.only,)
     cfg.compile, cfg.compile_backend = not a.no_compile, a.compile_backend
+    cfg.torch_stage = not a.no_torch_stage
     res = run(cfg)
     print(format_report(res))
     if a.out:

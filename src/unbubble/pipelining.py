@@ -180,6 +180,8 @@ class SchedulePACI(PipelineScheduleSingle):
         # torch's receive buffers are per chunk id: micro-batch k uses slot k mod N; a slot is reused only
         # after its micro-batch's backward (at most N + 1 − i are in flight)
         super().__init__(stage, n_microbatches=stage.num_stages, loss_fn=loss_fn, scale_grads=False)
+        # our own handles (torch's base class keeps its own private copies for _initialize_stage)
+        self._pp_stage, self._slots, self._user_loss = stage, stage.num_stages, loss_fn
         self.m, self.a, self.flush = n_microbatches, a, flush
         self.cap = stage.num_stages - stage.stage_index  # N + 1 − i, i = stage + 1
         self._scale = 1.0 / a
@@ -218,7 +220,7 @@ class SchedulePACI(PipelineScheduleSingle):
             RuntimeError: micro-batches are in flight (call :meth:`drain` first).
         """
         if self.in_flight or self._owed:
-            raise RuntimeError(f"stage {self._stage.stage_index} has {self.in_flight} micro-batches in flight: call "
+            raise RuntimeError(f"stage {self._pp_stage.stage_index} has {self.in_flight} micro-batches in flight: call "
                                "drain() before state_dict()")
         return {"steps": self._steps, "next_micro_batch": self._n_bwd, "drift": dict(self.drift)}
 
@@ -229,7 +231,7 @@ class SchedulePACI(PipelineScheduleSingle):
             RuntimeError: micro-batches are in flight.
         """
         if self.in_flight or self._owed:
-            raise RuntimeError(f"stage {self._stage.stage_index} has {self.in_flight} micro-batches in flight: "
+            raise RuntimeError(f"stage {self._pp_stage.stage_index} has {self.in_flight} micro-batches in flight: "
                                "load_state_dict() needs a drained schedule")
         self._steps = state["steps"]
         self._n_fwd = self._n_bwd = state["next_micro_batch"]
@@ -254,7 +256,7 @@ class SchedulePACI(PipelineScheduleSingle):
                 extra keyword arguments.
             RuntimeError: called under ``torch.no_grad()``, or the iterator ran out.
         """
-        st = self._stage
+        st = self._pp_stage
         if kwargs:
             raise ConfigError(f"{', '.join(kwargs)}= is invalid for SchedulePACI.step: it takes the data iterator "
                               "and losses= only (targets come with the inputs from the iterator)")
@@ -295,12 +297,12 @@ class SchedulePACI(PipelineScheduleSingle):
         ``step()`` forwards those micro-batches again on the updated weights (unbubble's checkpoint cut).
         Every rank must call it (after the same number of ``step()`` calls). Cost: the discarded forwards.
         """
-        st = self._stage
+        st = self._pp_stage
         if self._owed:  # the previous stage read one micro-batch further ahead than this one and sent it
-            self._recv(st.get_fwd_recv_ops(self._n_fwd % self._n_microbatches))
+            self._recv(st.get_fwd_recv_ops(self._n_fwd % self._slots))
             self._owed = False
         for k in range(self._n_bwd, self._n_fwd):
-            _torch_private.drop_forward(st, k % self._n_microbatches)
+            _torch_private.drop_forward(st, k % self._slots)
             self._fwd_version.pop(k, None)
             self._loss.pop(k, None)
         self._n_fwd = self._n_bwd
@@ -309,7 +311,7 @@ class SchedulePACI(PipelineScheduleSingle):
 
     # -- actions --------------------------------------------------------------------------------------
     def _initialize(self) -> None:
-        st = self._stage
+        st = self._pp_stage
         args = self._inputs(self._n_fwd) if st.is_first else ()
         target = self._target(self._n_fwd) if st.is_last else None
         _torch_private.initialize_stage(self, args, target)
@@ -317,14 +319,14 @@ class SchedulePACI(PipelineScheduleSingle):
         self._initialized = True
 
     def _forward(self, k: int) -> None:
-        st, slot = self._stage, k % self._n_microbatches
+        st, slot = self._pp_stage, k % self._slots
         args = self._inputs(k) if st.is_first else ()
         if not st.is_first:
             self._recv(st.get_fwd_recv_ops(slot))
         with self._hooks():
             out = st.forward_one_chunk(slot, args, None, save_forward_output=False)
             if st.is_last:
-                loss = self._loss_fn(out, self._target(k))
+                loss = self._user_loss(out, self._target(k))
                 self._loss[k] = (loss * self._scale, loss.detach())
         if not st.is_last:
             self._send("fwd", st.get_fwd_send_ops(slot))
@@ -332,7 +334,7 @@ class SchedulePACI(PipelineScheduleSingle):
         self._n_fwd += 1
 
     def _backward(self, k: int) -> list[torch.Tensor]:
-        st, slot = self._stage, k % self._n_microbatches
+        st, slot = self._pp_stage, k % self._slots
         if not st.is_last:
             self._recv(st.get_bwd_recv_ops(slot))
         scaled, value = self._loss.pop(k) if st.is_last else (None, None)
@@ -373,8 +375,8 @@ class SchedulePACI(PipelineScheduleSingle):
                 item = next(self._data)
             except StopIteration:
                 raise RuntimeError(f"the data iterator ran out at batch {self._next_batch} (micro-batch {k}) on stage "
-                                   f"{self._stage.stage_index}: PACI's first stage reads up to N−1 = "
-                                   f"{self._stage.num_stages - 1} micro-batches ahead of its update; give it more "
+                                   f"{self._pp_stage.stage_index}: PACI's first stage reads up to N−1 = "
+                                   f"{self._pp_stage.num_stages - 1} micro-batches ahead of its update; give it more "
                                    "batches or an endless iterator") from None
             self._batches[self._next_batch] = self._split(item)
             self._next_batch += 1
@@ -426,7 +428,10 @@ def clip_grad_norm_pp(parameters: Iterable[torch.Tensor], max_norm: float, group
         norm_type: p of the p-norm (finite).
 
     Returns:
-        The total norm over all stages before clipping, a 0-dim tensor.
+        The total norm over all stages before clipping, a 0-dim tensor (the same value on every rank).
+
+    Source: the PP branch of torchtitan's ``dist_utils.clip_grad_norm_`` (all-reduce of the p-th power of the
+    local norms over the pipeline group), with ``torch.nn.utils.get_total_norm`` and ``clip_grads_with_norm_``.
     """
     params = [p for p in parameters if p.grad is not None]
     local = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type) if params else torch.zeros(())

@@ -92,7 +92,7 @@ def _paci_run(rank: int, n: int, sc: dict, module=None, opt_state=None, sched_st
     in_flight_before = schedule.in_flight
     schedule.drain()
     return module, opt, schedule, {"losses": losses, "drift": dict(schedule.drift), "in_flight_before": in_flight_before,
-                                   "in_flight": schedule.in_flight, "fwd_cache": len(schedule._stage.fwd_cache)}
+                                   "in_flight": schedule.in_flight, "fwd_cache": len(schedule._pp_stage.fwd_cache)}
 
 
 def _state(module) -> dict:

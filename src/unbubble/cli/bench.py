@@ -57,7 +57,9 @@ def bench(repeats: int | None, steps: int | None, n: int | None, m: int | None, 
     makespan. PACI runs in both action orders in both parts, its default deterministic one (paci) and
     the arrival-driven one (paci dynamic, --order dynamic): the ratio is the cost of reproducibility.
     With --compile (the default) 1f1b-flush and paci also run with torch.compile'd stages: compiled ÷
-    eager tokens/s, compile time apart. Targets are reported, not asserted: flush ≥ 0.95 × torch 1F1B,
+    eager tokens/s, compile time apart. The row "paci on torch PipelineStage" runs unbubble.pipelining's
+    SchedulePACI over torch's own PipelineStage (a = m), once more with a global gradient clip per step: its
+    tokens/s ÷ our paci and ÷ torch's 1F1B, and the clip's cost. Targets are reported, not asserted: flush ≥ 0.95 × torch 1F1B,
     PACI ≥ 0.95 × (m+N−1)/m × torch 1F1B, synthetic within 5 %. About 4 minutes on 2 CPU cores.
     """
     mod = load_bench_module()
