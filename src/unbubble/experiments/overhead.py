@@ -17,10 +17,10 @@ Metrics, from ``runs.csv`` and ``curves.csv`` only:
 * **time-to-target** on the simulated clock of N devices with the per-stage F, B and U durations
   measured in these runs: PACI's time to train the interpolated budget, against (a) its flush twin's
   full run on the fastest synchronous schedule (:data:`~unbubble.sim.extrapolate.SYNCHRONOUS`:
-  1F1B-flush, ZB-H1, ZB-H2, interleaved 1F1B where m is a multiple of N, looped-bfs and
-  interleaved-zb, the last three with v = 2 chunks per rank, each half of its stage's measured
-  work; ZBV and DualPipeV not yet included: they compute flush's updates, only their clock
-  differs), and (b) the
+  1F1B-flush, ZB-H1, ZB-H2, interleaved 1F1B where m is a multiple of N, looped-bfs,
+  interleaved-zb, ZBV and DualPipeV where m ≥ 2N, the last five with 2 chunks per rank (v = 2, or
+  placed in a V), each half of its stage's measured work; they all compute flush's updates, only
+  their clock differs), and (b) the
   fastest synchronous (schedule, optimizer) of the study to reach the same loss (read on its
   validation curve: a shorter full schedule would get there sooner still, so (b) favours PACI);
 * **break-even**: asynchrony pays when its token overhead is below the throughput ratio it buys
@@ -232,10 +232,15 @@ def _schedule_set() -> str:
     """The sentence naming the synchronous schedules the break-even analyses choose from."""
     from unbubble.schedules.registry import VIRTUAL
 
+    from unbubble.schedules.registry import V_SHAPED
+
     virtual = [s for s in SYNCHRONOUS if s in VIRTUAL]
-    return (f"{', '.join(SYNCHRONOUS)} ({', '.join(virtual)} with v = {COMPARE_V} chunks per rank, each doing "
-            "1/v of its stage's work, an even split assumed because the model has one block per stage; "
-            "interleaved-1f1b only where m is a multiple of N; ZBV and DualPipeV not yet included)")
+    v_shaped = [s for s in SYNCHRONOUS if s in V_SHAPED]
+    return (f"{', '.join(SYNCHRONOUS)} ({', '.join(virtual)} with v = {COMPARE_V} chunks per rank and "
+            f"{', '.join(v_shaped)} with 2 placed in a V, each chunk doing 1/v of its stage's work, an even split "
+            "assumed because the model has one block per stage; interleaved-1f1b only where m is a multiple of N, "
+            "dualpipev where m ≥ 2N, its overlapped F and B run one after the other (overlap φ = 0, as on these "
+            "CPUs))")
 
 
 def _memory_note(ns=(4, 8, 16), ms=(4, 8, 16, 32)) -> str:
@@ -362,8 +367,9 @@ def overhead_study(out: Path, size: str = "default", seeds: list[int] | None = N
              if longer else "")
           + "Break-even: the throughput ratio PACI (a = m) buys over the fastest synchronous schedule (simulator, "
             "steady state; in brackets the schedule). Asynchrony pays when its token overhead is below it. ZB-H2 "
-            "wins only across updates: one update takes as long as ZB-H1's, but from m ≥ 2N − 1 a device starts "
-            "its next update while later ones finish theirs, so its steady-state bubble vanishes.\n\n"
+            "and ZBV win only across updates: one update has ZB-H1's bubble (ZBV: half of it), but from m ≥ 2N − 1 "
+            "a device starts its next update while later ones finish theirs, so the steady-state bubble vanishes; "
+            "ZBV does so within 1F1B-flush's activation memory.\n\n"
           + md_table(breakeven) + "\n\n" + _memory_note() + "\n\n" + md_table(same_memory) + "\n\n"
           + "![budgets](overhead_study_budgets.png)\n\n"
           + provenance(f"unbubble experiment overhead-study --size {size}", h1["seeds"],
