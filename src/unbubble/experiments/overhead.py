@@ -103,12 +103,15 @@ def _settings(run: dict[str, Any], overrides: dict[str, Any]) -> str:
     return f"{opt} β=({overrides.get('beta1', 0.9)}, {overrides.get('beta2', 0.95)})"
 
 
-def overhead_rows(study: Study, spec: dict[str, Any], n: int) -> tuple[list[dict[str, Any]], dict[str, dict]]:
+def overhead_rows(study: Study, spec: dict[str, Any], n: int,
+                  same_horizon: bool = False) -> tuple[list[dict[str, Any]], dict[str, dict]]:
     """The main table (one row per asynchronous method with a baseline) and, per method, the
-    numbers the text and the horizon sweep use (``overhead``, ``relation``, ``speedup``…)."""
+    numbers the text and the horizon sweep use (``overhead``, ``relation``, ``per_seed``,
+    ``speedup``…). ``same_horizon``: "vs fastest synchronous" only among the synchronous methods
+    of the row's own horizon (the " @h×" suffix of their labels)."""
     methods = {m["label"]: m for m in spec["methods"]}
     clock = Clock(study, n)
-    sync_labels = [lbl for lbl, m in methods.items() if "baseline" not in m and study.has(lbl, n)]
+    all_sync = [lbl for lbl, m in methods.items() if "baseline" not in m and study.has(lbl, n)]
     rows, facts = [], {}
     for label, m in methods.items():
         base = m.get("baseline")
@@ -134,6 +137,9 @@ def overhead_rows(study: Study, spec: dict[str, Any], n: int) -> tuple[list[dict
         t_same = step_same * base_run["steps"]
         # the fastest synchronous (schedule, optimizer) of the study to reach the same loss
         fastest = None
+        suffix = label.rsplit(" @", 1)[1] if " @" in label else None
+        sync_labels = [lbl for lbl in all_sync if not same_horizon
+                       or (lbl.rsplit(" @", 1)[1] if " @" in lbl else None) == suffix]
         for s in sync_labels:
             sr = study.final(s, n)[0]
             step, sched = clock.sync_step(s, sr["m"])
@@ -163,6 +169,7 @@ def overhead_rows(study: Study, spec: dict[str, Any], n: int) -> tuple[list[dict
                                                   f", {fastest[2]})" if fastest else ""),
         })
         facts[label] = {"overhead": statistics.fmean(per_seed), "relation": ">" if ">" in relations else "=",
+                        "per_seed": list(zip(per_seed, relations)), "time_s": t_mean, "twin_time_s": t_same,
                         "speedup": t_same / t_mean, "fastest": None if fastest is None else fastest[0] / t_mean,
                         "baseline": base, "seeds": len(runs), "gap": rows[-1]["gap"],
                         "sync_schedule": sched_same}

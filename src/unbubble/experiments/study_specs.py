@@ -249,9 +249,10 @@ def horizon_study_spec(size: str, part: str = "main") -> dict[str, Any]:
     fm, pmp = f"{flush} + muon", f"{paci} + muon + prediction"
     long_lrs = [1e-3, 3e-3] if tiny else [3e-3, 1e-2]
     if part == "trend":
-        methods = [{"label": f"{fm} @2×", **f, **muon, "lrs": mlr, "horizon": 2.0},
-                   {"label": f"{pmp} @2×", **p, **muon, **pred, "lrs": mlr, "horizon": 2.0,
-                    "baseline": f"{fm} @2×", "budgets": LONG_BUDGETS}]
+        mid = 1.5 if tiny else 2.0
+        methods = [{"label": f"{fm} @{mid:g}×", **f, **muon, "lrs": mlr, "horizon": mid},
+                   {"label": f"{pmp} @{mid:g}×", **p, **muon, **pred, "lrs": mlr, "horizon": mid,
+                    "baseline": f"{fm} @{mid:g}×", "budgets": LONG_BUDGETS}]
     else:
         long = 2.0 if tiny else 4.0
         flr = [3e-3] if tiny else [1e-2]
