@@ -170,3 +170,16 @@ def test_option_checks():
     for name in ("zbv", "dualpipev"):
         with pytest.raises(ConfigError, match=f"compile=True is invalid with schedule='{name}': its backward is split"):
             check_compile("inductor", name)
+
+
+@pytest.mark.parametrize("name", ["zbv", "dualpipev"])
+def test_exported_v_csv_loads_in_torch_with_the_v_placement(name, tmp_path):
+    from test_schedule_ir import _fake_stages, _tps
+    from unbubble.schedules.actions import export_torch_csv
+
+    tps, n, m = _tps(), 4, 8
+    path = tmp_path / "v.csv"
+    path.write_text(export_torch_csv(get_schedule(name, n, steps=2, m=m).static_order()))
+    runtime = tps._PipelineScheduleRuntime(_fake_stages(n, 2), m)
+    runtime._load_csv(str(path))  # torch's validator infers the placement from the rows
+    assert tps._validate_schedule(runtime.pipeline_order, n, 2 * n, m) == {s: min(s, 2 * n - 1 - s) for s in range(2 * n)}
