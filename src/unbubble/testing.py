@@ -9,6 +9,7 @@ from torch import nn
 
 from unbubble.models import GPTConfig, ModelConfig, build_stages, gpt_loss
 from unbubble.runtime.job import PipelineJob
+from unbubble.schedules import get_schedule
 from unbubble.schedules.registry import Schedule
 
 
@@ -90,3 +91,76 @@ def train_without_pipeline(job: PipelineJob) -> tuple[list[dict[str, torch.Tenso
             o.zero_grad(set_to_none=True)
         losses.append(total / sched.mb_per_step)
     return [m.state_dict() for m in stages], losses
+
+
+# -- a dict-in / tuple-out model: three stages, every kind of leaf ([Note: stage boundaries carry pytrees]) --
+
+TREE_VOCAB, TREE_DIM = 16, 8
+
+
+class TreeFirst(nn.Module):
+    """Takes a dict batch; returns a tuple with two floating outputs of two separate layers, the
+    integer ids, a detached float (no gradient) and a constant."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(TREE_VOCAB, TREE_DIM)
+        self.a, self.b = nn.Linear(TREE_DIM, TREE_DIM), nn.Linear(TREE_DIM, TREE_DIM)
+
+    def forward(self, batch):
+        e = self.emb(batch["input_ids"]) * batch["scale"]
+        return self.a(e), torch.tanh(self.b(e)), batch["input_ids"], e.detach() * 0.5, "const"
+
+
+class TreeMiddle(nn.Module):
+    """Tuple in, dict out: mixes both floating inputs; passes the ids through."""
+
+    def __init__(self):
+        super().__init__()
+        self.mix = nn.Linear(2 * TREE_DIM, TREE_DIM)
+
+    def forward(self, x):
+        h1, h2, ids, frozen, tag = x
+        assert tag == "const" and ids.dtype == torch.int64
+        return {"h": self.mix(torch.cat([h1, h2], -1)) + frozen, "skip": h2 * 2.0, "ids": ids}
+
+
+class TreeLast(nn.Module):
+    """Dict in, ``(logits, auxiliary scalar)`` out."""
+
+    def __init__(self):
+        super().__init__()
+        self.head = nn.Linear(TREE_DIM, TREE_VOCAB)
+
+    def forward(self, x):
+        return self.head(x["h"] + x["skip"]), x["skip"].pow(2).mean()
+
+
+def tree_stage(stage: int) -> nn.Module:
+    """Stage ``stage`` (0-2) of the pytree test model, the same weights every call."""
+    torch.manual_seed(100 + stage)
+    return [TreeFirst, TreeMiddle, TreeLast][stage]()
+
+
+def tree_batch(k: int):
+    """Micro-batch k: a dict of ids ``(2, T)`` with T = 5 + k mod 3 and a float scale; targets a dict of labels."""
+    g = torch.Generator().manual_seed(k)
+    t = 5 + k % 3  # shapes vary per micro-batch
+    ids = torch.randint(0, TREE_VOCAB, (2, t + 1), generator=g)
+    return {"input_ids": ids[:, :-1], "scale": torch.full((1,), 1.0 + 0.1 * (k % 2))}, {"labels": ids[:, 1:]}
+
+
+def tree_loss(out, targets):
+    """Cross-entropy of the logits plus 0.1 × the auxiliary output (a second floating output of the last stage)."""
+    logits, aux = out
+    return nn.functional.cross_entropy(logits.flatten(0, 1), targets["labels"].flatten()) + 0.1 * aux
+
+
+def _adam(params, stage):
+    return torch.optim.Adam(params, lr=1e-2)
+
+
+def tree_job(name: str = "1f1b-flush", **kw) -> PipelineJob:
+    """A picklable 3-stage job whose boundaries carry a tuple and a dict (``kw``: schedule options)."""
+    sched = get_schedule(name, 3, steps=3, m=4, **kw)
+    return PipelineJob(stage_fn=tree_stage, loss_fn=tree_loss, batch_fn=tree_batch, optimizer_fn=_adam, schedule=sched)

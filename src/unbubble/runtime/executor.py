@@ -13,6 +13,7 @@ from torch.func import functional_call
 
 from unbubble.errors import NonFiniteError
 from unbubble.optim.error_feedback import ErrorFeedback, check_coefficient
+from unbubble.runtime import pytree
 from unbubble.runtime.compiled import COMPILED_PREFIX, compile_stage
 from unbubble.runtime.precision import SavedBytes, check_modes, compute_context, copy_masters, device_type, \
     fold_grads, replayed_rng, rng_state, tensor_bytes
@@ -26,8 +27,10 @@ log = logging.getLogger(__name__)
 MAX_DROPPED_UPDATES = 10
 _LOGGED_DROPS = 3
 
-BatchFn = Callable[[int], tuple[torch.Tensor, torch.Tensor]]
-LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+#: ``batch_fn(k) -> (inputs, targets)``: each a tensor or a pytree of them ([Note: stage boundaries
+#: carry pytrees] in ``pytree.py``).
+BatchFn = Callable[[int], tuple[Any, Any]]
+LossFn = Callable[[Any, Any], torch.Tensor]
 
 
 class StageExecutor:
@@ -42,8 +45,10 @@ class StageExecutor:
     Args:
         stage: 0-based stage index.
         n_stages: pipeline depth N.
-        module: the stage's layers. Input: token ids ``(B, T)`` int64 on the first stage,
-            else the previous stage's output; output: anything tensor-valued.
+        module: the stage's layers, called with one argument. Input: the batch's inputs as
+            ``batch_fn`` gives them on the first stage (token ids ``(B, T)`` int64, or a dict),
+            else the previous stage's output; output: a tensor or a pytree of tensors
+            ([Note: stage boundaries carry pytrees] in ``pytree.py``).
         loss_fn: on the last stage, ``loss_fn(output, targets) -> scalar`` mean loss.
         batch_fn: ``batch_fn(k) -> (inputs, targets)`` for global micro-batch id k; the
             first stage reads inputs, the last stage reads targets (deterministic in k, so
@@ -137,7 +142,7 @@ class StageExecutor:
         self._sizes: dict[tuple, list[int]] = {}  # (forward or recomputed, input shape, dtype) -> saved bytes
         self.peak_grad_bytes = 0
         self.version = 0
-        self.store: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}
+        self.store: dict[int, tuple] = {}  # k -> (input leaf or leaves, output) [+ incoming gradient between I and W]
         self.backward_weights, self.velocity_decay = backward_weights, velocity_decay
         self.names = [n for n, p in module.named_parameters() if p.requires_grad]
         # stashing: version -> (tensors named like the parameters, in-flight micro-batches using them)
@@ -189,10 +194,11 @@ class StageExecutor:
         """
         if self.is_first:
             inp, x = None, self._on_device(self.batch_fn(k)[0])
-            if self.masters is not None and x.is_floating_point():  # bf16: a float input in the weights' dtype
-                x = x.to(torch.bfloat16)
-        else:
-            inp = x = activation.detach().requires_grad_(True)
+            if self.masters is not None:  # bf16: float inputs in the weights' dtype
+                x = pytree.tree_map(lambda t: t.to(torch.bfloat16) if t.is_floating_point() else t, x)
+        else:  # inp: the input tensor, or a pytree input's leaves whose gradients go upstream
+            x, leaves = pytree.input_leaves(activation)
+            inp = x if isinstance(x, torch.Tensor) else leaves
         self.fwd_version[k] = self.version
         if self.rng_seed is not None:
             seed_forward(self.rng_seed, self.stage, k, self._device_type)
@@ -204,17 +210,17 @@ class StageExecutor:
                 out, loss = self._compute(k, x)
             self._replay[k] = (x, state)
             self.store[k] = (inp, None)
-            self._hold(k, (x.untyped_storage().nbytes(), 0, 0), "input")  # a view keeps its whole storage
+            self._hold(k, (pytree.storage_bytes(x), 0, 0), "input")  # a view keeps its whole storage
         else:
             with self._measured("forward", x) as sizes, self._predicted():
                 out, loss = self._compute(k, x)
             self.store[k] = (inp, out)
             self._hold(k, (sizes[0], sizes[1], 0), "forward")
-            self.mb_bytes["input"] = x.untyped_storage().nbytes()  # what recomputation would keep (sim.memory)
+            self.mb_bytes["input"] = pytree.storage_bytes(x)  # what recomputation would keep (sim.memory)
         if self.is_last:
             self.losses[k] = loss  # read at U: no host synchronisation per micro-batch
             return None
-        return out.detach()
+        return pytree.detach_output(out, all_floating=self.recompute == "full")
 
     def _compute(self, k: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The stage's function on ``x`` with the weights micro-batch ``k``'s backward will use
@@ -231,8 +237,9 @@ class StageExecutor:
                 out = self._call(x)
             if not self.is_last:
                 return out, None
-            if out.is_floating_point() and out.dtype != torch.float32:
-                out = out.float()  # the loss (log-softmax over the vocabulary) in fp32
+            # the loss (log-softmax over the vocabulary) in fp32
+            out = pytree.tree_map(lambda t: t.float() if t.is_floating_point() and t.dtype != torch.float32 else t,
+                                  out)
             loss = self.loss_fn(out, self._on_device(self.batch_fn(k)[1]))
         return loss * self.loss_scale, loss.detach()
 
@@ -243,26 +250,31 @@ class StageExecutor:
         Returns:
             ``(input leaf or None on the first stage, output or scaled loss)``.
         """
-        x, state = self._replay.pop(k)
-        inp = None if self.is_first else x.requires_grad_(True)
+        x, state = self._replay.pop(k)  # its leaves kept their requires_grad flags from F
+        if self.is_first:
+            inp = None
+        elif isinstance(x, torch.Tensor):
+            inp = x.requires_grad_(True)
+        else:
+            inp = [t for t in pytree.tensors(x) if t.requires_grad]
         with replayed_rng(state), self._measured("recomputed", x) as sizes:
             out, _ = self._compute(k, x)
         self._hold(k, (0, sizes[1], sizes[0]), "recomputed")
         return inp, out
 
     @contextlib.contextmanager
-    def _measured(self, what: str, x: torch.Tensor):
+    def _measured(self, what: str, x: Any):
         """Yields ``[activation bytes, weight-copy bytes]`` that the forward in the block saves;
-        measured with ``SavedBytes`` the first time a ``what`` forward sees ``x``'s shape and dtype
+        measured with ``SavedBytes`` the first time a ``what`` forward sees ``x``'s shapes and dtypes
         (saved sizes depend only on them), then reused: the hooks cost ≈ 4 % of a small forward."""
-        key = (what, tuple(x.shape), x.dtype)
+        key = (what, pytree.signature(x))
         sizes = self._sizes.get(key)
         if sizes is not None:
             yield sizes
             return
         sizes = [0, 0]
         # a recomputed forward's input is already counted as stored
-        with SavedBytes(self.module, exclude=[x] if what == "recomputed" else (),
+        with SavedBytes(self.module, exclude=pytree.tensors(x) if what == "recomputed" else (),
                         by_value=self.compile_backend is not None) as saved:
             yield sizes
         sizes[:] = saved.activation_bytes, saved.weight_copy_bytes
@@ -318,8 +330,8 @@ class StageExecutor:
                 "per_micro_batch": dict(self.mb_bytes)}
 
     def _on_device(self, t):
-        """A micro-batch tensor from ``batch_fn`` on the stage's device (non-blocking copy)."""
-        return t if self.device is None else t.to(self.device, non_blocking=True)
+        """A micro-batch (tensor or pytree) from ``batch_fn`` on the stage's device (non-blocking copies)."""
+        return t if self.device is None else pytree.tree_map(lambda x: x.to(self.device, non_blocking=True), t)
 
     def backward(self, k: int, grad: torch.Tensor | None = None) -> torch.Tensor | None:
         """Full backward of micro-batch ``k``; accumulates into the parameters' ``.grad``.
@@ -327,11 +339,13 @@ class StageExecutor:
         Args:
             k: global micro-batch id (its forward must have run on this stage).
             grad: gradient of the loss w.r.t. this stage's output, shaped like the output
-                (ignored on the last stage).
+                (ignored on the last stage); for a pytree output, a tuple with one gradient
+                (or ``None``) per gradient-carrying leaf ([Note: stage boundaries carry pytrees]).
 
         Returns:
-            Gradient w.r.t. this stage's input, to send to the previous stage, or ``None`` on
-            the first stage. A NaN-filled tensor if the guard dropped ``k``.
+            Gradient w.r.t. this stage's input, to send to the previous stage (a tensor, or for
+            a pytree input a tuple of ``Tensor | None``), or ``None`` on the first stage.
+            NaN-filled if the guard dropped ``k``.
 
         Raises:
             NonFiniteError: non-finite loss or gradient under ``nan_policy="abort"``.
@@ -342,14 +356,20 @@ class StageExecutor:
         with self._backward_weights(k):
             if self.recompute == "full":
                 inp, out = self._recompute(k)
-            out.backward(None if self.is_last else grad)
+            if self.is_last:
+                out.backward()
+            else:
+                outs, grads = pytree.grad_outputs(out, grad, self.recompute == "full")
+                if outs:
+                    torch.autograd.backward(outs, grads)
         self._finish(k)
         if inp is None:
             return None
-        if self.nan_policy != "off" and not _finite([inp.grad]):  # its weight gradient is in the sum now
+        gx = _input_grad(inp)
+        if self.nan_policy != "off" and not _finite(pytree.tensors(gx)):  # its weight gradient is in the sum now
             self._tainted = True
             return self._poison(inp, k, "input gradient (this stage's update is dropped)")
-        return inp.grad
+        return gx
 
     def backward_input(self, k: int, grad: torch.Tensor | None = None) -> torch.Tensor | None:
         """``I``: the input gradient of micro-batch ``k`` only; its weight gradient waits for ``W``.
@@ -368,8 +388,15 @@ class StageExecutor:
                 self.store[k] = (inp, out, grad)
             if inp is None:
                 return None
-            (gx,) = torch.autograd.grad(out, inp, None if self.is_last else grad, retain_graph=True)
-        if self.nan_policy != "off" and not _finite([gx]):
+            if self.is_last:
+                outs, grads = [out], [None]
+            else:
+                outs, grads = pytree.grad_outputs(out, grad, self.recompute == "full")
+            leaves = inp if isinstance(inp, list) else [inp]
+            gs = torch.autograd.grad(outs, leaves, grads, retain_graph=True, allow_unused=True) if outs else \
+                [None] * len(leaves)
+            gx = tuple(gs) if isinstance(inp, list) else gs[0]
+        if self.nan_policy != "off" and not _finite(pytree.tensors(gx)):
             self._dropped.add(k)
             return self._poison(inp, k, "input gradient")
         return gx
@@ -382,7 +409,12 @@ class StageExecutor:
             self._release(k)
             return
         with self._backward_weights(k):
-            torch.autograd.backward(out, None if self.is_last else grad, inputs=self._grad_targets(k))
+            if self.is_last:
+                torch.autograd.backward(out, inputs=self._grad_targets(k))
+            else:
+                outs, grads = pytree.grad_outputs(out, grad, self.recompute == "full")
+                if outs:
+                    torch.autograd.backward(outs, grads, inputs=self._grad_targets(k))
         self._finish(k)
 
     # -- [Note: non-finite guard] -------------------------------------------------------------
@@ -399,12 +431,12 @@ class StageExecutor:
     # (``events``). A clean run computes exactly what it computes with the guard off; on CUDA each
     # check is one host synchronisation; ``nan_policy="off"`` removes them.
 
-    def _incoming_bad(self, k: int, grad: torch.Tensor | None) -> bool:
+    def _incoming_bad(self, k: int, grad: Any) -> bool:
         if self.nan_policy == "off":
             return False
         if self.is_last:
             return not math.isfinite(float(self.losses[k]))
-        return not _finite([grad])
+        return not _finite(pytree.tensors(grad))
 
     def _incoming_reason(self) -> str:
         return "loss" if self.is_last else "gradient from the next stage"
@@ -433,7 +465,11 @@ class StageExecutor:
             more = " (further drops of this stage: metrics.jsonl only)" if self.n_dropped == _LOGGED_DROPS else ""
             log.warning("stage %d dropped %s at weight version %d: non-finite %s%s", self.stage,
                         "its update" if k is None else f"micro-batch {k}", self.version, what, more)
-        return None if inp is None else torch.full_like(inp, math.nan)
+        if inp is None:
+            return None
+        if isinstance(inp, list):  # a pytree input: one poisoned gradient per gradient-carrying leaf
+            return tuple(torch.full_like(t, math.nan) for t in inp)
+        return torch.full_like(inp, math.nan)
 
     def _check_divergence(self) -> None:
         """Raises once every micro-batch of :data:`MAX_DROPPED_UPDATES` consecutive updates was
@@ -697,6 +733,12 @@ class StageExecutor:
             self.update()
             return None
         raise NotImplementedError(f"action {action}: kind {action.kind.value} is not supported by this executor")
+
+
+def _input_grad(inp: torch.Tensor | list[torch.Tensor]) -> Any:
+    """The gradient a backward sends upstream: ``inp.grad`` for a single-tensor input, or one
+    ``.grad`` (``None`` if unused) per gradient-carrying leaf of a pytree input."""
+    return tuple(t.grad for t in inp) if isinstance(inp, list) else inp.grad
 
 
 def _finite(tensors: list[torch.Tensor | None]) -> bool:

@@ -27,6 +27,18 @@ at capacity 0: a channel's first message is preceded by a 64-byte announcement. 
 described (more than 6 dimensions, a dtype outside ``DTYPES``) fails at the sender with an
 error naming the stage, the micro-batch and the shape.
 
+[Note: trees in a frame]
+A pytree payload ([Note: stage boundaries carry pytrees] in ``pytree.py``) is still one frame:
+its tensor leaves at 8-aligned offsets from 0, then eight words per leaf (dtype/ndim code, six
+dims, byte offset), then, only when the layout differs from the previous tree on this channel
+for the same destination stage, the pickled :class:`~unbubble.runtime.pytree.Layout`; the trailer's
+code word is ``_TREE`` and words 2–4 give the leaf count, the layout's byte length (0: unchanged)
+and where the leaf words start. Channels deliver in order ([Note: one process group per channel]),
+so the receiver's last layout per destination stage is the sender's: a stable layout costs 64 bytes
+per leaf and no extra message. A single-tensor payload keeps the plain frame above. Gradient-carrying
+leaves arrive with ``requires_grad`` set, as the emulator hands them over. The layout is unpickled:
+only stage processes of one job talk on these channels.
+
 [Note: one process group per channel]
 Every (replica, source rank, destination rank, direction) channel has its own two-member
 process group, used by exactly one sending thread and one receiving thread. Messages of a
@@ -62,6 +74,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import pickle
 import queue
 import threading
 from dataclasses import dataclass
@@ -70,6 +83,7 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
+from unbubble.runtime import pytree
 from unbubble.schedules.actions import ActionKind
 
 #: The dtypes a frame can carry (their index is written into the trailer).
@@ -84,6 +98,8 @@ END = "end"
 _WORDS = 8  # trailer: header, dtype/ndim code (or _ANNOUNCE), 6 dims (or the new capacity)
 _TRAIL = 8 * _WORDS  # trailer bytes, at the end of a frame (the payload starts at offset 0: aligned)
 _ANNOUNCE = -1  # code word of an announcement frame: the channel's next frames have capacity word 2
+_TREE = -2  # code word of a pytree frame ([Note: trees in a frame])
+_LEAF_BYTES = 64  # per leaf of a tree frame: code, 6 dims, byte offset
 _GROWTH = 1.25  # a capacity grows to at least this factor of the old one
 
 
@@ -208,6 +224,70 @@ def frame_payload(frame: torch.Tensor, meta: TensorMeta | None = None) -> torch.
     view, no copy."""
     meta = meta or TensorMeta.from_words(read_trailer(frame)[1:])
     return frame[:meta.nbytes].view(meta.dtype).view(meta.shape)
+
+
+def _write_words(region: torch.Tensor, data: bytes) -> None:
+    """Writes host bytes into a frame region (CUDA: one non-blocking upload from pinned memory)."""
+    if region.device.type == "cpu":
+        region.numpy()[:len(data)] = memoryview(data)
+    else:
+        host = torch.frombuffer(bytearray(data), dtype=torch.uint8).pin_memory()
+        region[:len(data)].copy_(host, non_blocking=True)
+
+
+class TreeFrame:
+    """A pytree payload laid out for one frame ([Note: trees in a frame]).
+
+    Args:
+        tree: the payload.
+        stage: destination stage; ``k``: micro-batch (for error messages).
+        forward: an activation (its gradient-carrying leaves are marked in the layout).
+        previous: the layout last sent on this channel to ``stage`` (``None``: none yet).
+
+    Raises:
+        ValueError: a leaf the frame cannot describe (:meth:`TensorMeta.of`).
+    """
+
+    def __init__(self, tree: Any, stage: int, k: int, forward: bool, previous: pytree.Layout | None):
+        self.leaves, self.layout = pytree.flatten(tree, grads=forward)
+        self.metas = [TensorMeta.of(t, stage, k) for t in self.leaves]
+        self.offsets, off = [], 0
+        for m in self.metas:
+            self.offsets.append(off)
+            off += _payload_bytes(m.nbytes)
+        self.words_at = off
+        self.blob = b"" if previous == self.layout else pickle.dumps(self.layout)
+        self.nbytes = off + _LEAF_BYTES * len(self.leaves) + _payload_bytes(len(self.blob))
+
+    def pack(self, stage: int, k: int, size: int, device: torch.device) -> torch.Tensor:
+        """The frame of ``size`` bytes (at least :func:`frame_bytes` of ``nbytes``)."""
+        frame = torch.empty(size, dtype=torch.uint8, device=device)
+        for t, m, o in zip(self.leaves, self.metas, self.offsets):
+            frame[o:o + m.nbytes].view(t.dtype).view(t.shape).copy_(t)
+        words = [w for m, o in zip(self.metas, self.offsets) for w in (*m.words(), o)]
+        tail = torch.tensor(words, dtype=torch.int64).numpy().tobytes() + self.blob
+        if tail:
+            _write_words(frame[self.words_at:self.words_at + len(tail)], tail)
+        _write_trailer(frame, encode_header(stage, k), (_TREE, len(self.leaves), len(self.blob), self.words_at, 0, 0, 0))
+        return frame
+
+
+def unpack_tree(frame: torch.Tensor, words: list[int], layouts: dict[int, pytree.Layout], stage: int) -> Any:
+    """The pytree in a ``_TREE`` frame whose trailer is ``words`` (leaves are views of the frame);
+    ``layouts``: the receiving thread's last layout per destination stage (updated here)."""
+    n, blob_len, at = words[2], words[3], words[4]
+    leaf_words = frame[at:at + _LEAF_BYTES * n].view(torch.int64).tolist() if n else []
+    if blob_len:
+        start = at + _LEAF_BYTES * n
+        layouts[stage] = pickle.loads(frame[start:start + blob_len].cpu().numpy().tobytes())
+    layout = layouts[stage]
+    leaves = []
+    for i, grad in zip(range(n), pytree.grad_mask(layout)):
+        w = leaf_words[8 * i:8 * i + 8]
+        meta = TensorMeta.from_words(w[:7])
+        t = frame[w[7]:w[7] + meta.nbytes].view(meta.dtype).view(meta.shape)
+        leaves.append(t.requires_grad_(True) if grad else t)
+    return pytree.unflatten(leaves, layout)
 #: At most this many sends may be unfinished before the oldest is waited for.
 MAX_PENDING_SENDS = 256
 
@@ -356,6 +436,8 @@ class P2PTransport:
         self.channels = pipeline_channels(self.placement)
         # payload bytes of the frames this rank sends, per (forward?, destination rank)
         self._capacity = {(fwd, dst): 0 for fwd, src, dst, _ in self.channels if src == rank}
+        # the last pytree layout sent per (forward?, destination stage) ([Note: trees in a frame])
+        self._layouts: dict[tuple[bool, int], pytree.Layout] = {}
         # [Note: one process group per channel]: (forward?, replica, source, destination) -> group
         keys, names = [], []
         for d in range(dp):
@@ -392,6 +474,7 @@ class P2PTransport:
                     torch.cuda.set_device(device)
                     stream = torch.cuda.Stream(device)
                 size, received = frame_bytes(0), 0  # [Note: shapes travel with each frame]
+                layouts: dict[int, pytree.Layout] = {}  # [Note: trees in a frame]
                 with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
                     while received < count:
                         frame = torch.empty(size, dtype=torch.uint8, device=device)
@@ -405,7 +488,10 @@ class P2PTransport:
                             self.inbox.put((END, stage, k - _END_BASE, None, None))
                             return
                         received += 1
-                        payload = frame_payload(frame, TensorMeta.from_words(words[1:]))
+                        if words[1] == _TREE:
+                            payload = unpack_tree(frame, words, layouts, stage)
+                        else:
+                            payload = frame_payload(frame, TensorMeta.from_words(words[1:]))
                         event = None
                         if stream is not None:
                             event = torch.cuda.Event()
@@ -419,20 +505,29 @@ class P2PTransport:
         self._threads.append(th)
 
     # -- steady state -----------------------------------------------------------------------
-    def send(self, kind: ActionKind, stage: int, k: int, tensor: torch.Tensor) -> None:
-        """Sends the output of F on ``stage`` (to stage + 1) or of B / I (to stage − 1);
-        returns at once (``isend``; the tensor is kept alive until the send is reaped)."""
+    def send(self, kind: ActionKind, stage: int, k: int, tensor: Any) -> None:
+        """Sends the output of F on ``stage`` (to stage + 1) or of B / I (to stage − 1), a tensor
+        or a pytree ([Note: trees in a frame]); returns at once (``isend``; the frame is kept
+        alive until the send is reaped)."""
         forward = kind is ActionKind.F
         dst_stage = stage + 1 if forward else stage - 1
         dst = self.rank_of(dst_stage)
         if dst == self.rank:  # both stages on this rank
             self.inbox.put((ActionKind.F if forward else ActionKind.B, dst_stage, k, tensor, None))
             return
+        group = self._groups[(forward, self.replica, self.rank, dst)]
+        if not isinstance(tensor, torch.Tensor):
+            key = (forward, dst_stage)
+            tree = TreeFrame(tensor, dst_stage, k, forward, self._layouts.get(key))  # raises before any send
+            self._fit(forward, tree.nbytes, dst)
+            frame = tree.pack(dst_stage, k, frame_bytes(self._capacity[(forward, dst)]), self.device)
+            self._layouts[key] = tree.layout
+            self._submit(dist.isend(frame, self.base + dst, group=group), frame)
+            return
         meta = TensorMeta.of(tensor, dst_stage, k)  # raises before anything is sent
         self._fit(forward, tensor.numel() * tensor.element_size(), dst)
         frame = pack_frame(tensor, dst_stage, k, frame_bytes(self._capacity[(forward, dst)]), meta)
-        self._submit(dist.isend(frame, self.base + dst, group=self._groups[(forward, self.replica, self.rank, dst)]),
-                     frame)
+        self._submit(dist.isend(frame, self.base + dst, group=group), frame)
 
     def _submit(self, work: Any, frame: torch.Tensor) -> None:
         """Keeps ``frame`` alive until its send ``work`` is done, without waiting here: NCCL's
