@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 
 import torch
@@ -164,3 +165,100 @@ def tree_job(name: str = "1f1b-flush", **kw) -> PipelineJob:
     """A picklable 3-stage job whose boundaries carry a tuple and a dict (``kw``: schedule options)."""
     sched = get_schedule(name, 3, steps=3, m=4, **kw)
     return PipelineJob(stage_fn=tree_stage, loss_fn=tree_loss, batch_fn=tree_batch, optimizer_fn=_adam, schedule=sched)
+
+
+# -- tiny Hugging Face models (the [hf] extra), split by unbubble.models.split, and their plain loop --------
+
+HF_VOCAB, HF_SEQ = 64, 12
+
+
+def tiny_hf_gpt2(tie: bool = False, attn: str = "sdpa", n_layer: int = 4):
+    """A random-init HF ``GPT2LMHeadModel`` (d=32, 2 heads, dropout 0; ``tie``: head tied to ``wte``)."""
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_layer=n_layer, n_head=2, n_embd=32, n_positions=HF_SEQ, vocab_size=HF_VOCAB,
+                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=tie,
+                                  bos_token_id=0, eos_token_id=0, attn_implementation=attn)
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+def tiny_hf_llama(attn: str = "sdpa", n_layer: int = 4):
+    """A random-init HF ``LlamaForCausalLM`` (d=32, 4 heads, 2 KV heads, rotary positions)."""
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(num_hidden_layers=n_layer, num_attention_heads=4, num_key_value_heads=2,
+                                   hidden_size=32, intermediate_size=48, vocab_size=HF_VOCAB,
+                                   max_position_embeddings=HF_SEQ, attn_implementation=attn, bos_token_id=0,
+                                   eos_token_id=0, pad_token_id=0)
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def lm_batch(padded: bool, k: int):
+    """Micro-batch k for the tiny HF models: ``({"input_ids" (2, T)[, "attention_mask"]}, labels (2, T))``,
+    labels shifted by one; ``padded``: the first row left-padded by 3 + k mod 3 tokens (mask 0, label -100)."""
+    g = torch.Generator().manual_seed(k)
+    ids = torch.randint(0, HF_VOCAB, (2, HF_SEQ + 1), generator=g)
+    x, y = {"input_ids": ids[:, :-1]}, ids[:, 1:].clone()
+    if padded:
+        mask = torch.ones(2, HF_SEQ, dtype=torch.long)
+        mask[0, :3 + k % 3] = 0
+        x["attention_mask"] = mask
+        y[mask == 0] = -100
+    return x, y
+
+
+def hf_adamw(params, stage: int) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+
+
+def hf_job(model, name: str, n: int, padded: bool = False, steps: int = 3, m: int = 4, **split) -> PipelineJob:
+    """A picklable job training ``model`` split into ``n`` stages (``split``: ``split_model``'s options) on
+    :func:`lm_batch`; ``m`` is PACI's a for ``name="paci"``."""
+    from unbubble.models.split import causal_lm_loss, split_model
+
+    return PipelineJob(stage_fn=split_model(model, n, **split), loss_fn=causal_lm_loss,
+                       batch_fn=functools.partial(lm_batch, padded), optimizer_fn=hf_adamw,
+                       schedule=get_schedule(name, n, steps=steps, **({"a": m} if name == "paci" else {"m": m})))
+
+
+def plain_hf_loop(model, padded: bool, steps: int = 3, m: int = 4):
+    """Independent reference: a copy of the unsplit HF model trained the ordinary way (one AdamW, the mean
+    loss over m micro-batches per step), on one torch thread as the emulator runs (the same summation order).
+
+    Returns:
+        ``(trained copy, mean training loss per step)``.
+    """
+    from unbubble.models.split import causal_lm_loss
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = copy.deepcopy(model)
+        opt = hf_adamw(model.parameters(), 0)
+        losses = []
+        for t in range(steps):
+            total = 0.0
+            for k in range(t * m, (t + 1) * m):
+                x, y = lm_batch(padded, k)
+                loss = causal_lm_loss(model(**x).logits, y)
+                (loss / m).backward()
+                total += loss.item()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(total / m)
+        return model, losses
+    finally:
+        torch.set_num_threads(threads)
+
+
+def max_difference(final_states: list[dict], step_losses: list[float], model, ref_losses: list[float]) -> float:
+    """Largest |difference| between a run (stage states merged by name, step losses) and a reference
+    model and losses; asserts the merged names are exactly the model's."""
+    merged = {k: v for state in final_states for k, v in state.items()}
+    want = model.state_dict()
+    assert set(merged) == set(want), sorted(set(merged) ^ set(want))
+    diffs = [abs(a - b) for a, b in zip(step_losses, ref_losses, strict=True)]
+    diffs += [float((merged[k] - want[k]).abs().max()) for k in want]
+    return max(diffs)

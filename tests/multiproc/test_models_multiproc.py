@@ -3,6 +3,7 @@ real gloo processes and under torchrun (grouped tests: each run spawns N process
 machine)."""
 
 import dataclasses
+import importlib.util
 import math
 import subprocess
 import sys
@@ -14,7 +15,8 @@ from unbubble.models import LlamaConfig, MoEConfig
 from unbubble.runtime.emulator import run_emulator
 from unbubble.runtime.launch import run_processes
 from unbubble.schedules import get_schedule
-from unbubble.testing import tiny_gpt_job, train_without_pipeline, tree_job
+from unbubble.testing import hf_job, max_difference, plain_hf_loop, tiny_gpt_job, tiny_hf_gpt2, tiny_hf_llama, \
+    train_without_pipeline, tree_job
 
 pytestmark = pytest.mark.multiproc
 torch.set_num_threads(1)
@@ -34,7 +36,7 @@ def test_flush_processes_equal_non_pipelined_reference_for_llama_and_moe():
         assert result.step_losses == pytest.approx(ref_losses, rel=1e-5)
 
 
-def test_pytree_boundaries_across_processes_equal_the_emulator_bit_for_bit():
+def test_pytree_boundaries_and_split_hf_models_across_processes():
     # [Note: trees in a frame]: a tuple and a dict cross the boundaries, shapes vary per micro-batch,
     # an integer leaf and a detached float travel without gradients
     job = tree_job("paci", a=2)
@@ -48,6 +50,18 @@ def test_pytree_boundaries_across_processes_equal_the_emulator_bit_for_bit():
     dp = run_processes(dataclasses.replace(tree_job("1f1b-flush"), dp=2))
     assert len(dp.step_losses) == 3 and all(math.isfinite(x) for x in dp.step_losses)
     assert dp.step_losses != emu.step_losses
+    # split HF models (the [hf] extra): 1F1B-flush equals the plain loop of the unsplit model; at N=4 with
+    # eager attention and a padding mask that changes the result (it must travel to every stage)
+    if importlib.util.find_spec("transformers") is None:
+        pytest.skip("transformers is not installed (pip install 'unbubble[hf]')")
+    for make, n, attn, padded in [(tiny_hf_gpt2, 2, "sdpa", False), (tiny_hf_gpt2, 4, "eager", True),
+                                  (tiny_hf_llama, 2, "sdpa", False), (tiny_hf_llama, 4, "eager", True)]:
+        model = make(attn=attn)
+        result = run_processes(hf_job(model, "1f1b-flush", n, padded=padded))
+        ref, losses = plain_hf_loop(model, padded)
+        diff = max_difference(result.final_states, result.step_losses, ref, losses)
+        print(f"processes, {make.__name__}, N={n}, {attn}{' + padding' if padded else ''}: max difference {diff:.3g}")
+        assert diff <= 1e-6
 
 
 _TORCHRUN_SCRIPT = """

@@ -4,17 +4,13 @@ in tests/multiproc/test_models_multiproc.py."""
 
 import collections
 import dataclasses
-import functools
 
 import pytest
 import torch
-from torch import nn
 
 from unbubble.runtime import pytree
 from unbubble.runtime.emulator import run_emulator
-from unbubble.runtime.job import PipelineJob
 from unbubble.runtime.transport import TreeFrame, frame_bytes, frame_header, read_trailer, unpack_tree
-from unbubble.schedules import get_schedule
 from unbubble.testing import tree_batch, tree_job, tree_loss, tree_stage, train_without_pipeline
 
 Pair = collections.namedtuple("Pair", "left right")

@@ -1,0 +1,167 @@
+"""split_model (models/split.py): Hugging Face GPT-2 and Llama, a torchtitan-layout model and named
+stages, trained on the emulator against a plain single-process loop of the unsplit model."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from unbubble.errors import ConfigError
+from unbubble.models.split import causal_lm_loss, split_model
+from unbubble.runtime.emulator import run_emulator
+from unbubble.runtime.job import PipelineJob
+from unbubble.schedules import get_schedule
+from unbubble.testing import HF_VOCAB as V, hf_adamw as adamw, hf_job, lm_batch, max_difference, \
+    plain_hf_loop as plain_loop, tiny_hf_gpt2 as hf_gpt2, tiny_hf_llama as hf_llama
+
+transformers = pytest.importorskip("transformers")  # the [hf] extra; CI installs it
+
+@pytest.fixture(autouse=True)
+def _threads():
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+@pytest.mark.parametrize("n", [2, 4])
+def test_flush_on_split_hf_models_equals_the_plain_training_loop(family, n):
+    model = {"gpt2": hf_gpt2, "llama": hf_llama}[family]()
+    result = run_emulator(hf_job(model, "1f1b-flush", n))
+    ref, losses = plain_loop(model, False)
+    diff = max_difference(result.final_states, result.step_losses, ref, losses)
+    print(f"emulator, {family}, N={n}: max difference {diff:.3g}")  # pytest -s: the figure in the issue's note
+    assert diff <= 1e-6
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_eager_attention_with_a_padding_mask_travels_to_every_stage(family):
+    make = {"gpt2": hf_gpt2, "llama": hf_llama}[family]
+    model = make(attn="eager")
+    x, _ = lm_batch(True, 0)
+    with torch.no_grad():  # the mask changes the result: were it dropped, the run would differ
+        assert (model(**x).logits - model(input_ids=x["input_ids"]).logits)[1:].abs().max() == 0
+        assert (model(**x).logits - model(input_ids=x["input_ids"]).logits)[0].abs().max() > 1e-3
+    result = run_emulator(hf_job(model, "1f1b-flush", 4, padded=True))
+    ref, losses = plain_loop(model, True)
+    diff = max_difference(result.final_states, result.step_losses, ref, losses)
+    print(f"emulator, {family}, eager + padding, N=4: max difference {diff:.3g}")
+    assert diff <= 1e-6
+
+
+def test_paci_on_a_split_llama_attains_its_drift_bound():
+    job = hf_job(hf_llama(), "paci", 4, steps=4, m=2)
+    result = run_emulator(job)
+    assert result.max_drift() == [job.schedule.delay_bound(s) for s in range(4)] == [2, 1, 1, 0]
+
+
+def test_stage_modules_keep_the_original_names_and_layers_split_by_parameter_count():
+    model = hf_llama(n_layer=6)
+    split = split_model(model, 3)
+    assert split.plan.layers == ((0, 1), (2, 3), (4, 5))
+    keys = [set(s.state_dict()) for s in split.stages()]
+    assert "model.embed_tokens.weight" in keys[0] and "lm_head.weight" in keys[2] and "model.norm.weight" in keys[2]
+    assert "model.layers.3.self_attn.q_proj.weight" in keys[1]
+    assert set().union(*keys) == set(model.state_dict()) and sum(map(len, keys)) == len(model.state_dict())
+    assert split_model(model, cuts=[1, 5]).plan.layers == ((0,), (1, 2, 3, 4), (5,))
+    with pytest.raises(ConfigError, match=r"cuts=\[3, 2\] are invalid"):
+        split_model(model, cuts=[3, 2])
+    with pytest.raises(ConfigError, match="n_stages=7 is invalid: must be 1…6"):
+        split_model(model, 7)
+
+
+def test_tied_weights_across_stages_are_refused_and_untie_trains_two_copies():
+    model = hf_gpt2(tie=True)
+    assert model.lm_head.weight is model.transformer.wte.weight
+    with pytest.raises(ConfigError) as err:
+        split_model(model, 2)
+    assert str(err.value).startswith("transformer.wte.weight (stage 0) and lm_head.weight (stage 1) are one tied "
+                                     "tensor on two stages") and "untie=True" in str(err.value)
+    assert split_model(model, 1).n_stages == 1  # one stage: the tie is kept
+    with pytest.warns(UserWarning, match="untie=True: transformer.wte.weight"):
+        job = hf_job(model, "1f1b-flush", 2, untie=True)
+    result = run_emulator(job)
+    untied = copy.deepcopy(model)  # the reference: the same weights, the head its own copy
+    untied.lm_head.weight = nn.Parameter(model.transformer.wte.weight.detach().clone())
+    ref, losses = plain_loop(untied, False)
+    merged = {k: v for s in result.final_states for k, v in s.items()}
+    assert not torch.equal(merged["lm_head.weight"], merged["transformer.wte.weight"])  # two copies, trained apart
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(merged[k], v, rtol=0, atol=1e-6, msg=k)
+
+
+# -- torchtitan's layout: layers in a ModuleDict, a forward that skips what is None ----------------------
+
+class TitanBlock(nn.Module):
+    def __init__(self, d: int):
+        super().__init__()
+        self.norm, self.attn = nn.LayerNorm(d), nn.MultiheadAttention(d, 2, batch_first=True)
+        self.ff = nn.Sequential(nn.Linear(d, 2 * d), nn.GELU(), nn.Linear(2 * d, d))
+
+    def forward(self, h):
+        n = self.norm(h)
+        mask = torch.ones(h.shape[1], h.shape[1], dtype=torch.bool).triu(1)
+        h = h + self.attn(n, n, n, attn_mask=mask, need_weights=False)[0]
+        return h + self.ff(h)
+
+
+class TitanLM(nn.Module):
+    """A torchtitan-layout decoder (``tok_embeddings``, ``layers`` as a ``ModuleDict``, ``norm``,
+    ``output``; each optional, as after torchtitan's per-stage pruning)."""
+
+    def __init__(self, n_layers: int = 4, d: int = 32):
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(V, d)
+        self.layers = nn.ModuleDict({str(i): TitanBlock(d) for i in range(n_layers)})
+        self.norm, self.output = nn.LayerNorm(d), nn.Linear(d, V, bias=False)
+
+    def forward(self, tokens):
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        for layer in self.layers.values():
+            h = layer(h)
+        h = self.norm(h) if self.norm is not None else h
+        return self.output(h) if self.output is not None else h
+
+
+def ids_batch(k: int):
+    x, y = lm_batch(False, k)
+    return x["input_ids"], y
+
+
+@pytest.mark.parametrize("how", ["n_stages", "names"])
+def test_a_torchtitan_layout_model_split_by_count_or_by_names_equals_its_plain_loop(how):
+    torch.manual_seed(0)
+    model = TitanLM()
+    if how == "n_stages":
+        split = split_model(model, 2)
+        assert split.plan.names == (("tok_embeddings", "layers.0", "layers.1"), ("layers.2", "layers.3", "norm", "output"))
+    else:
+        split = split_model(model, module_names_per_stage=[["tok_embeddings", "layers.0"], ["layers.1", "layers.2"],
+                                                            ["layers.3", "norm", "output"]])
+    n = split.n_stages
+    torch.set_num_threads(1)  # as the emulator (restored by the next test's own setting)
+    job = PipelineJob(stage_fn=split, loss_fn=causal_lm_loss, batch_fn=ids_batch, optimizer_fn=adamw,
+                      schedule=get_schedule("1f1b-flush", n, steps=3, m=4))
+    result = run_emulator(job)
+    ref = copy.deepcopy(model)
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    losses = []
+    for t in range(3):
+        total = 0.0
+        for k in range(4 * t, 4 * t + 4):
+            x, y = ids_batch(k)
+            loss = causal_lm_loss(ref(x), y)
+            (loss / 4).backward()
+            total += loss.item()
+        opt.step()
+        opt.zero_grad()
+        losses.append(total / 4)
+    assert max_difference(result.final_states, result.step_losses, ref, losses) <= 1e-6
+
+
+def test_unknown_layouts_and_names_are_refused_with_the_fix():
+    with pytest.raises(ConfigError, match="give module_names_per_stage"):
+        split_model(nn.Sequential(nn.Linear(2, 2)), 1)
+    with pytest.raises(ConfigError, match="module_names_per_stage\\[1\\] names 'layers.9'"):
+        split_model(TitanLM(), module_names_per_stage=[["tok_embeddings"], ["layers.9"]])
