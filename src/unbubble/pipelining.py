@@ -28,8 +28,9 @@ its shape, torchtitan's ``train_step`` included:
   non-finite check, ``optimizer.step()``, ``lr_scheduler.step()`` and ``zero_grad()`` stay after ``step()``
   where torchtitan has them. Micro-batches already forwarded stay in flight across calls; nothing is
   flushed.
-* Inputs come through an **iterator** of ``(inputs, target)`` batches, each split along dim 0 into
-  ``n_microbatches`` micro-batches (torch's default chunking), passed on every rank (the first stage reads
+* Inputs come through an **iterator** of ``(inputs, target)`` batches, every tensor leaf split along dim 0
+  into ``n_microbatches`` micro-batches (torch's default chunking; a dict of inputs becomes the first
+  stage's keyword arguments, [Note: how a batch is split]), passed on every rank (the first stage reads
   the inputs, the last the targets, the others nothing). Not a batch per call: the first stage's a-th
   backward of update t comes after the forwards of up to N − 1 later micro-batches (the back-pressure
   admits them before the update, on the old weights: that is where PACI's drift comes from), which belong
@@ -86,14 +87,25 @@ LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
 # -- [Note: private torch APIs] ---------------------------------------------------------------------
 # Every use of torch that is neither public nor documented, in one place:
 #   * PipelineScheduleSingle._initialize_stage(args, kwargs, target): the stage's shape inference and
-#     receive buffers, as torch's own schedules run it on their first step (no public way exists);
+#     receive buffers, as torch's own schedules run it on their first step (no public way exists), and
+#     its _loss_fn, swapped around it for a target that is a nest of tensors (torch infers with a tensor);
 #   * PipelineStage.fwd_cache: drain() drops the graphs of the forwards it discards from it;
 #   * Tensor._version (read only): the in-place check for saved activations under the hooks.
-# tests/unit/test_pipelining.py::test_private_torch_seams_are_as_this_module_expects checks all three.
+# tests/unit/test_pipelining.py::test_private_torch_seams_are_as_this_module_expects checks all of them.
 class _torch_private:
     @staticmethod
-    def initialize_stage(schedule: PipelineScheduleSingle, args: tuple, target: torch.Tensor | None) -> None:
-        schedule._initialize_stage(args, {}, target)
+    def initialize_stage(schedule: PipelineScheduleSingle, args: tuple, kwargs: dict, target: Any) -> None:
+        if target is None or isinstance(target, torch.Tensor):
+            schedule._initialize_stage(args, kwargs, target)
+            return
+        # torch's backward inference takes one tensor target (PipelineStage._to_tensor): a nest of them reaches
+        # the loss through schedule._loss_fn, around a placeholder tensor
+        loss_fn = schedule._loss_fn
+        schedule._loss_fn = lambda output, _placeholder: loss_fn(output, target)
+        try:
+            schedule._initialize_stage(args, kwargs, torch.zeros(()))
+        finally:
+            schedule._loss_fn = loss_fn
 
     @staticmethod
     def drop_forward(stage: PipelineStage, slot: int) -> None:
@@ -131,6 +143,34 @@ def _check_int(name: str, value: Any, what: str) -> None:
         raise ConfigError(f"{name}={value!r} is invalid: must be an integer ≥ 1 ({what})")
 
 
+# [Note: how a batch is split]
+# Each batch ``(inputs, target)`` from the data iterator is cut into m micro-batches the way torch's schedules
+# cut ``step(*args, target=..., **kwargs)`` by default (``split_args_kwargs_into_chunks``, TensorChunkSpec(0)):
+# every tensor leaf of ``inputs`` and ``target`` (tuples, named tuples, lists and dicts nest them) is split along
+# dim 0 with ``torch.tensor_split`` and every other leaf is passed unchanged to each micro-batch. Unlike torch, an
+# uneven split is refused: dim 0 must be a multiple of m, so that every micro-batch's mean loss weighs the same.
+# The first stage's module receives the inputs as torch's ``PipelineStage.forward_one_chunk(args, kwargs)`` does:
+# a dict is its keyword arguments (``module(**inputs)``), a tuple or list its positional arguments, anything else
+# its one argument; ``loss_fn`` receives the target micro-batch in the target's own structure.
+def _chunk(tree: Any, m: int, path: str) -> list:
+    """``tree`` as m micro-batches: tensor leaves split along dim 0, other leaves repeated."""
+    if isinstance(tree, torch.Tensor):
+        if tree.dim() == 0 or tree.shape[0] % m:
+            rows = "a 0-dim tensor has no dim 0" if tree.dim() == 0 else f"dim 0 is {tree.shape[0]}, not a multiple of {m}"
+            raise ConfigError(f"{path} of shape {tuple(tree.shape)} is invalid for n_microbatches={m}: every tensor of "
+                              f"a batch splits along dim 0 into {m} equal micro-batches ({rows})")
+        return list(torch.tensor_split(tree, m, dim=0))
+    if isinstance(tree, dict):
+        parts = {key: _chunk(v, m, f"{path}[{key!r}]") for key, v in tree.items()}
+        return [{key: p[j] for key, p in parts.items()} for j in range(m)]
+    if isinstance(tree, (tuple, list)):
+        parts = [_chunk(v, m, f"{path}[{i}]") for i, v in enumerate(tree)]
+        if hasattr(tree, "_fields"):  # a named tuple keeps its type
+            return [type(tree)(*(p[j] for p in parts)) for j in range(m)]
+        return [(list if isinstance(tree, list) else tuple)(p[j] for p in parts) for j in range(m)]
+    return [tree] * m
+
+
 class SchedulePACI(PipelineScheduleSingle):
     """PACI(a) over one torch ``PipelineStage`` per rank, never flushed between ``step()`` calls.
 
@@ -147,8 +187,9 @@ class SchedulePACI(PipelineScheduleSingle):
     Args:
         stage: this rank's ``torch.distributed.pipelining.PipelineStage``; ``num_stages`` must equal the
             size of its process group (one stage per rank). Its module's input on the first stage is the
-            micro-batch's inputs (a tensor, e.g. token ids ``(B, T)`` int64, or a tuple of tensors), else the
-            previous stage's output; any tensor-valued output.
+            micro-batch's inputs (a tensor, e.g. token ids ``(B, T)`` int64; a tuple or list: its positional
+            arguments; a dict: its keyword arguments, [Note: how a batch is split]), else the previous stage's
+            output; any tensor-valued output.
         n_microbatches: m, the micro-batches each batch from the data iterator splits into (dim 0).
         loss_fn: ``loss_fn(last_stage_output, target_micro_batch) -> scalar`` mean loss.
         a: accumulation factor, backwards per ``step()`` and update (default m). Need not divide m, nor
@@ -189,7 +230,7 @@ class SchedulePACI(PipelineScheduleSingle):
         self._n_fwd = self._n_bwd = 0
         self._fwd_version: dict[int, int] = {}
         self._loss: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # k -> (scaled loss, detached loss)
-        self._batches: dict[int, tuple[list[tuple], list[torch.Tensor] | None]] = {}
+        self._batches: dict[int, tuple[list[tuple], list[dict], list | None]] = {}
         self._next_batch = 0
         self._data: Iterator | None = None
         self._sends: dict[str, list] = {"fwd": [], "bwd": []}
@@ -244,22 +285,25 @@ class SchedulePACI(PipelineScheduleSingle):
         """Runs this stage's next a backwards and the forwards back-pressure admits ([Note: the step contract]).
 
         Args:
-            data: iterator of ``(inputs, target)`` batches: ``inputs`` a tensor (or tuple of tensors) and
-                ``target`` a tensor, each with m·B rows along dim 0 (B the micro-batch size). Needed on the
+            data: iterator of ``(inputs, target)`` batches: ``inputs`` a tensor, a tuple or list (the first
+                stage's positional arguments) or a dict (its keyword arguments, e.g. torchtitan's
+                ``input_dict``), ``target`` a tensor or a nest of them; every tensor leaf has m·B rows along dim 0
+                (B the micro-batch size), other leaves pass through ([Note: how a batch is split]). Needed on the
                 first and last stage at the first call (later calls may pass it again or ``None``); ignored
                 elsewhere.
             losses: on the last stage, cleared and filled with this call's a unscaled micro-batch losses
                 (0-dim tensors, oldest first).
 
         Raises:
-            ConfigError: ``data`` missing where it is read, not an iterator, a batch smaller than m, or
-                extra keyword arguments.
+            ConfigError: ``data`` missing where it is read, not an iterator, a batch tensor whose dim 0 is not
+                a multiple of m, or extra keyword arguments.
             RuntimeError: called under ``torch.no_grad()``, or the iterator ran out.
         """
         st = self._pp_stage
         if kwargs:
             raise ConfigError(f"{', '.join(kwargs)}= is invalid for SchedulePACI.step: it takes the data iterator "
-                              "and losses= only (targets come with the inputs from the iterator)")
+                              "and losses= only (targets, and the first stage's keyword arguments as a dict of inputs, "
+                              "come with the iterator's batches)")
         if data is not None:
             if not isinstance(data, Iterator):
                 raise ConfigError(f"data={type(data).__name__} is invalid: SchedulePACI.step takes an iterator of "
@@ -312,19 +356,19 @@ class SchedulePACI(PipelineScheduleSingle):
     # -- actions --------------------------------------------------------------------------------------
     def _initialize(self) -> None:
         st = self._pp_stage
-        args = self._inputs(self._n_fwd) if st.is_first else ()
+        args, kwargs = self._inputs(self._n_fwd) if st.is_first else ((), {})
         target = self._target(self._n_fwd) if st.is_last else None
-        _torch_private.initialize_stage(self, args, target)
+        _torch_private.initialize_stage(self, args, kwargs, target)
         self._hooks = _SavedByReference(st.submod.parameters())
         self._initialized = True
 
     def _forward(self, k: int) -> None:
         st, slot = self._pp_stage, k % self._slots
-        args = self._inputs(k) if st.is_first else ()
+        args, kwargs = self._inputs(k) if st.is_first else ((), {})
         if not st.is_first:
             self._recv(st.get_fwd_recv_ops(slot))
         with self._hooks():
-            out = st.forward_one_chunk(slot, args, None, save_forward_output=False)
+            out = st.forward_one_chunk(slot, args, kwargs, save_forward_output=False)
             if st.is_last:
                 loss = self._user_loss(out, self._target(k))
                 self._loss[k] = (loss * self._scale, loss.detach())
@@ -368,7 +412,7 @@ class SchedulePACI(PipelineScheduleSingle):
             self._sends[kind] = []
 
     # -- data -----------------------------------------------------------------------------------------
-    def _batch(self, k: int) -> tuple[list[tuple], list[torch.Tensor] | None]:
+    def _batch(self, k: int) -> tuple[list[tuple], list[dict], list | None]:
         b = k // self.m
         while self._next_batch <= b:
             try:
@@ -382,26 +426,28 @@ class SchedulePACI(PipelineScheduleSingle):
             self._next_batch += 1
         return self._batches[b]
 
-    def _split(self, item: Any) -> tuple[list[tuple], list[torch.Tensor] | None]:
+    def _split(self, item: Any) -> tuple[list[tuple], list[dict], list | None]:
+        """``(args, kwargs, targets)`` of the batch's m micro-batches ([Note: how a batch is split])."""
         if not (isinstance(item, (tuple, list)) and len(item) == 2):
             raise ConfigError(f"a batch of type {type(item).__name__} is invalid: the data iterator must yield "
                               "(inputs, target) pairs")
         inputs, target = item
-        inputs = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
-        for t in inputs + ((target,) if isinstance(target, torch.Tensor) else ()):
-            if t.shape[0] < self.m:
-                raise ConfigError(f"a batch of {t.shape[0]} rows is invalid for n_microbatches={self.m}: each batch "
-                                  f"splits along dim 0 into {self.m} micro-batches")
-        chunks = [torch.tensor_split(t, self.m, dim=0) for t in inputs]  # torch's TensorChunkSpec(0) split
-        args = [tuple(c[j] for c in chunks) for j in range(self.m)]
-        targets = list(torch.tensor_split(target, self.m, dim=0)) if isinstance(target, torch.Tensor) else None
-        return args, targets
+        mbs = _chunk(inputs, self.m, "inputs")
+        if isinstance(inputs, dict):  # the first stage's keyword arguments, as torch's step(**kwargs) gives them
+            args, kwargs = [()] * self.m, mbs
+        elif isinstance(inputs, (tuple, list)) and not hasattr(inputs, "_fields"):  # its positional arguments
+            args, kwargs = [tuple(mb) for mb in mbs], [{} for _ in mbs]
+        else:  # its one argument (a tensor, or a named tuple taken whole)
+            args, kwargs = [(mb,) for mb in mbs], [{} for _ in mbs]
+        targets = None if target is None else _chunk(target, self.m, "target")
+        return args, kwargs, targets
 
-    def _inputs(self, k: int) -> tuple:
-        return self._batch(k)[0][k % self.m]
+    def _inputs(self, k: int) -> tuple[tuple, dict]:
+        args, kwargs, _ = self._batch(k)
+        return args[k % self.m], kwargs[k % self.m]
 
-    def _target(self, k: int) -> torch.Tensor:
-        targets = self._batch(k)[1]
+    def _target(self, k: int) -> Any:
+        targets = self._batch(k)[2]
         if targets is None:
             raise ConfigError("target=None is invalid on the last stage: the data iterator's batches must carry "
                               "the targets the loss needs")

@@ -83,7 +83,13 @@ def test_step_arguments_are_checked(world_of_one):
         sched.step()
     with pytest.raises(ConfigError, match=r"^target= is invalid for SchedulePACI\.step: it takes the data iterator"):
         sched.step(_data(2), target=torch.zeros(4, 4))
-    with pytest.raises(ConfigError, match=r"^a batch of 1 rows is invalid for n_microbatches=2: each batch splits"):
+    with pytest.raises(ConfigError, match=r"^input_batch= is invalid for SchedulePACI\.step: it takes the data iterator "
+                                          r"and losses= only \(targets, and the first stage's keyword arguments as a "
+                                          r"dict of inputs, come with the iterator's batches\)$"):
+        sched.step(_data(2), input_batch=torch.zeros(4, 4))  # torchtitan's argument (docs/pipelining.md)
+    with pytest.raises(ConfigError, match=r"^inputs of shape \(1, 4\) is invalid for n_microbatches=2: every tensor "
+                                          r"of a batch splits along dim 0 into 2 equal micro-batches \(dim 0 is 1, "
+                                          r"not a multiple of 2\)$"):
         sched.step(iter([(torch.zeros(1, 4), torch.zeros(1, 4))]))
     with pytest.raises(RuntimeError, match=r"needs gradients: it was called under torch\.no_grad\(\)"), torch.no_grad():
         SchedulePACI(_stage(), 2, _loss).step(_data(2))
@@ -120,6 +126,63 @@ def test_one_stage_paci_equals_the_emulator_and_runs_out_of_data_loudly(world_of
     with pytest.raises(RuntimeError, match=r"^the data iterator ran out at batch 1 \(micro-batch 3\) on stage 0: "):
         short = SchedulePACI(PipelineStage(job.stage_fn(0), 0, 1, torch.device("cpu")), m, job.loss_fn, a=4)
         short.step(iter(list(itertools.islice(batches(), 1))))
+
+
+class _ByKeyword(nn.Module):
+    """``module(input=x, note=...)``: the first stage of a dict-of-inputs batch (torchtitan's ``input_dict``)."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, input, note=None):
+        assert note == "tokens"  # a non-tensor leaf reaches the module unchanged
+        return self.inner(input)
+
+
+def test_dict_batches_split_every_tensor_leaf_and_equal_the_tensor_run_bit_for_bit(world_of_one):
+    """The iterator yields torchtitan's ``(input_dict, labels)`` shape, ``({"input": x, "note": str}, {"labels":
+    y, "scale": 1.0})``: each tensor leaf splits along dim 0, the dict reaches the first stage as keyword arguments
+    (torch's ``forward_one_chunk(args, kwargs)``), the target keeps its structure; the losses and weights equal the
+    same run on plain tensor batches bit for bit. Uneven or 0-dim leaves are refused naming the leaf."""
+    torch.set_num_threads(1)
+    a, m, steps = 2, 3, 4
+    job = tiny_gpt_job(get_schedule("paci", 1, steps, a=a))
+
+    def batches():
+        for b in itertools.count():
+            mbs = [job.batch_fn(b * m + j) for j in range(m)]
+            yield torch.cat([x for x, _ in mbs]), torch.cat([y for _, y in mbs])
+
+    def run(module, data, loss_fn):
+        opt = job.optimizer_fn(list(module.named_parameters()), 0)
+        sched = SchedulePACI(PipelineStage(module, 0, 1, torch.device("cpu")), m, loss_fn, a=a)
+        got = []
+        for _ in range(steps):
+            opt.zero_grad()
+            losses: list = []
+            sched.step(data, losses=losses)
+            opt.step()
+            got += losses
+        return got
+
+    plain = job.stage_fn(0)
+    want = run(plain, batches(), job.loss_fn)
+    keyed = _ByKeyword(job.stage_fn(0))
+    dicts = (({"input": x, "note": "tokens"}, {"labels": y, "scale": 1.0}) for x, y in batches())
+    got = run(keyed, dicts, lambda out, t: job.loss_fn(out, t["labels"]) * t["scale"])
+    assert len(got) == steps * a and all(torch.equal(g, w) for g, w in zip(got, want))
+    assert all(torch.equal(keyed.inner.state_dict()[k], v) for k, v in plain.state_dict().items())
+
+    sched = SchedulePACI(PipelineStage(_ByKeyword(nn.Linear(4, 4)), 0, 1, torch.device("cpu")), 2, _loss)
+    with pytest.raises(ConfigError, match=r"^inputs\['input'\] of shape \(5, 4\) is invalid for n_microbatches=2: "
+                                          r"every tensor of a batch splits along dim 0 into 2 equal micro-batches "
+                                          r"\(dim 0 is 5, not a multiple of 2\)$"):
+        sched.step(iter([({"input": torch.zeros(5, 4), "note": "tokens"}, torch.zeros(4, 4))]))
+    with pytest.raises(ConfigError, match=r"^target\[1\] of shape \(\) is invalid for n_microbatches=2: every tensor "
+                                          r"of a batch splits along dim 0 into 2 equal micro-batches \(a 0-dim tensor "
+                                          r"has no dim 0\)$"):
+        sched.step(iter([({"input": torch.zeros(4, 4), "note": "tokens"}, (torch.zeros(4, 4), torch.tensor(1.0)))]))
 
 
 class _Titan(nn.Module):
@@ -212,6 +275,7 @@ def test_private_torch_seams_are_as_this_module_expects(world_of_one):
     internal the module uses; update ``_torch_private`` (one place) before anything else."""
     params = list(inspect.signature(PipelineScheduleSingle._initialize_stage).parameters)
     assert params[:4] == ["self", "args", "kwargs", "target"], params
+    assert SchedulePACI(_stage(), 2, _loss)._loss_fn is _loss  # swapped around _initialize_stage for tree targets
     stage = _stage()
     assert isinstance(stage.fwd_cache, dict)
     _torch_private.drop_forward(stage, 0)  # absent slot: no error
