@@ -12,10 +12,12 @@ import pytest
 import torch
 
 from unbubble.models import LlamaConfig, MoEConfig
+from unbubble.export import export
+from unbubble.runtime.checkpoint import Checkpointing
 from unbubble.runtime.emulator import run_emulator
 from unbubble.runtime.launch import run_processes
 from unbubble.schedules import get_schedule
-from unbubble.testing import hf_job, max_difference, plain_hf_loop, tiny_gpt_job, tiny_hf_gpt2, tiny_hf_llama, \
+from unbubble.testing import hf_job, lm_batch, max_difference, plain_hf_loop, tiny_gpt_job, tiny_hf_gpt2, tiny_hf_llama, \
     train_without_pipeline, tree_job
 
 pytestmark = pytest.mark.multiproc
@@ -36,7 +38,7 @@ def test_flush_processes_equal_non_pipelined_reference_for_llama_and_moe():
         assert result.step_losses == pytest.approx(ref_losses, rel=1e-5)
 
 
-def test_pytree_boundaries_and_split_hf_models_across_processes():
+def test_pytree_boundaries_and_split_hf_models_across_processes(tmp_path):
     # [Note: trees in a frame]: a tuple and a dict cross the boundaries, shapes vary per micro-batch,
     # an integer leaf and a detached float travel without gradients
     job = tree_job("paci", a=2)
@@ -57,11 +59,27 @@ def test_pytree_boundaries_and_split_hf_models_across_processes():
     for make, n, attn, padded in [(tiny_hf_gpt2, 2, "sdpa", False), (tiny_hf_gpt2, 4, "eager", True),
                                   (tiny_hf_llama, 2, "sdpa", False), (tiny_hf_llama, 4, "eager", True)]:
         model = make(attn=attn)
-        result = run_processes(hf_job(model, "1f1b-flush", n, padded=padded))
+        run_dir = tmp_path / f"{make.__name__}-{n}"
+        job = dataclasses.replace(hf_job(model, "1f1b-flush", n, padded=padded),
+                                  checkpoint=Checkpointing(str(run_dir / "checkpoints")))
+        result = run_processes(job)
         ref, losses = plain_hf_loop(model, padded)
         diff = max_difference(result.final_states, result.step_losses, ref, losses)
         print(f"processes, {make.__name__}, N={n}, {attn}{' + padding' if padded else ''}: max difference {diff:.3g}")
         assert diff <= 1e-6
+        # the export round trip: the checkpoints the stage processes wrote, as a from_pretrained folder
+        # (from_pretrained picks its default attention: name the run's, or padded positions' logits differ)
+        loaded = type(model).from_pretrained(export(run_dir, tmp_path / f"hf-{make.__name__}-{n}"),
+                                             attn_implementation=attn)
+        x, _ = lm_batch(True, 99)
+        with torch.no_grad():  # the run's final logits: its stages with the weights the processes reported
+            h = x
+            for stage, state in zip(job.stage_fn.stages(), result.final_states):
+                stage.load_state_dict(state)
+                h = stage(h)
+            diff = float((loaded(**x).logits - h).abs().max())
+        print(f"processes, {make.__name__}, N={n}: export round trip, max logit difference {diff:.3g}")
+        assert diff == 0
 
 
 _TORCHRUN_SCRIPT = """

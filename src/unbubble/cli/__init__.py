@@ -102,6 +102,7 @@ cli.add_command(__import__("unbubble.cli.bench", fromlist=["bench"]).bench)
 cli.add_command(__import__("unbubble.cli.report", fromlist=["report"]).report)
 cli.add_command(__import__("unbubble.cli.experiment", fromlist=["experiment"]).experiment)
 cli.add_command(__import__("unbubble.cli.sweep", fromlist=["sweep"]).sweep)
+cli.add_command(__import__("unbubble.cli.export", fromlist=["export"]).export)
 
 
 def spawn_without_the_cli() -> None:

@@ -9,8 +9,8 @@ per-stage module names) and cuts it where it stands, without rewriting it.
 Each stage module holds copies of the submodules it owns under their original attribute paths, and
 the decoder layers in an ``nn.ModuleDict`` keyed by their original index, so a stage's
 ``state_dict()`` keys are the model's own fully-qualified names (``transformer.h.5.attn.c_attn.weight``
-on whichever stage holds block 5). The stages' state dicts merge into one ``model.state_dict()``,
-as torchtitan prunes a meta-device model per stage (its
+on whichever stage holds block 5). The stages' state dicts merge into one ``model.state_dict()``
+(``unbubble.export``), as torchtitan prunes a meta-device model per stage (its
 ``pipeline_module_split``). Parameter-free modules every stage needs (Llama's rotary embedding) are
 copied into each stage; their buffers are non-persistent, so nothing is duplicated in a checkpoint.
 
@@ -311,6 +311,12 @@ class SplitModel:
 
     def stages(self) -> list[nn.Module]:
         return [self(s) for s in range(self.n_stages)]
+
+    def save_model_files(self, directory: str) -> None:
+        """Writes what export needs beside the checkpoints (an HF model's config; ``unbubble.export``)."""
+        from unbubble.export import save_model_files
+
+        save_model_files(directory, self.model, self.untie)
 
 
 def split_model(model: nn.Module, n_stages: int | None = None, *, cuts: Sequence[int] | None = None,

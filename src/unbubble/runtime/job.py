@@ -176,6 +176,9 @@ class PipelineJob:
         """Writes stage ``ex``'s file for the cut at its current version."""
         ck = self.checkpoint
         extra = tuple(sorted(set(ck.extra_cuts) | ({stop_step} if stop_step is not None else set())))
+        model_files = getattr(self.stage_fn, "save_model_files", None)  # a split HF model: config.json (export.py)
+        if model_files is not None and ex.stage == 0:
+            model_files(ck.directory)
         save_stage(ck.directory, ex.version, ex.stage, {
             "executor": ex.state_dict(), "rng": rng_state(ex.device),
             "next_mb": ex.version * self.schedule.mb_per_step, "extra_cuts": list(extra),

@@ -1,0 +1,22 @@
+"""``unbubble export RUN_DIR OUT``: a run's stage checkpoints merged into one model in its own names."""
+
+from __future__ import annotations
+
+import click
+
+
+@click.command(context_settings={"show_default": True})
+@click.argument("run_dir", type=click.Path())
+@click.argument("out", type=click.Path())
+@click.option("--step", type=int, default=None, help="Checkpoint step to export [default: the newest complete one].")
+def export(run_dir: str, out: str, step: int | None) -> None:
+    """Merge RUN_DIR's stage checkpoints into one model at OUT.
+
+    RUN_DIR is a run folder (its checkpoints/) or a checkpoint folder. A split Hugging Face model's
+    run gives a folder from_pretrained loads (config.json + model.safetensors); any other run, or
+    OUT ending in .pt, a torch.save'd state_dict that model.load_state_dict accepts.
+    """
+    from unbubble.export import export as write
+
+    path = write(run_dir, out, step)
+    click.echo(str(path))
