@@ -324,3 +324,36 @@ def test_sweep_dry_run_stopped_during_its_calibration_gives_no_estimate(tmp_path
     assert res.exit_code == 130, res.output
     assert res.stderr.strip().splitlines()[-1] == "s: stopped during the calibration run: no estimate"
     assert "about 0 min" not in res.stdout
+
+
+def test_simulate_too_many_stages_for_a_v_schedule_names_the_stages_typed_and_the_chunks(tmp_path):
+    # --stages is devices: zbv holds 2 chunks per device, so 16 devices need 32 chunks of gpt2-medium's 24 blocks
+    # (the first and last chunk may hold only the embedding / the head: 13 devices' 26 chunks still fit)
+    out = ["--out", str(tmp_path / "sim")]
+    assert _error(["simulate", "--schedule", "zbv", "--stages", "16", "--m", "32", *out]) == (
+        "stages=16 with 2 chunks per device needs 32 chunks, but gpt2-medium has 24 blocks: at most 13 stages for zbv "
+        "(set --stages 13 or less, or pick a deeper --model)")
+    assert _error(["simulate", "--schedule", "interleaved-1f1b", "--v", "3", "--stages", "10", "--m", "20", *out]) == (
+        "stages=10 with 3 chunks per device needs 30 chunks, but gpt2-medium has 24 blocks: at most 8 stages for "
+        "interleaved-1f1b (set --stages 8 or less, or pick a deeper --model)")
+    from unbubble.sim.analytic import analytic_model, make_model
+    from unbubble.sim.hardware import get_hardware
+
+    gpt2m, h200 = make_model("gpt2-medium"), get_hardware("h200")
+    analytic_model(gpt2m, 13, h200, 16, virtual=2, placement="v")  # the limit named is the real one
+    analytic_model(gpt2m, 8, h200, 16, virtual=3)
+    with pytest.raises(ConfigError):
+        analytic_model(gpt2m, 9, h200, 16, virtual=3)
+
+
+def test_simulate_layers_per_stage_of_a_v_schedule_counts_chunks(tmp_path):
+    out = ["--out", str(tmp_path / "sim")]
+    assert _error(["simulate", "--schedule", "zbv", "--stages", "4", "--m", "8", "--layers-per-stage", "6,6,6,6",
+                   *out]) == (
+        "layers_per_stage=6,6,6,6 is invalid for zbv: stages=4 with 2 chunks per device needs 8 block counts, one "
+        "per chunk in pipeline order (set --layers-per-stage)")
+    assert _error(["simulate", "--schedule", "zbv", "--stages", "4", "--m", "8", "--compare", "1f1b-flush",
+                   "--layers-per-stage", "3,3,3,3,3,3,3,3", *out]) == (
+        "layers_per_stage=3,3,3,3,3,3,3,3 is invalid with --compare: one list of block counts fits one chunk count, "
+        "but at stages=4 zbv has 8, 1f1b-flush has 4 (compare schedules with as many chunks, or drop "
+        "--layers-per-stage)")

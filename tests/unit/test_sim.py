@@ -386,6 +386,28 @@ def test_cli_simulate_names_the_bottleneck_stage(tmp_path, monkeypatch, layers, 
     assert "stage 7 is the bottleneck" in (tmp_path / "s" / "summary.md").read_text() or layers
 
 
+@pytest.mark.parametrize("schedule,extra,layers", [
+    ("zbv", [], "0,12,12,0"),  # 2 chunks per device: 2N counts
+    ("interleaved-1f1b", ["--v", "2"], "6,6,6,6"),
+])
+def test_cli_simulate_layers_per_stage_reach_schedules_with_several_chunks_per_device(tmp_path, schedule, extra, layers):
+    """--layers-per-stage was dropped whenever a device held more than one chunk: now its N·v counts are the split
+    the bottleneck line reports, and they change the result (against the cost-balanced default)."""
+    from click.testing import CliRunner
+
+    from unbubble.cli import cli
+
+    def run(*more):
+        res = CliRunner().invoke(cli, ["-q", "simulate", "--schedule", schedule, "--stages", "2", "--m", "4",
+                                       "--micro-batches", "8", "--format", "csv", "--out", str(tmp_path / "o"),
+                                       *extra, *more])
+        assert res.exit_code == 0, res.output
+        return (tmp_path / "o" / "summary.md").read_text()
+
+    given, default = run("--layers-per-stage", layers), run()
+    assert f"(blocks per stage {layers})" in given and f"(blocks per stage {layers})" not in default
+
+
 def test_cli_simulate_balanced_stages_blame_the_schedule(tmp_path):
     from click.testing import CliRunner
 

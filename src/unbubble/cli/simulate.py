@@ -31,6 +31,15 @@ def _schedule(name: str, stages: int, mb: int, a: int, m: int, v: int):
     return get_schedule(name, stages, steps=max(1, math.ceil(mb / m)), m=m, **kw)
 
 
+def _fits(build) -> bool:
+    """Whether ``build()`` runs without a :class:`ConfigError`."""
+    try:
+        build()
+    except ConfigError:
+        return False
+    return True
+
+
 def _parse_layers(text: str | None) -> list[int] | None:
     if text is None:
         return None
@@ -139,11 +148,33 @@ class CostSource:
             from unbubble.sim.analytic import analytic_model
 
             v = schedule.n_stages // schedule.n_ranks
-            layers = _parse_layers(o["layers_per_stage"]) if v == 1 else None
-            am = analytic_model(self.config, schedule.n_ranks, self.hardware, o["micro_batch_size"], virtual=v,
-                                layers_per_stage=layers, flash_attention=o["flash_attention"], jitter=o["jitter"],
-                                seed=o["seed"], stragglers=self.stragglers, precision=self.precision,
-                                recompute=self.recompute, placement=schedule.placement)
+            layers = _parse_layers(o["layers_per_stage"])
+            if layers is not None and v > 1 and len(layers) != schedule.n_stages:
+                raise ConfigError(f"layers_per_stage={o['layers_per_stage']} is invalid for {schedule.name}: "
+                                  f"stages={schedule.n_ranks} with {v} chunks per device needs {schedule.n_stages} "
+                                  "block counts, one per chunk in pipeline order (set --layers-per-stage)")
+
+            def model(n_ranks: int):
+                return analytic_model(self.config, n_ranks, self.hardware, o["micro_batch_size"], virtual=v,
+                                      layers_per_stage=layers, flash_attention=o["flash_attention"],
+                                      jitter=o["jitter"], seed=o["seed"], stragglers=self.stragglers,
+                                      precision=self.precision, recompute=self.recompute,
+                                      placement=schedule.placement)
+
+            try:
+                am = model(schedule.n_ranks)
+            except ConfigError as err:
+                if v == 1 or layers is not None:
+                    raise
+                # the partition counts chunks (N·v), the user typed devices (N): name those, and the most
+                # devices whose chunks this model's blocks fill (asked of the model itself, whatever its rule)
+                fits = next((k for k in range(schedule.n_ranks - 1, 0, -1) if _fits(lambda: model(k))), None)
+                if fits is None:
+                    raise
+                raise ConfigError(f"stages={schedule.n_ranks} with {v} chunks per device needs {schedule.n_stages} "
+                                  f"chunks, but {o['model']} has {self.config.n_layer} blocks: at most {fits} stages "
+                                  f"for {schedule.name} (set --stages {fits} or less, or pick a deeper --model)") \
+                    from err
             return am.costs, am.memory, am.stage_layers
         if schedule.n_stages != schedule.n_ranks:
             raise ConfigError(f"schedule={schedule.name!r} has {schedule.n_stages} virtual stages: it needs costs per "
@@ -182,7 +213,11 @@ class CostSource:
 @click.option("--seq-len", default=None, type=int, help="Tokens per sequence [default: the model's block size].")
 @click.option("--vocab-size", default=None, type=int, help="Vocabulary [default: the published model's: 50257 GPT-2, 128256 llama-*, "
                                                                   "32000 moe-*/mixtral, 50304 zb-*].")
-@click.option("--layers-per-stage", default=None, help="Blocks per stage, e.g. 2,3,3,2 [default: cost-balanced].")
+@click.option("--layers-per-stage", default=None,
+              help="Blocks per stage, e.g. 2,3,3,2, one count per chunk in pipeline order: N counts, or N·v where a "
+                   "device holds several chunks (zbv, dualpipev: 2N; interleaved-1f1b, looped-bfs, interleaved-zb: "
+                   "N·--v). Refused with a --compare whose schedules have different chunk counts "
+                   "[default: cost-balanced].")
 @click.option("--precision", default=None, type=click.Choice(["fp32", "bf16-autocast", "bf16"]),
               help="Bytes and compute speed of the analytic model's training precision [default: bf16; with "
                    "--costs-from, the run's].")
@@ -262,6 +297,13 @@ def simulate(**o) -> None:
     if o["stages"] < 1:
         raise ConfigError(f"stages={o['stages']} is invalid: must be an integer ≥ 1 (set --stages)")
     first = _schedule(names[0], o["stages"], 1, o["a"], o["m"], o["v"])
+    if o["layers_per_stage"] is not None and source.kind == "analytic":
+        chunks = {name: _schedule(name, o["stages"], 1, o["a"], o["m"], o["v"]).n_stages for name in names}
+        if len(set(chunks.values())) > 1:
+            raise ConfigError(f"layers_per_stage={o['layers_per_stage']} is invalid with --compare: one list of block "
+                              "counts fits one chunk count, but at stages=" + str(o["stages"]) + " "
+                              + ", ".join(f"{n} has {c}" for n, c in chunks.items())
+                              + " (compare schedules with as many chunks, or drop --layers-per-stage)")
     mb = o["micro_batches"] if o["micro_batches"] is not None else 16 * first.mb_per_step
     log.info("simulating %s on N=%d devices, %d micro-batches each; %s", ", ".join(names), o["stages"], mb,
              source.description)
