@@ -49,10 +49,13 @@ def check_schedule_options(schedules, given: dict) -> None:
     for opt, (takers, meaning) in SCHEDULE_OPTIONS.items():
         if opt not in given or any(s in takers for s in schedules):
             continue
+        effect = "has no effect on"
         if len(schedules) == 1:
             s = schedules[0]
             what = f"schedule={s!r}"
-            if s in _UPDATE_EVERY_BACKWARD and opt != "v":
+            if opt == "v" and s in ("zbv", "dualpipev"):  # they have chunks per device, always two
+                effect, what = "does not apply to", what + ", which always holds two chunks per device in a V"
+            elif s in _UPDATE_EVERY_BACKWARD and opt != "v":
                 what += ", which updates after every backward"
             elif opt == "a" and s in SCHEDULE_OPTIONS["m"][0]:
                 what += ", whose micro-batches per step are --m"
@@ -61,7 +64,7 @@ def check_schedule_options(schedules, given: dict) -> None:
         else:
             what = f"schedules {', '.join(schedules)}"
         takes = "takes" if len(takers) == 1 else "take"
-        raise ConfigError(f"{opt}={given[opt]} has no effect on {what}: only {', '.join(takers)} {takes} --{opt} "
+        raise ConfigError(f"{opt}={given[opt]} {effect} {what}: only {', '.join(takers)} {takes} --{opt} "
                           f"({meaning}); drop --{opt} or change --schedule")
 
 

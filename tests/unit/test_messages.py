@@ -357,3 +357,41 @@ def test_simulate_layers_per_stage_of_a_v_schedule_counts_chunks(tmp_path):
         "layers_per_stage=3,3,3,3,3,3,3,3 is invalid with --compare: one list of block counts fits one chunk count, "
         "but at stages=4 zbv has 8, 1f1b-flush has 4 (compare schedules with as many chunks, or drop "
         "--layers-per-stage)")
+
+
+def test_schedules_export_to_a_missing_folder_is_one_line(tmp_path):
+    out = tmp_path / "nonexist" / "dir" / "zbv.csv"
+    assert _error(["schedules", "--export", "zbv", "--stages", "2", "--m", "4", str(out)]) == (
+        f"out={str(out)!r} is invalid: the folder {str(out.parent)!r} does not exist (create it first, or write to an "
+        "existing folder; '-' or no OUT prints to stdout)")
+    assert not out.parent.exists()
+
+
+def test_schedules_export_refuses_v_where_the_schedule_takes_none():
+    assert _error(["schedules", "--export", "zbv", "--stages", "2", "--m", "4", "--v", "3"]) == (
+        "v=3 does not apply to schedule='zbv', which always holds two chunks per device in a V: only "
+        "interleaved-1f1b, looped-bfs, interleaved-zb take --v (virtual stages per device); drop --v or change --export")
+    assert _error(["schedules", "--export", "1f1b-flush", "--stages", "2", "--m", "4", "--v", "2"]) == (
+        "v=2 has no effect on schedule='1f1b-flush': only interleaved-1f1b, looped-bfs, interleaved-zb take --v "
+        "(virtual stages per device); drop --v or change --export")
+    res = CliRunner().invoke(cli, ["-q", "schedules", "--export", "interleaved-1f1b", "--stages", "2", "--m", "4",
+                                   "--v", "3"])
+    assert res.exit_code == 0, res.output  # a schedule that takes it
+
+
+def test_schedules_export_without_stages_says_export_needs_them():
+    assert _error(["schedules", "--export", "zbv", "--m", "4"]) == (
+        "--export zbv needs --stages: the exported step is one of N ranks and m micro-batches, e.g. unbubble "
+        "schedules --export zbv --stages 4 --m 8 out.csv")
+    assert _error(["schedules", "--export", "zbv"]) == (
+        "--export zbv needs --stages and --m: the exported step is one of N ranks and m micro-batches, e.g. unbubble "
+        "schedules --export zbv --stages 4 --m 8 out.csv")
+
+
+@pytest.mark.parametrize("schedule", ["zbv", "dualpipev"])
+def test_train_v_given_to_a_v_shaped_schedule_says_it_always_holds_two_chunks(cache_dir, schedule):
+    assert _error(["train", "--engine", "emulator", "--cache-dir", cache_dir, "--schedule", schedule,
+                   "--v", "2"]) == (
+        f"v=2 does not apply to schedule={schedule!r}, which always holds two chunks per device in a V: only "
+        "interleaved-1f1b, looped-bfs, interleaved-zb take --v (virtual stages per device); drop --v or change "
+        "--schedule")

@@ -1,6 +1,8 @@
 """``unbubble schedules``: list the schedules with one line of semantics each, or export one
 synchronous schedule as a CSV torch.distributed.pipelining loads (``--export NAME``)."""
 
+import os
+
 import click
 
 from unbubble.errors import ConfigError, did_you_mean
@@ -35,15 +37,34 @@ def schedules(export_name: str | None, stages: int | None, m: int | None, v: int
         sync = ", ".join(n for n in SCHEDULES if n not in ASYNC)
         raise ConfigError(f"--export {export_name} is invalid: it is asynchronous (U inside a step) and torch's "
                           f"CSV steps the optimizer only between steps; synchronous schedules are {sync}")
-    sched = get_schedule(export_name, stages, steps=1, m=m, v=v)
-    text = export_torch_csv(sched.static_order())
+    from unbubble.config import check_schedule_options
+
+    try:  # --v where the schedule takes none, as train refuses it
+        check_schedule_options([export_name], {k: val for k, val in (("m", m), ("v", v)) if val is not None})
+    except ConfigError as err:  # this command names the schedule with --export
+        raise ConfigError(str(err).replace("change --schedule", "change --export")) from None
+    missing = [f"--{k}" for k, val in (("stages", stages), ("m", m)) if val is None]
+    if missing:
+        raise ConfigError(f"--export {export_name} needs {' and '.join(missing)}: the exported step is one of N ranks "
+                          f"and m micro-batches, e.g. unbubble schedules --export {export_name} --stages 4 --m 8 "
+                          "out.csv")
     if out == "-":
         out = None
+    if out is not None:
+        folder = os.path.dirname(out) or "."
+        if not os.path.isdir(folder):
+            raise ConfigError(f"out={out!r} is invalid: the folder {folder!r} does not exist (create it first, or "
+                              "write to an existing folder; '-' or no OUT prints to stdout)")
+    sched = get_schedule(export_name, stages, steps=1, m=m, v=v)
+    text = export_torch_csv(sched.static_order())
     if out is None:
         click.echo(text, nl=False)
     else:
-        with open(out, "w") as f:
-            f.write(text)
+        try:
+            with open(out, "w") as f:
+                f.write(text)
+        except OSError as err:
+            raise ConfigError(f"out={out!r} cannot be written: {err.strerror or err}") from None
     # The file cannot carry this note: torch's reader takes every line as a rank.
     click.echo(f"{'wrote ' + out if out else 'written'}: {export_name}, {sched.n_ranks} ranks, one step of m={m} "
                "micro-batches; U omitted (torch reduces each stage's gradients after its m-th backward and steps "
