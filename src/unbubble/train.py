@@ -29,6 +29,7 @@ from unbubble.lr import warmup_cosine
 from unbubble.loggers import check_loggers
 from unbubble.metrics import RunWriter
 from unbubble.models import ModelConfig, build_stages, count_params, gpt_loss, make_config, partition_layers
+from unbubble.models.split import causal_lm_loss
 from unbubble.optim import build_optimizer
 from unbubble.runtime.checkpoint import Checkpointing, DamagedCheckpoint, complete_steps, load_stage
 from unbubble.runtime.emulator import run_emulator
@@ -89,22 +90,72 @@ def stage_optimizer(name: str, lr: float, betas: tuple[float, float], weight_dec
                            br_stage_delays=list(delays), **dict(br_options))
 
 
-def build_job(cfg: TrainConfig, tokens: TokenData) -> tuple[PipelineJob, ModelConfig]:
-    """The GPT-2 pipeline job for ``cfg`` on prepared ``tokens``.
+def external_stages(cfg: TrainConfig, tokens: TokenData, n_stages: int, model: torch.nn.Module | None = None):
+    """``(split_model of cfg.model, ModelShape)`` for an ``hf:`` / ``module:function`` model or a model
+    object given in Python (``train_model``).
+
+    Raises:
+        ConfigError: a ``python`` run without its model object, a vocabulary smaller than the
+            tokenizer's, seq_len beyond the model's positions, or what ``split_model`` refuses.
+    """
+    from unbubble.models.external import PYTHON_MODEL, ModelShape, load_external
+    from unbubble.models.split import split_model
+
+    if model is None:
+        if cfg.model == PYTHON_MODEL:
+            raise ConfigError("model='python': this run's model was given in Python; give it again "
+                              "(unbubble.train_model(model, resume=RUN_DIR))")
+        model = load_external(cfg.model, cfg.seed)
+    split = split_model(model, n_stages, untie=cfg.untie)
+    shape = ModelShape.of(model, sum(len(layers) for layers in split.plan.layers))
+    if shape.vocab_size is not None and shape.vocab_size < tokens.vocab_size:
+        raise ConfigError(f"model={cfg.model!r} has vocab_size={shape.vocab_size}, fewer than the {cfg.tokenizer} "
+                          f"tokenizer's {tokens.vocab_size} (give a model with vocab_size ≥ {tokens.vocab_size}, or "
+                          "set --tokenizer)")
+    if shape.block_size is not None and cfg.seq_len > shape.block_size:
+        raise ConfigError(f"seq_len={cfg.seq_len} is invalid: model {cfg.model!r} has {shape.block_size} positions "
+                          f"(set --seq-len ≤ {shape.block_size})")
+    return split, shape
+
+
+def stage_ranges(job: PipelineJob, model, seq_len: int) -> list[range]:
+    """The blocks of each stage: a split model's plan, or our presets' cost-balanced partition."""
+    plan = getattr(job.stage_fn, "plan", None)
+    if plan is not None:
+        return [range(ls[0], ls[-1] + 1) if ls else range(0) for ls in plan.layers]
+    return partition_layers(model, job.schedule.n_stages, seq_len)
+
+
+def build_job(cfg: TrainConfig, tokens: TokenData, model_object: torch.nn.Module | None = None
+              ) -> tuple[PipelineJob, ModelConfig]:
+    """The pipeline job for ``cfg`` on prepared ``tokens``: a GPT-2 / Llama / MoE preset, or an
+    external model (``hf:PATH``, ``module:function``, or ``model_object``) split by
+    :func:`~unbubble.models.split.split_model`.
+
+    Returns:
+        ``(job, model)``: ``model`` the preset's config or the external model's
+        :class:`~unbubble.models.external.ModelShape`.
 
     Raises:
         ConfigError: stages > layers, seq_len > block size, or a corpus too small for seq_len.
     """
-    model = make_config(cfg.model, tokens.vocab_size)
-    if cfg.seq_len > model.block_size:
+    from unbubble.models.external import is_external
+
+    external = model_object is not None or is_external(cfg.model)
+    schedule = get_schedule(cfg.schedule, cfg.stages, cfg.steps, a=cfg.a, m=cfg.m, v=cfg.v)
+    if external:  # split_model checks the stages against the layers, external_stages seq_len
+        split, model = external_stages(cfg, tokens, schedule.n_stages, model_object)
+    else:
+        model = make_config(cfg.model, tokens.vocab_size)
+    if not external and cfg.seq_len > model.block_size:
         raise ConfigError(f"seq_len={cfg.seq_len} is invalid: model {cfg.model!r} has block_size={model.block_size}, "
                           f"so seq_len must be ≤ {model.block_size} (set --seq-len)")
-    schedule = get_schedule(cfg.schedule, cfg.stages, cfg.steps, a=cfg.a, m=cfg.m, v=cfg.v)
-    if schedule.virtual > 1 and schedule.n_stages > model.n_layer:
+    if not external and schedule.virtual > 1 and schedule.n_stages > model.n_layer:
         raise ConfigError(f"stages={cfg.stages} with v={cfg.v} is invalid: {cfg.schedule} needs stages × v = "
                           f"{schedule.n_stages} model chunks but model {cfg.model!r} has {model.n_layer} layers "
                           "(lower --v or --stages, or pick a deeper --model)")
-    partition_layers(model, schedule.n_stages, cfg.seq_len)  # raises on stages > layers
+    if not external:
+        partition_layers(model, schedule.n_stages, cfg.seq_len)  # raises on stages > layers
     data = _Data(str(tokens.meta["dir"]) + "/train.bin", str(tokens.meta["dir"]) + "/val.bin",
                  cfg.micro_batch_size, cfg.seq_len, cfg.seed, cfg.eval_batches)
     check_split_sizes(tokens.train.size, tokens.val.size, cfg.seq_len)
@@ -119,9 +170,9 @@ def build_job(cfg: TrainConfig, tokens: TokenData) -> tuple[PipelineJob, ModelCo
         log.warning(overlap)
     warmup = cfg.warmup_steps
     job = PipelineJob(
-        stage_fn=functools.partial(gpt_stage, model, schedule.n_stages, cfg.seed, cfg.seq_len,
-                                   loss_scale=schedule.loss_scale),
-        loss_fn=gpt_loss,
+        stage_fn=split if external else functools.partial(gpt_stage, model, schedule.n_stages, cfg.seed, cfg.seq_len,
+                                                          loss_scale=schedule.loss_scale),
+        loss_fn=causal_lm_loss if external else gpt_loss,
         batch_fn=functools.partial(gpt_batch, data),
         optimizer_fn=functools.partial(
             stage_optimizer, "adamw" if cfg.optimizer in ("pipedream-lr", "staleness-lr") else cfg.optimizer, cfg.lr,
@@ -283,7 +334,8 @@ def run_job(job: PipelineJob, engine: str, listener: Listener | None = None, thr
 
 
 def train(cfg: TrainConfig | None = None, listener_factory=None, resume: str | Path | None = None,
-          resume_overrides: dict | None = None, started_at: float | None = None) -> tuple[RunResult | None, Path | None]:
+          resume_overrides: dict | None = None, started_at: float | None = None,
+          model: torch.nn.Module | None = None) -> tuple[RunResult | None, Path | None]:
     """Validates ``cfg``, trains, and writes the run folder.
 
     Args:
@@ -296,6 +348,8 @@ def train(cfg: TrainConfig | None = None, listener_factory=None, resume: str | P
         started_at: when the command started, epoch seconds: summary.json's ``startup_s`` counts
             from it to the end of the first optimizer step (default: this call; ``unbubble train``
             passes its process's start).
+        model: a model object to train instead of ``cfg.model`` (``cfg.model`` is then ``"python"``;
+            :func:`train_model`).
 
     Returns:
         ``(result, run_dir)``; both ``None`` on non-zero torchrun ranks. ``result.stopped_at``
@@ -320,7 +374,7 @@ def train(cfg: TrainConfig | None = None, listener_factory=None, resume: str | P
     else:
         run_dir = RunWriter.choose_dir(cfg) if rank0 else None
     tokens = prepare_tokens(cfg.corpus, cfg.tokenizer, Path(cfg.cache_dir).expanduser())
-    job, model = build_job(cfg, tokens)
+    job, model = build_job(cfg, tokens, model)
     if under_torchrun() and cfg.checkpoints and cfg.run_dir is None and resume is None:
         raise ConfigError("checkpoints under torchrun need --run-dir: every rank writes its stage's checkpoint "
                           "there (a folder all machines share), or give --no-checkpoints")
@@ -337,7 +391,7 @@ def train(cfg: TrainConfig | None = None, listener_factory=None, resume: str | P
             if rank0 else None
         if writer is not None:
             n = job.schedule.n_stages
-            ranges = partition_layers(model, n, cfg.seq_len)
+            ranges = stage_ranges(job, model, cfg.seq_len)
             n_params = sum(count_params(job.stage_fn(s)) for s in range(n))
             writer.describe(model=model, n_params=n_params, ranges=ranges, tokens=tokens)
         listener = (listener_factory(writer, cfg.steps) if listener_factory and writer else writer)
@@ -353,4 +407,65 @@ def train(cfg: TrainConfig | None = None, listener_factory=None, resume: str | P
     if writer is None or result is None:
         return None, None
     writer.finish(result, time.perf_counter() - t0, started_at)
+    return result, run_dir
+
+
+def train_model(model: torch.nn.Module, schedule: str = "paci", run_dir: str | Path | None = None,
+                resume: str | Path | None = None, progress: bool = True, **options) -> tuple[RunResult | None, Path | None]:
+    """Trains a model you already have with ``unbubble train``'s whole run: the run folder (config,
+    metrics.jsonl, actions.jsonl, summary.json, loss.png, TensorBoard), checkpoints and resume, the
+    non-finite guard, ``unbubble report`` on the folder, and the progress and end lines.
+
+    The model is split by :func:`~unbubble.models.split.split_model` (HF GPT-2 / Llama, torchtitan
+    layout) and trained on ``options["corpus"]`` with ``options["tokenizer"]`` as ``unbubble train``
+    would; its config records ``model: python``.
+
+    Args:
+        model: the whole model (its vocabulary at least the tokenizer's).
+        schedule: any ``--schedule``.
+        run_dir: the run folder (default: ``runs/<time>-<schedule>``).
+        resume: a run folder of an earlier ``train_model`` run with this model: continue it.
+        progress: print the step lines and the end line (as the CLI does).
+        **options: any other :class:`~unbubble.config.TrainConfig` field (``stages``, ``steps``, ``a``,
+            ``lr``, ``engine``, ``untie``, …); ``final_checkpoint`` defaults to True here, so the last
+            step's weights are always there for ``unbubble.export``.
+
+    Returns:
+        ``(result, run_dir)`` as :func:`train`.
+
+    Raises:
+        ConfigError: an unknown option or invalid value (one line), and what :func:`train` raises.
+    """
+    from unbubble.models.external import PYTHON_MODEL
+
+    listeners: list = []
+
+    def factory(writer, total):  # the CLI's progress bar (plain step lines off a terminal)
+        from unbubble.cli.train import ProgressListener
+
+        listeners.append(ProgressListener(writer, total, max(total // 20, 1), "", writer.resume_step or 0))
+        return listeners[0]
+
+    options.setdefault("final_checkpoint", True)  # the trained model is what one wants back (export)
+    names = {f.name for f in dataclasses.fields(TrainConfig)}
+    bad = sorted(set(options) - names)
+    if bad:
+        raise ConfigError(f"{bad[0]}={options[bad[0]]!r} is not an option of train_model: give TrainConfig fields "
+                          "(as unbubble train --help lists them, with _ for -)")
+    try:
+        if resume is not None:
+            result, run_dir = train(listener_factory=factory if progress else None, resume=resume, model=model)
+        else:
+            cfg = TrainConfig(model=PYTHON_MODEL, schedule=schedule, run_dir=None if run_dir is None else str(run_dir),
+                              **options)
+            result, run_dir = train(cfg, listener_factory=factory if progress else None, model=model)
+        if result is not None and listeners:
+            listeners[0].finish(json.loads((run_dir / "summary.json").read_text()))
+    finally:
+        for lst in listeners:
+            lst.close()
+    if result is not None and progress:  # the end line of unbubble train
+        util = (result.sim_trace or result.trace).utilization()
+        log.info("run folder %s | tokens/s %s | max Δ per stage %s | utilization %s", run_dir,
+                 f"{result.tokens_per_s:,.0f}", result.max_drift(), " ".join(f"{u:.2f}" for u in util))
     return result, run_dir

@@ -243,3 +243,92 @@ def test_export_merges_our_presets_and_refuses_clashing_names_or_no_checkpoint(t
         merged_state_dict(tmp_path / "clash")
     with pytest.raises(ConfigError, match="step=7 has no complete checkpoint"):
         merged_state_dict(tmp_path / "clash", step=7)
+
+
+# -- the whole run for your own model: unbubble train --model hf:PATH / module:function, train_model -----
+
+def tiny_titan() -> nn.Module:
+    """``--model test_split:tiny_titan``: a torchtitan-layout model over the byte tokenizer's 257 ids."""
+    torch.manual_seed(0)
+    model = TitanLM()
+    model.tok_embeddings, model.output = nn.Embedding(257, 32), nn.Linear(32, 257, bias=False)
+    return model
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("cache"))
+
+
+FAST = ["--engine", "emulator", "--steps", "4", "--stages", "2", "--a", "2", "--seq-len", "12", "--eval-interval", "0",
+        "--eval-batches", "1", "--checkpoint-every", "2"]
+
+
+def test_unbubble_train_takes_an_hf_config_and_a_factory_and_refuses_a_tied_head(tmp_path, cache_dir):
+    import json
+
+    from click.testing import CliRunner
+
+    from unbubble.cli import cli
+
+    hf_gpt2(tie=True).config.save_pretrained(tmp_path / "gpt2")  # a config only: random init
+    (tmp_path / "gpt2" / "config.json").write_text(
+        (tmp_path / "gpt2" / "config.json").read_text().replace('"vocab_size": 64', '"vocab_size": 257'))
+    res = CliRunner().invoke(cli, ["-q", "train", *FAST, "--model", f"hf:{tmp_path / 'gpt2'}", "--run-dir",
+                                   str(tmp_path / "tied"), "--cache-dir", cache_dir])
+    assert res.exit_code == 2 and res.stderr.strip().startswith("error: transformer.wte.weight (stage 0) and "
+                                                                 "lm_head.weight (stage 1) are one tied tensor")
+    assert not (tmp_path / "tied").exists()
+    run = tmp_path / "hf-run"
+    res = CliRunner().invoke(cli, ["train", *FAST, "--model", f"hf:{tmp_path / 'gpt2' / 'config.json'}", "--untie",
+                                   "--run-dir", str(run), "--cache-dir", cache_dir])
+    assert res.exit_code == 0, res.output
+    assert "max Δ per stage [1, 0]" in res.stdout
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["steps_done"] == 4 and summary["model"]["vocab_size"] == 257 and summary["stage_layers"] == [[0, 2],
+                                                                                                             [2, 4]]
+    res = CliRunner().invoke(cli, ["export", str(run), str(tmp_path / "out")])
+    assert res.exit_code == 0, res.output
+    loaded = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "out")
+    assert not loaded.config.tie_word_embeddings and loaded.config.vocab_size == 257
+    res = CliRunner().invoke(cli, ["-q", "train", *FAST, "--model", "test_split:tiny_titan", "--run-dir",
+                                   str(tmp_path / "titan"), "--cache-dir", cache_dir])
+    assert res.exit_code == 0, res.output
+    assert json.loads((tmp_path / "titan" / "summary.json").read_text())["steps_done"] == 4
+    res = CliRunner().invoke(cli, ["-q", "train", *FAST, "--model", "no_such_module:f", "--cache-dir", cache_dir])
+    assert res.exit_code == 2 and "model='no_such_module:f' is invalid: ModuleNotFoundError" in res.stderr
+
+
+def test_train_model_gives_a_model_object_the_run_folder_checkpoints_resume_and_report(tmp_path, cache_dir):
+    import json
+
+    from click.testing import CliRunner
+
+    import unbubble
+    from unbubble.cli import cli
+
+    options = dict(stages=2, a=2, seq_len=16, eval_interval=0, eval_batches=1, engine="emulator",
+                   checkpoint_every=2, cache_dir=cache_dir)
+    whole, run = unbubble.train_model(tiny_titan(), schedule="paci", run_dir=tmp_path / "run", steps=4, **options)
+    assert (run / "summary.json").is_file() and (run / "checkpoints" / "step-00000004").is_dir()
+    assert json.loads((run / "config.json").read_text())["model"] == "python"
+    # a run cut at step 2, resumed with the same object, ends where the whole run ends
+    cut, cut_dir = unbubble.train_model(tiny_titan(), schedule="paci", run_dir=tmp_path / "cut", steps=4,
+                                        **options)
+    import shutil
+
+    shutil.rmtree(cut_dir / "checkpoints" / "step-00000004")
+    summary = json.loads((cut_dir / "summary.json").read_text())
+    summary["steps_done"] = 2
+    (cut_dir / "summary.json").write_text(json.dumps(summary))
+    resumed, _ = unbubble.train_model(tiny_titan(), resume=cut_dir)
+    assert resumed.step_losses == whole.step_losses[2:]
+    with pytest.raises(ConfigError, match="model='python': this run's model was given in Python"):
+        from unbubble.train import train
+
+        train(resume=cut_dir)
+    with pytest.raises(ConfigError, match="stagez=2 is not an option of train_model"):
+        unbubble.train_model(tiny_titan(), stagez=2)
+    report = CliRunner().invoke(cli, ["report", str(run), "--out", str(tmp_path / "report")])
+    assert report.exit_code == 0, report.output
+
