@@ -332,3 +332,37 @@ def test_train_model_gives_a_model_object_the_run_folder_checkpoints_resume_and_
     report = CliRunner().invoke(cli, ["report", str(run), "--out", str(tmp_path / "report")])
     assert report.exit_code == 0, report.output
 
+
+def _tutorial_code(heading: str, block: int = 0) -> str:
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "tutorial.md").read_text()
+    section = text.split(heading, 1)[1].split("\n## ", 1)[0]
+    return section.split("```python\n")[1 + block].split("```", 1)[0]
+
+
+def _user_lines(code: str) -> int:
+    return sum(1 for line in code.splitlines() if line.strip() and not line.strip().startswith("#"))
+
+
+@pytest.mark.parametrize("heading,block,limit", [("## 8. Your Hugging Face model on 4 stages with PACI", 0, 15),
+                                                 ("## 8. Your Hugging Face model on 4 stages with PACI", 1, 15),
+                                                 ("## 9. A torchtitan-layout model", 0, None)])
+def test_the_tutorials_own_model_sections_run(heading, block, limit, tmp_path, cache_dir, monkeypatch):
+    import json
+
+    code = _tutorial_code(heading, block)
+    if limit is not None:
+        print(f"{heading}, block {block}: {_user_lines(code)} lines of user code")
+        assert _user_lines(code) <= limit
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("UNBUBBLE_CACHE_DIR", cache_dir)
+    scope: dict = {}
+    exec(compile(code, heading, "exec"), scope)
+    summary = json.loads((scope["run_dir"] / "summary.json").read_text())
+    assert summary["steps_done"] == 10 and summary["max_drift"] == [1, 1, 1, 0]
+    if "trained" in scope:  # the export: the run's final weights under the model's own names
+        final = scope["result"].final_states
+        merged = {k: v for s in final for k, v in s.items()}
+        for name, t in scope["trained"].state_dict().items():
+            assert torch.equal(t, merged[name]), name
