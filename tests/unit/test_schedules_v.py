@@ -183,3 +183,29 @@ def test_exported_v_csv_loads_in_torch_with_the_v_placement(name, tmp_path):
     runtime = tps._PipelineScheduleRuntime(_fake_stages(n, 2), m)
     runtime._load_csv(str(path))  # torch's validator infers the placement from the rows
     assert tps._validate_schedule(runtime.pipeline_order, n, 2 * n, m) == {s: min(s, 2 * n - 1 - s) for s in range(2 * n)}
+
+
+def test_chunks_balance_the_devices_not_the_chunks():
+    """Regression (a user trial): balancing each of zbv's 16 chunks alone left device 0 (chunks 0 and
+    15: the embedding and the LM head) at 1.6× the mean device; partition_for_devices balances the
+    devices, letting the first chunk hold only the embedding and the last only the head."""
+    from unbubble.models.partition import component_costs, partition_for_devices
+    from unbubble.sim.analytic import make_model
+
+    cfg = make_model("gpt2-medium")
+    emb, blocks, head = component_costs(cfg)
+    for name, kw in (("zbv", {}), ("interleaved-zb", {"v": 2})):
+        ranks = get_schedule(name, 8, steps=1, m=16, **kw).ranks
+        parts = partition_for_devices(cfg, ranks)
+        assert all(len(r) >= 1 for r in parts[1:-1]) and parts[0].start == 0 and parts[-1].stop == 24
+        assert all(a.stop == b.start for a, b in zip(parts, parts[1:]))  # contiguous
+        cost = [len(r) * blocks[0] + (emb if j == 0 else 0) + (head if j == len(parts) - 1 else 0)
+                for j, r in enumerate(parts)]
+        device = [sum(c for c, rk in zip(cost, ranks) if rk == r) for r in range(8)]
+        # no split does better than the mean device, nor than the head's device with one block per
+        # middle chunk it holds; blocks come whole, so within one block of the larger bound
+        head_device = [j for j, rk in enumerate(ranks) if rk == ranks[-1]]
+        bound = max(sum(device) / 8, head + blocks[0] * sum(0 < j < len(ranks) - 1 for j in head_device))
+        assert max(device) <= bound + blocks[0], (name, [len(r) for r in parts])
+    with pytest.raises(ConfigError, match="stages=16 with 32 chunks is invalid: the model has 24 layers"):
+        partition_for_devices(cfg, get_schedule("zbv", 16, steps=1, m=32).ranks)

@@ -200,9 +200,12 @@ def horizon_rows(study: Study, h4: dict[str, Any], n: int) -> list[dict[str, Any
 def break_even_rows(ns=(4, 8, 16), ms=(4, 8, 16, 32), schedules=SYNCHRONOUS, memory: str = "any") -> list[dict[str, Any]]:
     """The throughput ratio PACI (a = m) buys over the fastest synchronous schedule at m
     micro-batches per update (:func:`unbubble.sim.extrapolate.async_over_sync`): GPT-2 Medium on
-    H200s (16 × 1024 tokens per micro-batch, the analytic cost model) and unit costs (F = 1, B = 2:
-    a balanced pipeline such as the CPU presets), against ``schedules`` (``memory="1f1b"``: only
-    those within 1F1B-flush's activation memory). Asynchrony pays when its token overhead is below it."""
+    H200s (16 × 1024 tokens per micro-batch, the analytic cost model; schedules with several chunks
+    per device get whole blocks per chunk with the devices balanced,
+    :func:`~unbubble.models.partition.partition_for_devices`) and unit costs (F = 1, B = 2: a balanced
+    pipeline such as the CPU presets, each chunk 1/v of a stage), against ``schedules``
+    (``memory="1f1b"``: only those within 1F1B-flush's activation memory). Asynchrony pays when its
+    token overhead is below it."""
     from unbubble.sim.analytic import analytic_model, make_model
     from unbubble.sim.costs import UniformCosts
     from unbubble.sim.extrapolate import async_over_sync
@@ -212,7 +215,11 @@ def break_even_rows(ns=(4, 8, 16), ms=(4, 8, 16, 32), schedules=SYNCHRONOUS, mem
     cfg, hw = make_model("gpt2-medium"), get_hardware("h200")
     for setup in ("gpt2-medium, H200", "unit costs (F = 1, B = 2)"):
         for n in ns:
-            costs = analytic_model(cfg, n, hw, 16).costs if setup.startswith("gpt2") else UniformCosts(f=1.0, b=2.0)
+            if setup.startswith("gpt2"):  # whole blocks per chunk, the devices balanced (partition_for_devices)
+                def costs(sched, n=n):
+                    return analytic_model(cfg, n, hw, 16, virtual=sched.virtual, placement=sched.placement).costs
+            else:
+                costs = UniformCosts(f=1.0, b=2.0)
             row: dict[str, Any] = {"setup": setup, "N": n}
             for m in ms:
                 ratio, name = async_over_sync(costs, n, m, schedules=schedules, memory=memory)

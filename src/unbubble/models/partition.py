@@ -137,6 +137,60 @@ def partition_layers(config: ModelConfig, n_stages: int, seq_len: int | None = N
     return partition_by_cost(blocks, n_stages, first_extra=embedding, last_extra=head)
 
 
+def partition_for_devices(config: ModelConfig, stage_ranks: Sequence[int], seq_len: int | None = None) -> list[range]:
+    """Contiguous split of the blocks into chunks, chunk j placed on device ``stage_ranks[j]``, that
+    balances the *devices* (the sum of each device's chunks), for schedules with several chunks per
+    device (interleaved, looped, V-shaped): balancing each chunk alone would put the head's chunk
+    and its device's other chunk together and leave that device 1.6–1.9× the mean (gpt2-medium,
+    N = 8, 16 chunks).
+
+    The first chunk may hold only the embedding and the last only the final norm and head (as the
+    Zero Bubble paper's setups do); every other chunk holds at least one block. Blocks go, one at a
+    time, to the device whose cost (``component_costs``) is then smallest, and within a device to
+    its cheapest chunk; ties go to the lower device and the earlier chunk.
+
+    Args:
+        config: model shape (every block has the same cost).
+        stage_ranks: the device of each chunk, in pipeline order (``Schedule.ranks``).
+        seq_len: sequence length T for the attention term; defaults to ``block_size``.
+
+    Returns:
+        ``len(stage_ranks)`` contiguous ``range`` objects covering ``0..n_layer`` (the first and last
+        may be empty).
+
+    Raises:
+        ConfigError: fewer blocks than the chunks that need one.
+    """
+    embedding, blocks, head = component_costs(config, seq_len)
+    n, L = len(stage_ranks), config.n_layer
+    if n == 1:
+        return [range(0, L)]
+    need = max(n - 2, 0)
+    if L < need:
+        raise ConfigError(f"stages={len(set(stage_ranks))} with {n} chunks is invalid: the model has {L} layers, "
+                          f"fewer than the {need} chunks between the first and the last (set --stages lower or pick a "
+                          "deeper --model)")
+    blk = blocks[0]
+    extra = [0.0] * n
+    extra[0] += embedding
+    extra[-1] += head
+    count = [0 if j in (0, n - 1) else 1 for j in range(n)]
+    ranks = sorted(set(stage_ranks))
+
+    def device_cost(r: int) -> float:
+        return sum(count[j] * blk + extra[j] for j in range(n) if stage_ranks[j] == r)
+
+    for _ in range(L - sum(count)):
+        r = min(ranks, key=lambda x: (device_cost(x) + blk, x))
+        j = min((j for j in range(n) if stage_ranks[j] == r), key=lambda j: (count[j] * blk + extra[j], j))
+        count[j] += 1
+    out, start = [], 0
+    for c in count:
+        out.append(range(start, start + c))
+        start += c
+    return out
+
+
 def partition_by_cost(
     block_costs: Sequence[float],
     n_stages: int,

@@ -202,7 +202,8 @@ def analytic_model(config: "ModelConfig", n_stages: int, hardware: Hardware, mic
             or with ``placement="v"`` (v = 2) on device min(j, 2N − 1 − j): the links follow it.
         layers_per_stage: blocks of each of the N·v stages in pipeline order (zeros allowed for the first
             and last stage, which then hold only the embedding or the head); default: the cost-balanced
-            contiguous split of ``unbubble.models.partition.partition_layers``.
+            contiguous split of ``unbubble.models.partition.partition_layers``, or with several chunks per
+            device ``partition_for_devices`` (the devices balanced, not the chunks).
         precision: bytes per parameter and activation (:data:`PRECISIONS`).
         flash_attention: attention scores are not stored (drops Korthikanti's 5as² term).
         jitter, seed, stragglers: passed to :class:`~unbubble.sim.costs.PipelineCosts`.
@@ -221,8 +222,8 @@ def analytic_model(config: "ModelConfig", n_stages: int, hardware: Hardware, mic
     Raises:
         ConfigError: sizes out of range, or ``layers_per_stage`` that does not sum to ``n_layer``.
     """
-    from unbubble.models.partition import block_shape, component_costs, embedding_params, final_norm_params, \
-        partition_layers
+    from unbubble.models.partition import (block_shape, component_costs, embedding_params, final_norm_params,
+                                           partition_for_devices, partition_layers)
 
     for name, v in (("stages", n_stages), ("micro_batch_size", micro_batch_size), ("virtual", virtual)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -230,8 +231,12 @@ def analytic_model(config: "ModelConfig", n_stages: int, hardware: Hardware, mic
     n = n_stages * virtual
     T = config.block_size if seq_len is None else seq_len
     emb_f, block_f, head_f = component_costs(config, T)  # forward FLOPs per token; validates seq_len
-    if layers_per_stage is None:
+    if layers_per_stage is None and virtual == 1:
         ranges = partition_layers(config, n, T)
+    elif layers_per_stage is None:  # several chunks per device: balance the devices, not the chunks
+        from unbubble.schedules.registry import stage_rank
+
+        ranges = partition_for_devices(config, [stage_rank(j, n_stages, placement) for j in range(n)], T)
     else:
         counts = list(layers_per_stage)
         if len(counts) != n or any(not isinstance(c, int) or c < 0 for c in counts) or sum(counts) != config.n_layer:

@@ -286,12 +286,16 @@ def async_over_sync(costs, n_stages: int, m: int, a: int | None = None, schedule
 
     Args:
         costs: per-stage costs of the N stages (``PipelineCosts`` or ``UniformCosts``); the schedules
-            in :data:`VIRTUAL` run on :func:`chunk_costs` (each stage split evenly into v chunks).
+            with several chunks per device run on :func:`chunk_costs` (each stage split evenly into
+            its chunks). Or a function ``schedule -> costs`` giving each schedule's own per-chunk
+            costs (e.g. the analytic model's whole-block split, ``analytic_model(…, virtual=…,
+            placement=…)``).
         n_stages: N.
         m: micro-batches per update of the synchronous schedules (PACI: a = m unless ``a`` is given).
         a: PACI's accumulation factor (default m).
         schedules: the synchronous schedules to compare with (default :data:`SYNCHRONOUS`); those
-            that do not run at (N, m) are skipped (:func:`synchronous_options`).
+            that do not run at (N, m) are skipped (:func:`synchronous_options`), and so are those
+            whose chunks a ``costs`` function cannot build (more chunks than the model has blocks).
         memory: ``"any"``, or ``"1f1b"`` for only the schedules within 1F1B-flush's activation memory
             (:func:`peak_activations`; PACI holds N micro-batches, 1F1B-flush min(m, N)).
         v: chunks per rank of the schedules in :data:`VIRTUAL`.
@@ -301,11 +305,18 @@ def async_over_sync(costs, n_stages: int, m: int, a: int | None = None, schedule
         :data:`VIRTUAL` is named with its v (``"interleaved-zb v=2"``).
     """
     a = m if a is None else a
-    paci = simulate(get_schedule("paci", n_stages, steps=max(16, 256 // a), a=a), costs).steady_samples_per_s
+    costs_for = costs if callable(costs) else \
+        (lambda sched: chunk_costs(costs, n_stages, sched.virtual, sched.placement))
+    paci_sched = get_schedule("paci", n_stages, steps=max(16, 256 // a), a=a)
+    paci = simulate(paci_sched, costs_for(paci_sched)).steady_samples_per_s
     best, name = 0.0, ""
     for s in synchronous_options(n_stages, m, schedules, memory, v):
         sched = get_schedule(s, n_stages, steps=4, m=m, v=v)
-        rate = simulate(sched, chunk_costs(costs, n_stages, sched.virtual, sched.placement)).steady_samples_per_s
+        try:
+            chunk = costs_for(sched)
+        except ConfigError:  # the model cannot be cut into this schedule's chunks (fewer blocks than chunks)
+            continue
+        rate = simulate(sched, chunk).steady_samples_per_s
         if rate > best:
             best, name = rate, sync_label(s, v)
     return paci / best, name
