@@ -53,6 +53,11 @@ def test_a_tree_frame_carries_its_layout_only_when_it_changes():
     assert third.blob != b""
     frame3 = third.pack(2, 7, frame_bytes(third.nbytes), torch.device("cpu"))
     assert unpack_tree(frame3, read_trailer(frame3), layouts, 2)["n"] == 8
+    # every dtype a frame carries, at aligned offsets
+    odd = {str(d): torch.ones(3, dtype=d) for d in (torch.uint8, torch.complex128, torch.bool, torch.float64)}
+    tf = TreeFrame(odd, 0, 1, True, None)
+    f = tf.pack(0, 1, frame_bytes(tf.nbytes), torch.device("cpu"))
+    assert all(torch.equal(v, odd[k]) for k, v in unpack_tree(f, read_trailer(f), {}, 0).items())
     # a gradient message: a tuple with a None
     grads = TreeFrame((torch.ones(2), None), 1, 7, False, None)
     gframe = grads.pack(1, 7, frame_bytes(grads.nbytes), torch.device("cpu"))
@@ -132,3 +137,55 @@ def test_a_compiled_tree_stage_equals_the_eager_one():
     compiled = run_emulator(dataclasses.replace(tree_job(), compile_backend="aot_eager"))
     assert compiled.step_losses == pytest.approx(eager.step_losses, rel=1e-6)
     _assert_states_equal(compiled.final_states, eager.final_states, rtol=1e-6, atol=1e-7)
+
+
+class _Frozen(torch.nn.Module):
+    """Sends only leaves without gradients: integer ids and a detached embedding."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(16, 8)
+
+    def forward(self, ids):
+        return {"ids": ids, "h": self.emb(ids).detach()}
+
+
+class _Head(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.head = torch.nn.Linear(8, 16)
+
+    def forward(self, x):
+        return self.head(x["h"]) + 0.0 * x["ids"].unsqueeze(-1)
+
+
+def _frozen_stage(stage):
+    torch.manual_seed(stage)
+    return [_Frozen, _Head][stage]()
+
+
+def _ids(k):
+    ids = torch.randint(0, 16, (2, 6), generator=torch.Generator().manual_seed(k))
+    return ids, ids.roll(1, dims=1)
+
+
+def _ce(logits, y):
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+
+def _sgd(params, stage):
+    return torch.optim.SGD(params, lr=0.1)
+
+
+@pytest.mark.parametrize("name", ["1f1b-flush", "zb-h1"])
+def test_a_boundary_without_gradient_carrying_leaves_sends_an_empty_gradient(name):
+    from unbubble.runtime.job import PipelineJob
+    from unbubble.schedules import get_schedule
+
+    job = PipelineJob(stage_fn=_frozen_stage, loss_fn=_ce, batch_fn=_ids, optimizer_fn=_sgd,
+                      schedule=get_schedule(name, 2, steps=2, m=2))
+    result = run_emulator(job)
+    ref_states, ref_losses = train_without_pipeline(job)
+    assert result.step_losses == pytest.approx(ref_losses, rel=1e-6)
+    _assert_states_equal(result.final_states, ref_states, rtol=1e-6, atol=1e-7)
+    assert torch.equal(result.final_states[0]["emb.weight"], _frozen_stage(0).emb.weight.detach())  # no gradient

@@ -393,8 +393,8 @@ class StageExecutor:
             else:
                 outs, grads = pytree.grad_outputs(out, grad, self.recompute == "full")
             leaves = inp if isinstance(inp, list) else [inp]
-            gs = torch.autograd.grad(outs, leaves, grads, retain_graph=True, allow_unused=True) if outs else \
-                [None] * len(leaves)
+            gs = torch.autograd.grad(outs, leaves, grads, retain_graph=True, allow_unused=True) if outs and leaves \
+                else [None] * len(leaves)
             gx = tuple(gs) if isinstance(inp, list) else gs[0]
         if self.nan_policy != "off" and not _finite(pytree.tensors(gx)):
             self._dropped.add(k)

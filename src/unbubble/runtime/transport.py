@@ -29,7 +29,7 @@ error naming the stage, the micro-batch and the shape.
 
 [Note: trees in a frame]
 A pytree payload ([Note: stage boundaries carry pytrees] in ``pytree.py``) is still one frame:
-its tensor leaves at 8-aligned offsets from 0, then eight words per leaf (dtype/ndim code, six
+its tensor leaves at 16-aligned offsets from 0, then eight words per leaf (dtype/ndim code, six
 dims, byte offset), then, only when the layout differs from the previous tree on this channel
 for the same destination stage, the pickled :class:`~unbubble.runtime.pytree.Layout`; the trailer's
 code word is ``_TREE`` and words 2–4 give the leaf count, the layout's byte length (0: unchanged)
@@ -252,9 +252,9 @@ class TreeFrame:
         self.leaves, self.layout = pytree.flatten(tree, grads=forward)
         self.metas = [TensorMeta.of(t, stage, k) for t in self.leaves]
         self.offsets, off = [], 0
-        for m in self.metas:
+        for m in self.metas:  # 16-aligned: a view as any dtype (complex128 included) starts on its element size
             self.offsets.append(off)
-            off += _payload_bytes(m.nbytes)
+            off += -(-m.nbytes // 16) * 16
         self.words_at = off
         self.blob = b"" if previous == self.layout else pickle.dumps(self.layout)
         self.nbytes = off + _LEAF_BYTES * len(self.leaves) + _payload_bytes(len(self.blob))
