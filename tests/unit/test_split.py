@@ -52,6 +52,15 @@ def test_eager_attention_with_a_padding_mask_travels_to_every_stage(family):
     assert diff <= 1e-6
 
 
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+@pytest.mark.parametrize("mode", [{"compile_backend": "aot_eager"}, {"recompute": "full"}])
+def test_compiled_and_recomputed_hf_stages_equal_the_plain_loop(family, mode):
+    model = {"gpt2": hf_gpt2, "llama": hf_llama}[family](attn="eager")
+    result = run_emulator(dataclasses.replace(hf_job(model, "1f1b-flush", 2, padded=True), **mode))
+    ref, losses = plain_loop(model, True)
+    assert max_difference(result.final_states, result.step_losses, ref, losses) <= 1e-6
+
+
 def test_paci_on_a_split_llama_attains_its_drift_bound():
     job = hf_job(hf_llama(), "paci", 4, steps=4, m=2)
     result = run_emulator(job)
