@@ -21,6 +21,10 @@ NAN_POLICIES = ("skip", "lower-lr", "abort", "off")
 PREDICT_MODES = ("none", "bound", "measured")
 PREDICT_SCHEDULES = ("paci", "async-1f1b")
 #: The asynchronous (never-flushed) schedules, the ones error feedback applies to (τ > 0).
+#: ``error_feedback`` of the asynchronous schedules when none is given: horizon-study measured error
+#: feedback (c = 1) as the best delay remedy at 600 updates (docs/results.md).
+DEFAULT_ERROR_FEEDBACK = 1.0
+
 ERROR_FEEDBACK_SCHEDULES = ("paci", "async-1f1b", "paci-stashed", "pipedream", "pipedream-2bw", "pipemare")
 OPTIMIZERS = ("adamw", "basis-rotation", "nesterov", "nadam", "pipedream-lr", "staleness-lr", "muon")
 
@@ -95,7 +99,7 @@ class TrainConfig:
     weight_decay: float = field(default=0.1, metadata={"help": 'AdamW decoupled weight decay, applied to matrices only (β and wd as in the PACI paper).'})
     muon_momentum: float = field(default=0.95, metadata={"help": "Muon's momentum μ on hidden matrices (Nesterov form, torch.optim.Muon; 0.95 as in Jordan et al. 2024). Higher momentum is a delay remedy (Zmushko et al. 2026, arXiv 2606.30634)."})
     predict_weights: Literal["none", "bound", "measured"] = field(default="none", metadata={"help": "Weight prediction for paci and async-1f1b (SpecTrain arXiv 1809.02839, PipeOptim arXiv 2312.00839): each forward on stage i runs on W + s_i·(W − W_prev), the last applied update extrapolated s_i updates ahead; s_i = the stage's drift bound ⌈(N−i)/a⌉ (bound) or its mean measured drift so far (measured). The backward keeps the current weights; one weight-sized buffer per stage."})
-    error_feedback: float = field(default=0.0, metadata={"help": "Error feedback for delayed gradients, coefficient c (0 = off; 1 is the usual choice): every update applies x_{t+1} = x_t − u_t − c·(u_t − u_{t−1}), u_t the optimizer's full step (lr and weight decay included), the first update plain (Zmushko et al., arXiv 2606.30634, as implemented in lodestone-rock/RamTorch). Any optimizer, with or without --predict-weights; asynchronous schedules only; two fp32 weight-sized buffers per stage."})
+    error_feedback: float | None = field(default=None, metadata={"help": "Error feedback for delayed gradients, coefficient c: every update applies x_{t+1} = x_t − u_t − c·(u_t − u_{t−1}), u_t the optimizer's full step (lr and weight decay included), the first update plain (Zmushko et al., arXiv 2606.30634, as implemented in lodestone-rock/RamTorch). Default: 1 on the asynchronous schedules, the best remedy measured (horizon-study, docs/results.md), 0 on the synchronous ones; 0 turns it off. Any optimizer, with or without --predict-weights; two fp32 weight-sized buffers per stage."})
     optimizer: Literal["adamw", "basis-rotation", "nesterov", "nadam", "pipedream-lr", "staleness-lr", "muon"] = field(
         default="muon", metadata={"help": "muon (the default: the optimizer overhead-study supports for PACI, docs/results.md#overhead-study; torch.optim.Muon on hidden matrices, AdamW on embeddings, head, norms and biases, arXiv 2502.16982); adamw; basis-rotation (Adam in a rotated eigenbasis, arXiv 2602.03515); "
                                            "nesterov (PipeNAG delay correction); nadam; pipedream-lr (AdamW with the "
@@ -225,6 +229,8 @@ class TrainConfig:
                 raise ConfigError(f"predict_weights={self.predict_weights!r} is invalid with recompute="
                                   f"{self.recompute!r}: a recomputed forward runs on the backward's weights, so the "
                                   "predicted forward would not be the one differentiated (set --recompute none)")
+        if self.error_feedback is None:  # the default: on where it corrects a delay (horizon-study's best remedy)
+            self.error_feedback = DEFAULT_ERROR_FEEDBACK if self.schedule in ERROR_FEEDBACK_SCHEDULES else 0.0
         c = self.error_feedback
         if isinstance(c, bool) or not isinstance(c, (int, float)) or not math.isfinite(c) or c < 0:
             raise ConfigError(f"error_feedback={c!r} is invalid: must be a finite number ≥ 0 (0 = off; set --error-feedback)")

@@ -7,6 +7,7 @@ import pytest
 from click.testing import CliRunner
 
 from unbubble.cli import cli
+from unbubble.config import ERROR_FEEDBACK_SCHEDULES
 from unbubble.errors import ConfigError
 from unbubble.schedules.registry import ASYNC, SCHEDULES, VIRTUAL, get_schedule
 from unbubble.sim.analytic import analytic_model, make_model
@@ -54,7 +55,8 @@ def _brute_force(hw):
                     if n * k > MODEL.n_layer:
                         continue
                     for rc in (False, True):
-                        am = analytic_model(MODEL, n, hw, b, virtual=k, recompute=rc, predict_weights=name == "paci")
+                        am = analytic_model(MODEL, n, hw, b, virtual=k, recompute=rc,
+                                            error_feedback=name in ERROR_FEEDBACK_SCHEDULES)
                         costs = am.costs
                         if dp > 1:  # 4 devices share a node: every replica pair is on the intra-node link
                             lat, bw = hw.intra_latency_s, hw.intra_node_bytes_per_s

@@ -80,10 +80,12 @@ def _print(obj, fmt: str, width: int | None) -> None:
               help="Largest m (or a) tried [default: every divisor of the sequences per replica].")
 @click.option("--token-overhead", default=None, type=float,
               help="Tokens an asynchronous run needs to reach the synchronous loss ÷ the synchronous run's "
-                   "[default: 1.41, measured in overhead-study for PACI a=4 + Muon + --predict-weights bound].")
-@click.option("--predict-weights/--no-predict-weights", default=True,
-              help="Count weight prediction's buffers in paci's and async-1f1b's memory (the default overhead was "
-                   "measured with it).")
+                   "[default: 1.33, measured in horizon-study for PACI a=4 + Muon + --error-feedback 1, 600 updates].")
+@click.option("--error-feedback/--no-error-feedback", default=True,
+              help="Count error feedback's buffers in the asynchronous schedules' memory (unbubble train's default; the "
+                   "default overhead was measured with it).")
+@click.option("--predict-weights/--no-predict-weights", default=False,
+              help="Count weight prediction's buffers in paci's and async-1f1b's memory.")
 @click.option("--flash-attention/--no-flash-attention", default=False, help="Attention scores are not stored.")
 @click.option("--top", default=10, type=int, help="Rows printed per table.")
 @click.option("--all-configs", is_flag=True, help="Rank every configuration (default: each schedule's best).")
@@ -92,7 +94,7 @@ def _print(obj, fmt: str, width: int | None) -> None:
 def plan(model: str, gpus: str, global_batch_tokens: int, seq_len: int | None, memory_gb: float | None,
          link_gb_s: float | None, inter_node_gb_s: float | None, achievable: float | None, precision: str,
          vocab_size: int | None, schedules: str | None, stages: str | None, v_values: str, recompute: str,
-         max_micro_batches: int | None, token_overhead: float | None, predict_weights: bool,
+         max_micro_batches: int | None, token_overhead: float | None, error_feedback: bool, predict_weights: bool,
          flash_attention: bool, top: int, all_configs: bool, fmt: str, wide: bool) -> None:
     """Which schedule, pipeline depth and micro-batching to run: a search on the simulator.
 
@@ -102,7 +104,7 @@ def plan(model: str, gpus: str, global_batch_tokens: int, seq_len: int | None, m
     `unbubble simulate`; data-parallel gradient all-reduce added to each update), keeps the
     configurations whose fullest device fits in memory, and prints them by predicted tokens/s,
     then by predicted time to the synchronous run's loss: an asynchronous schedule's tokens/s ÷
-    the token overhead (default 1.41, PACI + Muon + weight prediction, overhead-study).
+    the token overhead (default 1.33, PACI + Muon + error feedback, horizon-study).
     """
     from unbubble.sim import plan as planner
     from unbubble.sim.analytic import make_model
@@ -119,6 +121,7 @@ def plan(model: str, gpus: str, global_batch_tokens: int, seq_len: int | None, m
     rows = planner.candidates(config, cluster, global_batch_tokens, schedules=names, stages=_ints(stages, "stages"),
                               v_values=_ints(v_values, "v") or planner.DEFAULT_V, recompute=rc, precision=precision,
                               flash_attention=flash_attention, predict_weights=predict_weights,
+                              error_feedback=error_feedback,
                               token_overhead=overhead, max_micro_batches=max_micro_batches)
     ranked = planner.rank(rows)
     elapsed = time.perf_counter() - t0

@@ -82,7 +82,8 @@ def base_config(out_dir: Path, tag: str, **overrides: Any) -> TrainConfig:
     """A CPU experiment configuration: emulator, byte-level KJV, evaluation at the end only."""
     defaults = dict(engine="emulator", eval_interval=0, eval_batches=4, run_dir=str(out_dir / "runs" / tag),
                     checkpoints=False,  # no drains: the schedules run as the papers define them
-                    optimizer="adamw")  # the papers' optimizer (train's default is Muon)
+                    optimizer="adamw",  # the papers' optimizer (train's default is Muon)
+                    error_feedback=0.0)  # the papers' algorithms (train's default adds it to asynchronous ones)
     defaults.update(overrides)
     return TrainConfig(**defaults)
 

@@ -101,17 +101,29 @@ def trend_fit(points: list[tuple[float, float]]) -> dict[str, float] | None:
     return {"a": a, "b": b, "se_b": se_b, "n": n, "h_1.15": reach[1.15], "h_1.0": reach[1.0]}
 
 
-def analyse(data: SweepData, spec: dict[str, Any], out: Path) -> tuple[str, list[Path]]:
-    """The section's tables, the trend plot and its text, from one sweep's data."""
+def _published_ids() -> set[str]:
+    """Run ids of overhead-study's published runs (what :func:`train_parts` reuses)."""
+    if not (PUBLISHED / "runs.csv").is_file():
+        return set()
+    return {r["run_id"] for r in read_tables(PUBLISHED).runs}
+
+
+def analyse(data: SweepData, spec: dict[str, Any], out: Path, published: bool = True) -> tuple[str, list[Path]]:
+    """The section's tables, the trend plot and its text, from one sweep's data. Times use one
+    clock (:class:`~unbubble.experiments.overhead.Clock` with a pool): the F, B and, per optimizer,
+    U medians of the runs this study trained (``published``: overhead-study's reused runs left out,
+    as older code timed them)."""
     from unbubble.experiments.common import figure, md_table, save_figure, write_csv
-    from unbubble.experiments.overhead import _schedule_set, overhead_rows
+    from unbubble.experiments.overhead import Clock, _schedule_set, overhead_rows
     from unbubble.experiments.studies import Study
 
     study = Study(data)
     n = max(spec["stages"])
     present = {m["label"] for m in spec["methods"] if study.has(m["label"], n)}
     spec = {**spec, "methods": [m for m in spec["methods"] if m["label"] in present]}
-    rows, facts = overhead_rows(study, spec, n, same_horizon=True)
+    reused = _published_ids() if published else set()
+    pool = [r for r in data.runs if r["run_id"] not in reused] or None
+    rows, facts = overhead_rows(study, spec, n, same_horizon=True, clock=Clock(study, n, pool=pool))
     by = {m["label"]: m for m in spec["methods"]}
     flush = next(m["label"] for m in spec["methods"] if m.get("optimizer") == "muon" and " @" not in m["label"]
                  and "baseline" not in m)

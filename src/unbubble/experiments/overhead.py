@@ -51,11 +51,18 @@ HORIZON = 4.0
 class Clock:
     """The simulated clock of N devices for a study's runs: per-stage F and B durations are the
     medians over every run at depth N (one clock for all methods), U the median of the method's own
-    runs (Muon's update costs more than AdamW's)."""
+    runs (Muon's update costs more than AdamW's).
 
-    def __init__(self, study: Study, n: int):
+    ``pool``: the runs the medians come from instead (every run at N), and U then per optimizer
+    over the pool: for a study that reuses runs timed by older code, whose durations are not
+    comparable (Muon's U fell from ≈ 20 ms to ≈ 4 ms per stage between overhead-study and
+    horizon-study), a pool of the runs timed together keeps both sides of every ratio on one clock."""
+
+    def __init__(self, study: Study, n: int, pool: list[dict[str, Any]] | None = None):
         self.study, self.n = study, n
-        at_n = [r for rs in study.by_key.values() for r in rs if r["stages"] == n]
+        self.pool = pool
+        at_n = [r for rs in study.by_key.values() for r in rs if r["stages"] == n] if pool is None else \
+            [r for r in pool if r["stages"] == n]
         self.f = [statistics.median(r["f_s"][s] for r in at_n) for s in range(n)]
         self.b = [statistics.median(r["b_s"][s] for r in at_n) for s in range(n)]
         self._cache: dict[tuple, float] = {}
@@ -64,6 +71,8 @@ class Clock:
         from unbubble.sim.costs import PipelineCosts, StageCosts
 
         own = self.study.by_key[(method, self.n)]
+        if self.pool is not None:
+            own = [r for r in self.pool if r["stages"] == self.n and r["optimizer"] == own[0]["optimizer"]]
         u = [statistics.median(r["u_s"][s] for r in own) for s in range(self.n)]
         return PipelineCosts(tuple(StageCosts.from_fb(self.f[s], self.b[s], u[s]) for s in range(self.n)))
 
@@ -104,13 +113,13 @@ def _settings(run: dict[str, Any], overrides: dict[str, Any]) -> str:
 
 
 def overhead_rows(study: Study, spec: dict[str, Any], n: int,
-                  same_horizon: bool = False) -> tuple[list[dict[str, Any]], dict[str, dict]]:
+                  same_horizon: bool = False, clock: "Clock | None" = None) -> tuple[list[dict[str, Any]], dict[str, dict]]:
     """The main table (one row per asynchronous method with a baseline) and, per method, the
     numbers the text and the horizon sweep use (``overhead``, ``relation``, ``per_seed``,
     ``speedup``…). ``same_horizon``: "vs fastest synchronous" only among the synchronous methods
     of the row's own horizon (the " @h×" suffix of their labels)."""
     methods = {m["label"]: m for m in spec["methods"]}
-    clock = Clock(study, n)
+    clock = clock or Clock(study, n)
     all_sync = [lbl for lbl, m in methods.items() if "baseline" not in m and study.has(lbl, n)]
     rows, facts = [], {}
     for label, m in methods.items():

@@ -254,8 +254,10 @@ class SweepSpec:
         """The TrainConfig of one run (equal micro-batches for every method of one horizon and budget)."""
         from unbubble.config import TrainConfig
 
+        # error_feedback 0 unless set: a sweep's methods are the plain algorithms its labels name
         fields = {"engine": "emulator", "checkpoints": False, "tensorboard": False, "eval_batches": 8,
-                  **self.base, **run.overrides, "stages": run.stages, "lr": run.lr, "seed": run.seed}
+                  "error_feedback": 0.0, **self.base, **run.overrides, "stages": run.stages, "lr": run.lr,
+                  "seed": run.seed}
         probe = TrainConfig(**{**fields, "steps": 1, "run_dir": None})
         steps = self.micro_batches_of(run) // probe.mb_per_step
         if steps < 1:

@@ -22,8 +22,10 @@ Model of one configuration (all SI units: seconds, bytes, tokens):
 * Costs and memory: ``analytic_model(config, N, hardware, b, s, virtual=schedule.virtual, ...)``
   (FLOPs / sustained FLOP/s, link latency + bytes / bandwidth, mixed-precision Adam state,
   Korthikanti's activation counts); ``recompute`` as ``--recompute full``. For the schedules of
-  :data:`~unbubble.config.PREDICT_SCHEDULES`, ``predict_weights=True`` counts weight prediction's
-  two weight-sized buffers (the token overhead default was measured with it).
+  :data:`~unbubble.config.ERROR_FEEDBACK_SCHEDULES`, ``error_feedback=True`` (the default, as
+  ``unbubble train``'s) counts error feedback's two fp32 buffers per parameter, and for those of
+  :data:`~unbubble.config.PREDICT_SCHEDULES` ``predict_weights=True`` weight prediction's two
+  weight-sized ones.
 * Data parallelism: every update of a stage (U) also all-reduces its gradients over the D
   replicas, a ring: 2(D − 1)/D × the stage's gradient bytes over the slowest link between
   replicas plus 2(D − 1) latencies, not overlapped with compute. Ranks are replica-major (replica d,
@@ -35,9 +37,10 @@ Model of one configuration (all SI units: seconds, bytes, tokens):
   (busy seconds per micro-batch × micro-batches per second); updates and recomputed forwards count
   as busy.
 
-The default token overhead, :data:`DEFAULT_TOKEN_OVERHEAD` = 1.41, is a measurement, not a
-property of asynchrony: PACI a = 4 with Muon and ``--predict-weights bound`` against 1F1B-flush
-with Muon, deep-cpu on 8 stages, 2 seeds (docs/results.md, overhead-study: 1.41 ± 0.01). It is
+The default token overhead, :data:`DEFAULT_TOKEN_OVERHEAD` = 1.33, is a measurement, not a
+property of asynchrony: PACI a = 4 with Muon and ``--error-feedback 1`` (the default remedy of
+``unbubble train``) against 1F1B-flush with Muon, deep-cpu on 8 stages, 600 updates, 2 seeds
+(docs/results.md, horizon-study: 1.33 ± 0.02; it falls with longer training). It is
 applied to every delayed row (any asynchronous schedule, N > 1) unless another is given: the other
 asynchronous schedules' overheads were not measured at that setting.
 """
@@ -57,12 +60,12 @@ from unbubble.sim.hardware import GB, HARDWARE, Hardware
 if TYPE_CHECKING:
     from unbubble.models.registry import ModelConfig
 
-#: Token overhead of asynchrony measured in overhead-study (docs/results.md): PACI a = 4 + Muon +
-#: ``--predict-weights bound`` reached 1F1B-flush + Muon's final loss with 1.41 ± 0.01 × its tokens
-#: (deep-cpu, byte-level KJV, N = 8, 2 seeds).
-DEFAULT_TOKEN_OVERHEAD = 1.41
-TOKEN_OVERHEAD_SOURCE = ("PACI a=4 + Muon + --predict-weights bound vs 1F1B-flush + Muon, deep-cpu, N=8, 2 seeds: "
-                         "1.41 ± 0.01 (docs/results.md, overhead-study)")
+#: Token overhead of asynchrony measured in horizon-study (docs/results.md): PACI a = 4 + Muon +
+#: ``--error-feedback 1`` reached 1F1B-flush + Muon's final loss with 1.33 ± 0.02 × its tokens
+#: (deep-cpu, byte-level KJV, N = 8, 600 updates, 2 seeds).
+DEFAULT_TOKEN_OVERHEAD = 1.33
+TOKEN_OVERHEAD_SOURCE = ("PACI a=4 + Muon + --error-feedback 1 vs 1F1B-flush + Muon, deep-cpu, N=8, 600 updates, "
+                         "2 seeds: 1.33 ± 0.02 (docs/results.md, horizon-study)")
 
 #: Chunks per rank tried for the schedules in ``VIRTUAL`` (v = 1 would repeat their one-chunk
 #: counterparts: interleaved-1f1b v=1 is 1f1b-flush, looped-bfs v=1 gpipe).
@@ -262,7 +265,8 @@ def candidates(model: "str | ModelConfig", cluster: Cluster, global_batch_tokens
                schedules: Sequence[str] | None = None, stages: Sequence[int] | None = None,
                v_values: Sequence[int] = DEFAULT_V, recompute: Sequence[bool] = (False, True),
                precision: str = "bf16", vocab_size: int | None = None, flash_attention: bool = False,
-               predict_weights: bool = True, token_overhead: float | None = DEFAULT_TOKEN_OVERHEAD,
+               predict_weights: bool = False, error_feedback: bool = True,
+               token_overhead: float | None = DEFAULT_TOKEN_OVERHEAD,
                max_micro_batches: int | None = None) -> list[PlanRow]:
     """Every configuration of the search, simulated, whether it fits in memory or not (see the
     module docstring for the model). Arguments as :func:`plan`; rows in search order.
@@ -270,7 +274,7 @@ def candidates(model: "str | ModelConfig", cluster: Cluster, global_batch_tokens
     Raises:
         ConfigError: as :func:`plan`, except that nothing fitting is not an error here.
     """
-    from unbubble.config import PREDICT_SCHEDULES
+    from unbubble.config import ERROR_FEEDBACK_SCHEDULES, PREDICT_SCHEDULES
     from unbubble.schedules.registry import SCHEDULES, VIRTUAL, get_schedule
     from unbubble.sim.analytic import analytic_model, get_precision
     from unbubble.sim.result import simulate
@@ -344,7 +348,8 @@ def candidates(model: "str | ModelConfig", cluster: Cluster, global_batch_tokens
                         try:
                             am = analytic_model(cfg, n, hw, b, s_len, virtual=sched.virtual, placement=sched.placement,
                                                 precision=prec, flash_attention=flash_attention, recompute=rc,
-                                                predict_weights=predict_weights and name in PREDICT_SCHEDULES)
+                                                predict_weights=predict_weights and name in PREDICT_SCHEDULES,
+                                                error_feedback=error_feedback and name in ERROR_FEEDBACK_SCHEDULES)
                         except ConfigError:
                             break  # e.g. more chunks than blocks
                         costs = _with_allreduce(am.costs, am.memory.grads_bytes, dp, hw, sched.n_ranks,
@@ -370,8 +375,8 @@ def candidates(model: "str | ModelConfig", cluster: Cluster, global_batch_tokens
 def plan(model: "str | ModelConfig", cluster: Cluster, global_batch_tokens: int, seq_len: int | None = None, *,
          schedules: Sequence[str] | None = None, stages: Sequence[int] | None = None,
          v_values: Sequence[int] = DEFAULT_V, recompute: Sequence[bool] = (False, True), precision: str = "bf16",
-         vocab_size: int | None = None, flash_attention: bool = False, predict_weights: bool = True,
-         token_overhead: float | None = DEFAULT_TOKEN_OVERHEAD, max_micro_batches: int | None = None) -> list[PlanRow]:
+         vocab_size: int | None = None, flash_attention: bool = False, predict_weights: bool = False,
+         error_feedback: bool = True, token_overhead: float | None = DEFAULT_TOKEN_OVERHEAD, max_micro_batches: int | None = None) -> list[PlanRow]:
     """The configurations that fit in memory, fastest first.
 
     Args:
@@ -387,8 +392,9 @@ def plan(model: "str | ModelConfig", cluster: Cluster, global_batch_tokens: int,
         precision: ``bf16``, ``bf16-autocast`` or ``fp32`` (bytes and speed of the analytic model).
         vocab_size: V (default the published model's).
         flash_attention: attention scores are not stored.
-        predict_weights: count weight prediction's buffers for paci and async-1f1b (as the default
-            overhead was measured).
+        predict_weights: count weight prediction's buffers for paci and async-1f1b.
+        error_feedback: count error feedback's buffers for the asynchronous schedules (the default,
+            as ``unbubble train``'s, and as the default overhead was measured).
         token_overhead: tokens an asynchronous run needs to reach the synchronous loss ÷ the
             synchronous run's (default :data:`DEFAULT_TOKEN_OVERHEAD`, a measurement; ``None``: 1).
         max_micro_batches: largest m (or a) tried (default: every divisor of the sequences per replica).
@@ -406,7 +412,7 @@ def plan(model: "str | ModelConfig", cluster: Cluster, global_batch_tokens: int,
     rows = candidates(model, cluster, global_batch_tokens, seq_len, schedules=schedules, stages=stages,
                       v_values=v_values, recompute=recompute, precision=precision, vocab_size=vocab_size,
                       flash_attention=flash_attention, predict_weights=predict_weights,
-                      token_overhead=token_overhead, max_micro_batches=max_micro_batches)
+                      error_feedback=error_feedback, token_overhead=token_overhead, max_micro_batches=max_micro_batches)
     return rank(rows)
 
 
