@@ -181,7 +181,7 @@ def validation_line(summary: dict, eval_interval: int) -> str:
 def train(print_config: bool, resume: str | None, **kwargs) -> None:
     """Train a GPT-2-style model on real text across a pipeline of stages.
 
-    Defaults: PACI with a=4 on 4 stage processes, the tiny preset, byte-level tokens of the
+    Defaults: PACI with a=4, Muon and error feedback (c = 1) on 4 stage processes, the tiny preset, byte-level tokens of the
     King James Bible; a few minutes on 2 CPU cores. The run folder gets config.yaml and
     config.json, metrics.jsonl, actions.jsonl (v_F, v_B, Δ per micro-batch and stage),
     summary.json, loss.png and TensorBoard event files.
