@@ -196,6 +196,17 @@ def _model_job(cfg: BenchConfig, name: str, steps: int, compiled: bool = False) 
     )
 
 
+def _timed(busy: list[float], fn):
+    """``fn`` wrapped to add its wall time to ``busy[0]`` (torch's compute calls, timed as our actions are)."""
+    def call(*args, **kwargs):
+        t = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            busy[0] += time.perf_counter() - t
+    return call
+
+
 def _run_torch(cfg: BenchConfig, name: str, rank: int, steps: int) -> dict:
     """``steps`` optimizer steps of torch.distributed.pipelining's ``name`` on this rank."""
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
@@ -220,16 +231,7 @@ def _run_torch(cfg: BenchConfig, name: str, rank: int, steps: int) -> dict:
 
     step(0)  # shape inference (untimed)
     busy = [0.0]  # wall time inside compute, as our actions are timed
-
-    def timed(fn):
-        def call(*args, **kwargs):
-            t = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                busy[0] += time.perf_counter() - t
-        return call
-
+    timed = functools.partial(_timed, busy)
     stage.forward_one_chunk = timed(stage.forward_one_chunk)
     stage.backward_one_chunk = timed(stage.backward_one_chunk)
     stage.perform_reduce_grad = timed(stage.perform_reduce_grad)
@@ -279,16 +281,7 @@ def _run_torch_stage_paci(cfg: BenchConfig, rank: int, steps: int, clip: bool) -
 
     step()  # shape inference and the first fill (untimed), as torch's rows
     busy = [0.0]
-
-    def timed(fn):
-        def call(*args, **kwargs):
-            t = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                busy[0] += time.perf_counter() - t
-        return call
-
+    timed = functools.partial(_timed, busy)
     stage.forward_one_chunk = timed(stage.forward_one_chunk)
     schedule._user_loss = timed(schedule._user_loss)  # the last stage's loss, outside forward_one_chunk
     stage.backward_one_chunk = timed(stage.backward_one_chunk)
