@@ -52,7 +52,8 @@ def experiment(name: str, size: str, seeds: tuple[int, ...], out: Path, write_do
             raise ConfigError(f"out={str(path)!r} is a file, not a folder: give a folder (set --out); nothing was "
                               "overwritten")
     resumable = name in STUDIES or name == "moe-delay"  # sweeps: finished runs are kept and skipped
-    if name in STUDIES and analyze is not None and not (analyze / "runs.csv").is_file():
+    if name in STUDIES and analyze is not None and not (analyze / "runs.csv").is_file() \
+            and not any(analyze.glob("*/runs.csv")):  # pays-study: one folder per part
         raise ConfigError(f"analyze={str(analyze)!r} holds no runs.csv: give the folder of a finished study "
                           f"(e.g. docs/data/{name})")
     if name not in STUDIES and analyze is not None:

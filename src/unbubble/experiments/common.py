@@ -179,8 +179,9 @@ def publish(output: ExperimentOutput, docs: Path) -> list[Path]:
             shutil.copyfile(f, docs / "img" / f.name)
             written.append(docs / "img" / f.name)
             markdown = markdown.replace(f"]({f.name})", f"](img/{f.name})")
-    for f in output.data:
-        dest = docs / "data" / output.name / f.name
+    for f in output.data:  # a study of several sweeps keeps each sweep's folder (pays-study's parts)
+        part = f.parent.name if f.parent.name != output.name and f.parent.parent.name == output.name else ""
+        dest = docs / "data" / output.name / part / f.name
         if f.resolve() != dest.resolve():  # --analyze docs/data/NAME reads them in place
             dest.parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(f, dest)

@@ -277,3 +277,64 @@ def horizon_study_spec(size: str, part: str = "main") -> dict[str, Any]:
         ]
     return {**h1, "name": "horizon-study" + ("" if part == "main" else f"-{part}"), "methods": methods,
             "extend_grid": 0, "budgets": [1.5, 2, 3]}
+
+
+#: Budgets of pays-study: both sides of 1 near it, so a token overhead close to 1 is bracketed.
+PAYS_BUDGETS = [0.85, 0.92, 1.08, 1.15, 1.3, 1.5]
+
+#: pays-study's parts, in the order they train (issue "where asynchrony pays": 1, 2, 5, 3, 4).
+PAYS_PARTS = ("default", "llama", "deep16", "few")
+
+
+def pays_study_spec(size: str, part: str = "default") -> dict[str, Any]:
+    """``pays-study`` (where asynchrony pays, DESIGN §11): the default remedy, PACI + Muon + error
+    feedback (c = 1), against 1F1B-flush + Muon at the same m, each part one resumable sweep:
+
+    * ``default``: N = 8, a = m = 4 at 4× the horizon (2,400 updates), 3 seeds with budgets on both
+      sides of 1; prediction's 4× row gets its third seed; flush + Muon at 4× its third; one
+      published row (PACI + Muon + prediction at 1×, seed 0) re-run at the current commit;
+    * ``llama``: the same at 4× on ``llama-deep-cpu`` (RMSNorm, RoPE, SwiGLU, GQA), 2 seeds;
+    * ``deep16``: N = 16 on ``deep32-cpu`` (2 blocks per stage), a = m = 4 and a = m = 8, 2×, 2 seeds;
+    * ``few``: N = 8, a = m = 2, 2×, 2 seeds.
+
+    Every lr is checked on seed 0 at the part's horizon (the 1× tuned 1e-2 and one step lower, on
+    both sides). ``default`` keeps horizon-study's labels and settings so its published 4× runs are
+    reused (:func:`~unbubble.experiments.sweep.reuse_runs`)."""
+    if part not in PAYS_PARTS:
+        raise ValueError(f"pays-study has no part {part!r}; valid: {', '.join(PAYS_PARTS)}")
+    h1 = overhead_spec(size)
+    tiny = size == "tiny"
+    muon = {"optimizer": "muon"}
+    ef, pred = {"error_feedback": 1.0}, {"predict_weights": "bound"}
+    lrs = [1e-3, 3e-3] if tiny else [3e-3, 1e-2]
+    base = dict(h1["base"])
+    seeds = [0, 1, 2]
+
+    def pair(m: int, h: float, suffix: str = "") -> list[dict[str, Any]]:
+        f, p = f"1f1b-flush m={m} + muon{suffix} @{h:g}×", f"paci a={m} + muon + error feedback{suffix} @{h:g}×"
+        return [{"label": f, "schedule": "1f1b-flush", "m": m, **muon, "lrs": lrs, "horizon": h},
+                {"label": p, "schedule": "paci", "a": m, **muon, **ef, "lrs": lrs, "horizon": h, "baseline": f,
+                 "budgets": PAYS_BUDGETS}]
+
+    if part == "default":
+        long = 2.0 if tiny else 4.0
+        mm = 2 if tiny else 4
+        methods = pair(mm, long)
+        methods.append({"label": f"paci a={mm} + muon + prediction @{long:g}×", "schedule": "paci", "a": mm, **muon,
+                        **pred, "lrs": lrs, "horizon": long, "baseline": methods[0]["label"],
+                        "budgets": LONG_BUDGETS})
+        # a published row re-run at the current commit: where does it land against its seed spread?
+        methods.append({"label": f"paci a={mm} + muon + prediction (re-run)", "schedule": "paci", "a": mm, **muon,
+                        **pred, "lrs": [lrs[1]], "extra_seeds": False})
+        stages = h1["stages"]
+    elif part == "llama":
+        base["model"] = "llama-tiny" if tiny else "llama-deep-cpu"
+        methods, stages, seeds = pair(2 if tiny else 4, 2.0 if tiny else 4.0, " (llama)"), h1["stages"], [0, 1]
+    elif part == "deep16":
+        base["model"] = "deep32-cpu"
+        methods = pair(2, 1.0) if tiny else pair(4, 2.0) + pair(8, 2.0)
+        stages, seeds = ([4] if tiny else [16]), [0, 1]
+    else:
+        methods, stages, seeds = pair(1 if tiny else 2, 1.0 if tiny else 2.0), h1["stages"], [0, 1]
+    return {**h1, "name": "pays-study" + ("" if part == "default" else f"-{part}"), "base": base, "stages": stages,
+            "seeds": seeds, "methods": methods, "extend_grid": 0, "budgets": PAYS_BUDGETS}

@@ -56,7 +56,24 @@ SKIP_FACTOR = 1.0
 #: Columns of runs.csv, in order.
 RUN_COLUMNS = ("run_id", "method", "stages", "lr", "seed", "phase", "budget", "schedule", "a", "m", "optimizer", "steps",
                "micro_batches", "tokens", "final_val_loss", "min_val_loss", "final_train_loss", "max_drift",
-               "wall_s", "f_s", "b_s", "u_s")
+               "wall_s", "f_s", "b_s", "u_s", "commit")
+
+
+def source_commit() -> str:
+    """The git commit of the unbubble source that trains a run (``+dirty`` when its tracked files
+    differ from it; ``""`` outside a git checkout): a change of code that reorders floating-point
+    operations moves a run as much as a new seed, so every result row names the code behind it."""
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    try:
+        head = subprocess.run(["git", "-C", str(root), "rev-parse", "--short=10", "HEAD"], capture_output=True,
+                              text=True, timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no", "."],
+                               capture_output=True, text=True, timeout=10, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return head + ("+dirty" if dirty else "")
 
 
 @dataclass(frozen=True)
@@ -777,6 +794,7 @@ def execute(run: RunSpec, spec: SweepSpec, out: Path, stop_event=None) -> dict[s
         "final_train_loss": _finite(result.step_losses[-1]) if result.step_losses else None,
         "max_drift": max(result.max_drift()), "wall_s": wall,
         "train_wall_s": result.wall_s,  # the training loop alone: wall_s less start-up and final reports
+        "commit": source_commit(),
         "f_s": json.dumps(f_s), "b_s": json.dumps(b_s), "u_s": json.dumps(u_s),
         "val_curve": [[v, v * tokens_per_update, _finite(loss)] for v, loss in vals],
         "train_curve": [_finite(x) for x in result.step_losses] if spec.keep_train_curve else [],
@@ -820,7 +838,7 @@ def reuse_runs(spec: SweepSpec, out: Path, folder: str | Path, source: SweepSpec
         path = out / "results" / f"{row['run_id']}.json"
         if path.is_file():
             continue
-        record = {k: row[k] for k in RUN_COLUMNS}
+        record = {k: row.get(k, "") for k in RUN_COLUMNS}
         for k in ("f_s", "b_s", "u_s"):
             record[k] = json.dumps(row[k])
         record["val_curve"] = [list(p) for p in data.val.get(row["run_id"], [])]
@@ -1049,7 +1067,7 @@ def write_tables(records: list[dict[str, Any]], out: Path) -> tuple[Path, Path]:
         w = csv.DictWriter(f, fieldnames=list(RUN_COLUMNS))
         w.writeheader()
         for r in records:
-            w.writerow({k: r[k] for k in RUN_COLUMNS})
+            w.writerow({k: r.get(k, "") for k in RUN_COLUMNS})  # records before "commit" lack it
     with open(curves_csv, "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["run_id", "kind", "update", "tokens", "loss"])
@@ -1087,6 +1105,7 @@ def read_tables(folder: str | Path) -> SweepData:
     with open(folder / "runs.csv") as f:
         for row in csv.DictReader(f):
             row.setdefault("budget", "1.0")  # sweeps written before token budgets
+            row.setdefault("commit", "")  # sweeps written before the commit was recorded
             for k, conv in num.items():
                 row[k] = conv(row[k])
             for k in ("final_val_loss", "min_val_loss", "final_train_loss"):
