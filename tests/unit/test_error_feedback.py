@@ -85,6 +85,31 @@ def test_adamw_rule_against_a_hand_computation():
     assert x != pytest.approx(_run(_Scale(), lambda p: torch.optim.AdamW(p, lr=LR, weight_decay=wd), 0.0).module.w.item())
 
 
+def test_a_parameter_without_a_gradient_is_left_unchanged_and_its_history_zeroed():
+    """Regression (issue 33): b gets no gradient at step 2. SGD, lr 0.1, c = 1, both from 1.0:
+    step 1, g = (1, 1): u = 0.1 each, a = b = 0.9, history 0.1 each;
+    step 2, g = (−2, none): a: u = −0.2, a = 0.9 + 0.2 − (−0.2 − 0.1) = 1.4; b stays 0.9 (it used to move
+    by c·u_1 to 1.0), its history becomes 0 (RamTorch's _skip_parameter);
+    step 3, g = (0.5, 0.5): u = 0.05 each, a = 1.4 − 0.05 − (0.05 + 0.2) = 1.1,
+    b = 0.9 − 0.05 − (0.05 − 0) = 0.8 (corrected against the zeroed history, as RamTorch)."""
+    from unbubble.optim.error_feedback import ErrorFeedback
+
+    a, b = (nn.Parameter(torch.tensor([X0], dtype=torch.float64)) for _ in range(2))
+    opt = torch.optim.SGD([a, b], lr=LR)
+    ef = ErrorFeedback([a, b], 1.0)
+    want = [(0.9, 0.9), (1.4, 0.9), (1.1, 0.8)]
+    for (ga, gb), (wa, wb) in zip([(1.0, 1.0), (-2.0, None), (0.5, 0.5)], want):
+        a.grad = torch.tensor([ga], dtype=torch.float64)
+        b.grad = None if gb is None else torch.tensor([gb], dtype=torch.float64)
+        ef.snapshot()
+        opt.step()
+        ef.correct()
+        opt.zero_grad(set_to_none=True)
+        assert (a.item(), b.item()) == (pytest.approx(wa, abs=1e-12), pytest.approx(wb, abs=1e-12))
+        if gb is None:
+            assert ef.history[1].item() == 0.0 and ef.history[0].item() == pytest.approx(-0.2, abs=1e-12)
+
+
 def test_bf16_applies_the_rule_to_the_fp32_masters_and_refreshes_the_parameters():
     ex = _run(_Scale(torch.float32), lambda p: torch.optim.SGD(p, lr=LR), 1.0, precision="bf16")
     assert ex.masters[0].dtype == torch.float32 and ex.module.w.dtype == torch.bfloat16

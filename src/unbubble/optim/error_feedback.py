@@ -14,10 +14,15 @@ u_0), and the history keeps the *uncorrected* u_t, never the corrected step: bot
 Where this differs from RamTorch: RamTorch computes u_t explicitly inside its own Adam/Muon/Lion;
 here u_t is read off the parameters (before − after ``optimizer.step()``), so the rule wraps every
 optimizer unbubble has (AdamW, Muon, Basis Rotation, NAdam, …) unchanged, at the cost of the rounding
-of that subtraction (exact in the hand-computed test at float64; one fp32 ulp of x otherwise). A
-parameter the optimizer skips (no gradient) has u_t = 0, so its history becomes 0, as RamTorch
-zeroes it. Weight decay enters u_t wherever the optimizer applies it (decoupled: in the step, as
-RamTorch's AdamW; coupled: through the gradient).
+of that subtraction (exact in the hand-computed test at float64; one fp32 ulp of x otherwise). Weight
+decay enters u_t wherever the optimizer applies it (decoupled: in the step, as RamTorch's AdamW;
+coupled: through the gradient).
+
+A tensor without a gradient in an update (``.grad is None`` at the step: a layer no micro-batch
+reached, an MoE expert no token was routed to) is left as the optimizer left it (torch's optimizers
+skip it: unchanged) with no correction, and its history is zeroed, as RamTorch's ``_skip_parameter``
+does: without this it would move by c·u_{t−1} although it had no update. The step counter still
+advances, so when it next receives a gradient its correction is c·(u_t − 0), as in RamTorch.
 
 Memory: two buffers shaped like the stepped tensors (the fp32 masters under bf16): the history
 u_{t−1} and a snapshot of the weights before the step; both allocated once.
@@ -62,9 +67,13 @@ class ErrorFeedback:
 
     @torch.no_grad()
     def correct(self) -> None:
-        """After the step: u_t = x_t − x_{t+1}^plain; x_{t+1} = x_{t+1}^plain − c·(u_t − u_{t−1}) from
-        the second step on; the history becomes u_t."""
+        """After the step (gradients not yet cleared): u_t = x_t − x_{t+1}^plain; x_{t+1} =
+        x_{t+1}^plain − c·(u_t − u_{t−1}) from the second step on; the history becomes u_t. A tensor
+        whose ``.grad`` is ``None`` is not corrected and its history becomes 0."""
         for b, h, t in zip(self._before, self.history, self.tensors):
+            if t.grad is None:  # no gradient this update: no correction, history zeroed (RamTorch)
+                b.zero_()
+                continue
             b.sub_(t)  # u_t
             if self.steps:
                 h.sub_(b).mul_(self.c)  # c·(u_{t−1} − u_t)
