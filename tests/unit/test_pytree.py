@@ -8,6 +8,7 @@ import dataclasses
 import pytest
 import torch
 
+from unbubble.errors import ConfigError
 from unbubble.runtime import pytree
 from unbubble.runtime.emulator import run_emulator
 from unbubble.runtime.transport import TreeFrame, frame_bytes, frame_header, read_trailer, unpack_tree
@@ -189,3 +190,120 @@ def test_a_boundary_without_gradient_carrying_leaves_sends_an_empty_gradient(nam
     assert result.step_losses == pytest.approx(ref_losses, rel=1e-6)
     _assert_states_equal(result.final_states, ref_states, rtol=1e-6, atol=1e-7)
     assert torch.equal(result.final_states[0]["emb.weight"], _frozen_stage(0).emb.weight.detach())  # no gradient
+
+
+# -- issue 33: gradient flags of complex leaves, tuple subclasses, constants that hold tensors ---------------
+
+class _Emit(torch.nn.Module):
+    """Stage 0 of a two-stage probe: ``kind`` chooses what crosses the boundary."""
+
+    def __init__(self, kind):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin, self.kind = torch.nn.Linear(4, 3), kind
+
+    def forward(self, x):
+        h = self.lin(x)
+        if self.kind == "complex":  # a complex leaf that requires grad
+            return {"z": torch.complex(h, 2.0 * h), "ids": torch.arange(3)}
+        if self.kind == "max":  # a torch.return_types.max: (values requiring grad, integer indices)
+            return torch.max(h, dim=-1)
+        if self.kind == "pair":
+            return Pair(h, 3.0 * h)
+        return {"h": h, "held": {h}}  # a set holding a tensor: a constant that would carry a tensor
+
+
+class _Take(torch.nn.Module):
+    def __init__(self, kind):
+        super().__init__()
+        torch.manual_seed(1)
+        self.w, self.kind = torch.nn.Parameter(torch.randn(3)), kind
+
+    def forward(self, out):
+        if self.kind == "complex":
+            return ((out["z"] * self.w).abs() ** 2).sum()
+        if self.kind == "max":
+            values, indices = out  # unpacks as a tuple; attribute access below proves the class came back
+            return (out.values * self.w[out.indices]).sum() + 0.0 * values.sum() + 0.0 * indices.sum()
+        return (out.left * self.w).sum() + (out.right ** 2).sum()
+
+
+def _two_stages(kind):
+    from unbubble.runtime.executor import StageExecutor
+
+    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(7))
+    mods = [_Emit(kind), _Take(kind)]
+    ex = [StageExecutor(s, 2, m, (lambda out, y: out) if s else None, lambda k: (x, None),
+                        torch.optim.SGD(m.parameters(), lr=0.1), 1.0) for s, m in enumerate(mods)]
+    return ex, x
+
+
+@pytest.mark.parametrize("kind", ["complex", "max", "pair"])
+def test_the_gradient_reaches_the_first_stage_through_complex_leaves_and_tuple_subclasses(kind):
+    """A leaf carries a gradient iff it requires grad (a complex one included: it used to lose it), and
+    tuple subclasses keep their class (``torch.return_types.max`` used to misalign the gradient flags
+    and end in a bare StopIteration). The first stage's weight gradient equals autograd's through the
+    composed model."""
+    ex, x = _two_stages(kind)
+    act = ex[0].forward(0)
+    if kind == "max":
+        assert type(act) is torch.return_types.max and act.values.requires_grad and not act.indices.requires_grad
+    if kind == "complex":
+        assert act["z"].dtype == torch.complex64 and act["z"].requires_grad and not act["ids"].requires_grad
+    ex[1].forward(0, act)
+    g = ex[1].backward(0)
+    assert isinstance(g, tuple) and len(g) == (2 if kind == "pair" else 1) and all(t is not None for t in g)
+    ex[0].backward(0, g)
+    ref = [_Emit(kind), _Take(kind)]
+    ref[1](ref[0](x)).backward()
+    for got, want in zip(ex[0].module.parameters(), ref[0].parameters()):
+        assert got.grad is not None and got.grad.abs().sum() > 0
+        torch.testing.assert_close(got.grad, want.grad, rtol=1e-6, atol=1e-7)
+
+
+def test_tuple_subclasses_round_trip_with_their_gradient_flags():
+    h = torch.randn(3, 4, requires_grad=True) * 2.0
+    top = torch.max(h, dim=1)
+    leaves, layout = pytree.flatten({"m": top, "p": Pair(h, 1)}, grads=True)
+    assert pytree.grad_mask(layout) == [True, False, True]  # values, indices, p.left
+    back = pytree.unflatten(leaves, layout)
+    assert type(back["m"]) is torch.return_types.max and back["m"].indices is top.indices
+    assert type(back["p"]) is Pair and back["p"].right == 1
+    sent = pytree.detach_output({"m": top})
+    assert type(sent["m"]) is torch.return_types.max and torch.equal(sent["m"].values, top.values)
+    assert sent["m"].values.requires_grad and not sent["m"].indices.requires_grad
+    frame = TreeFrame(sent, 1, 0, True, None)  # and through the process engine's frame
+    f = frame.pack(1, 0, frame_bytes(frame.nbytes), torch.device("cpu"))
+    got = unpack_tree(f, read_trailer(f), {}, 1)
+    assert type(got["m"]) is torch.return_types.max and got["m"].values.requires_grad
+    assert torch.equal(got["m"].values, top.values) and torch.equal(got["m"].indices, top.indices)
+
+
+def test_a_complex_leaf_that_requires_grad_carries_one_and_a_complex_constant_does_not():
+    z = torch.randn(2, dtype=torch.complex64, requires_grad=True) * 1j
+    layout = pytree.flatten((z, z.detach(), torch.arange(2)), grads=True)[1]
+    assert pytree.grad_mask(layout) == [True, False, False]
+    assert pytree.grad_mask(pytree.flatten((z.detach(), torch.arange(2)), grads=True, all_floating=True)[1]) \
+        == [True, False]  # recomputation marks every floating or complex leaf
+
+
+class _Holder:
+    def __init__(self, t):
+        self.t = t
+
+
+@pytest.mark.parametrize("tree,where", [({"h": torch.ones(1), "held": {torch.ones(1)}}, "a set at tree['held']"),
+                                        ((1, [None, _Holder(torch.ones(2))]), "a _Holder at tree[1][1]")])
+def test_a_constant_that_holds_a_tensor_is_refused_in_one_line(tree, where):
+    message = (f"{where} holds a tensor: a stage boundary carries tensors only as leaves of tuples, lists and dicts "
+               "(anything else passes as a constant, its gradient lost): put the tensor in a tuple, list or dict")
+    with pytest.raises(ConfigError) as info:
+        pytree.flatten(tree)
+    assert str(info.value) == message
+    assert pytree.flatten((1, "s", None, _Holder(3), torch.float32))[0] == []  # constants without tensors pass
+
+
+def test_a_stage_that_sends_a_set_of_tensors_is_refused_at_its_forward():
+    ex, _ = _two_stages("set")
+    with pytest.raises(ConfigError, match=r"^a set at tree\['held'\] holds a tensor"):
+        ex[0].forward(0)

@@ -7,25 +7,33 @@ anything picklable) pass through unchanged. The first stage's module is called w
 inputs as given (a dict batch is one argument: ``module(batch)``), every other stage with the
 previous stage's output, and the last stage's ``loss_fn(output, targets)`` with both as given.
 
-Gradients: each *floating* tensor leaf of a stage's output that requires grad (it depends on the
-stage's parameters or input) becomes a leaf of the next stage's input that requires grad; every
-other leaf (integer ids, masks, a tensor the stage ``detach()``-ed) arrives as a constant. The
+Gradients: each tensor leaf of a stage's output that requires grad (it depends on the stage's
+parameters or input; floating or complex) becomes a leaf of the next stage's input that requires
+grad; every other leaf (integer ids, masks, a tensor the stage ``detach()``-ed) arrives as a constant. The
 backward sends one gradient per grad-carrying leaf, in flatten order, ``None`` where the next
 stage did not use it. A tree boundary's gradient is therefore a tuple of ``Tensor | None``; a
 single-tensor boundary's, as before, one tensor.
 
 The layout (:class:`Layout`: the nesting, dict keys, constants and which leaves carry gradients)
 is what the process engine sends with a message only when it changes ([Note: trees in a frame]
-in ``transport.py``). This module is the one place that flattens and rebuilds trees: tuples (and
-named tuples), lists and dicts are containers, ``torch.Tensor`` is a leaf, anything else a
-constant of the layout. It does not use ``torch.utils._pytree`` (private).
+in ``transport.py``). This module is the one place that flattens and rebuilds trees: tuples, lists
+and dicts are containers (tuple and list subclasses keep their class: named tuples, and
+``torch.return_types`` such as ``torch.max``'s ``(values, indices)``), ``torch.Tensor`` is a leaf,
+anything else a constant of the layout. A constant that holds a tensor (a set of tensors, an object
+with a tensor attribute) is refused (:class:`~unbubble.errors.ConfigError`): passed through as a
+constant, its tensor would keep the sending stage's autograd graph alive in the emulator and be
+pickled between processes, its gradient lost either way. It does not use ``torch.utils._pytree``
+(private).
 """
 
 from __future__ import annotations
 
+import pickle
 from typing import Any, Callable, NamedTuple
 
 import torch
+
+from unbubble.errors import ConfigError
 
 _TENSOR = "t"  # a tensor leaf without gradient
 _GRAD = "g"  # a floating tensor leaf that carries a gradient
@@ -36,10 +44,54 @@ class Layout(NamedTuple):
 
     ``node`` is ``("t",)`` / ``("g",)`` for a tensor leaf (``g``: carries a gradient),
     ``("c", value)`` for a constant, ``("tuple" | "list", children)``, ``("dict", keys, children)``
-    or ``("named", cls, children)``.
+    or ``("named", cls, children)`` (a tuple or list subclass).
     """
 
     node: tuple
+
+
+#: constants that cannot hold a tensor (no scan needed)
+_ATOMS = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.Size, type(...))
+
+
+class _TensorFound(Exception):
+    pass
+
+
+class _Discard:
+    """A file that keeps nothing: the scan only looks for tensors."""
+
+    def write(self, data) -> int:
+        return len(data)
+
+
+class _Scanner(pickle.Pickler):
+    """Pickles into nothing, stopping at the first tensor it meets (one reachable from the object)."""
+
+    def persistent_id(self, obj):
+        if isinstance(obj, torch.Tensor):
+            raise _TensorFound
+        return None
+
+
+def _holds_tensor(x: Any) -> bool:
+    """Whether a tensor is reachable from ``x`` by pickling (what the process engine would send).
+    An object that cannot be pickled at all is not refused here."""
+    if isinstance(x, _ATOMS):
+        return False
+    try:
+        _Scanner(_Discard()).dump(x)
+    except _TensorFound:
+        return True
+    except Exception:  # noqa: BLE001 - unpicklable for another reason: not ours to judge here
+        return False
+    return False
+
+
+def _rebuild(cls: type, children: list) -> Any:
+    """A tuple or list subclass from its items: ``cls._make`` for named tuples, ``cls(items)`` else
+    (``torch.return_types`` structseqs, plain subclasses)."""
+    return cls._make(children) if hasattr(cls, "_make") else cls(children)
 
 
 def is_tree(x: Any) -> bool:
@@ -52,28 +104,39 @@ def flatten(tree: Any, grads: bool = False, all_floating: bool = False) -> tuple
 
     Args:
         tree: a tensor, tuple, list, dict or nesting of them; other values are constants.
-        grads: mark floating leaves that require grad as gradient-carrying (``"g"``) in the layout
-            (a forward's output); otherwise every tensor leaf is ``"t"``.
-        all_floating: with ``grads``, mark every floating leaf (an output computed without
-            autograd, under recomputation, cannot tell which would require grad).
+        grads: mark leaves that require grad as gradient-carrying (``"g"``) in the layout (a
+            forward's output); otherwise every tensor leaf is ``"t"``.
+        all_floating: with ``grads``, mark every floating or complex leaf (an output computed
+            without autograd, under recomputation, cannot tell which would require grad).
+
+    Raises:
+        ConfigError: a constant (a value other than a tensor, tuple, list or dict) holds a tensor,
+            naming where in the tree and its type.
     """
     leaves: list[torch.Tensor] = []
 
-    def walk(x):
+    def walk(x, path):
         if isinstance(x, torch.Tensor):
             leaves.append(x)
-            carries = x.is_floating_point() and (x.requires_grad or all_floating)
+            carries = x.requires_grad or (all_floating and (x.is_floating_point() or x.is_complex()))
             return (_GRAD,) if grads and carries else (_TENSOR,)
         if isinstance(x, dict):
             keys = tuple(x)
-            return ("dict", keys, tuple(walk(x[k]) for k in keys))
-        if isinstance(x, tuple) and hasattr(x, "_fields"):
-            return ("named", type(x), tuple(walk(v) for v in x))
+            return ("dict", keys, tuple(walk(x[k], (path, k)) for k in keys))
         if isinstance(x, (tuple, list)):
-            return (type(x).__name__, tuple(walk(v) for v in x))
+            children = tuple(walk(v, (path, i)) for i, v in enumerate(x))
+            return (type(x).__name__, children) if type(x) in (tuple, list) else ("named", type(x), children)
+        if _holds_tensor(x):
+            keys = []
+            while path:
+                path, key = path
+                keys.append(f"[{key!r}]")
+            raise ConfigError(f"a {type(x).__qualname__} at tree{''.join(reversed(keys))} holds a tensor: a stage "
+                              "boundary carries tensors only as leaves of tuples, lists and dicts (anything else "
+                              "passes as a constant, its gradient lost): put the tensor in a tuple, list or dict")
         return ("c", x)
 
-    return leaves, Layout(walk(tree))
+    return leaves, Layout(walk(tree, ()))
 
 
 def unflatten(leaves: list[torch.Tensor], layout: Layout) -> Any:
@@ -89,7 +152,7 @@ def unflatten(leaves: list[torch.Tensor], layout: Layout) -> Any:
         if kind == "dict":
             return {k: build(c) for k, c in zip(node[1], node[2])}
         if kind == "named":
-            return node[1](*(build(c) for c in node[2]))
+            return _rebuild(node[1], [build(c) for c in node[2]])
         children = [build(c) for c in node[1]]
         return tuple(children) if kind == "tuple" else children
 
@@ -145,6 +208,9 @@ def input_leaves(activation: Any) -> tuple[Any, list[torch.Tensor]]:
 
     A single tensor becomes one leaf requiring grad (as always); in a tree, the leaves marked by
     :func:`detach_output` (or by the transport's layout) do, the rest are constants.
+
+    Raises:
+        ConfigError: as :func:`flatten`.
     """
     if isinstance(activation, torch.Tensor):
         x = activation.detach().requires_grad_(True)
