@@ -2,6 +2,7 @@
 picklability): each message asserted verbatim, from the command line where it is a CLI message."""
 
 import contextlib
+import json
 import dataclasses
 import logging
 import os
@@ -406,3 +407,68 @@ def test_train_v_given_to_a_v_shaped_schedule_says_it_always_holds_two_chunks(ca
         f"v=2 does not apply to schedule={schedule!r}, which always holds two chunks per device in a V: only "
         "interleaved-1f1b, looped-bfs, interleaved-zb take --v (virtual stages per device); drop --v or change "
         "--schedule")
+
+
+def _hf_folder(path, **changes):
+    """A tiny GPT-2 config folder (random init) with ``changes`` to its config.json (``None`` removes a key)."""
+    import transformers
+
+    config = transformers.GPT2Config(n_layer=2, n_head=2, n_embd=16, n_positions=32, vocab_size=257,
+                                     bos_token_id=0, eos_token_id=0).to_dict()
+    for key, value in changes.items():
+        if value is None:
+            config.pop(key)
+        else:
+            config[key] = value
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+def test_bad_hf_model_inputs_are_one_line_each(tmp_path, cache_dir):
+    """--model hf: with a T5 config, invalid JSON, no model_type, a family transformers has no causal LM for,
+    a damaged or cut-short model.safetensors, a file instead of a folder (issue 33 item 7): each used to end
+    in a 44–70-line transformers traceback."""
+    import transformers
+
+    t5 = tmp_path / "t5"
+    transformers.T5Config(d_model=16, d_ff=32, num_layers=1, num_heads=2, d_kv=8, vocab_size=257).save_pretrained(t5)
+    broken = _hf_folder(tmp_path / "broken")
+    (broken / "config.json").write_text('{"model_type": "gpt2",')
+    untyped = _hf_folder(tmp_path / "untyped", model_type=None)
+    unknown = _hf_folder(tmp_path / "unknown", model_type="no-such-family")
+    damaged = _hf_folder(tmp_path / "damaged")
+    (damaged / "model.safetensors").write_bytes(b"not a safetensors file")
+    good = tmp_path / "good"
+    transformers.GPT2LMHeadModel(transformers.GPT2Config(**json.loads((damaged / "config.json").read_text()))
+                                 ).save_pretrained(good)
+    cut = _hf_folder(tmp_path / "cut")
+    data = (good / "model.safetensors").read_bytes()
+    (cut / "model.safetensors").write_bytes(data[:len(data) // 2])
+    run = ["train", "--engine", "emulator", "--steps", "1", "--stages", "2", "--seq-len", "12", "--eval-interval", "0",
+           "--cache-dir", cache_dir, "--run-dir", str(tmp_path / "run"), "--model"]
+    decoders = "unbubble trains decoder-only causal language models (GPT-2, Llama, Qwen, Mistral, …)"
+    cases = {
+        f"hf:{t5}": f"model='hf:{t5}' is invalid: model_type='t5' is an encoder-decoder model (is_encoder_decoder: "
+                    f"true): {decoders}",
+        f"hf:{broken}": f"model='hf:{broken}' is invalid: '{broken}/config.json' is not valid JSON (Expecting property "
+                        "name enclosed in double quotes at line 1, column 23): fix it, or write it again with "
+                        "config.save_pretrained",
+        f"hf:{untyped}": f"model='hf:{untyped}' is invalid: '{untyped}/config.json' has no \"model_type\" (a Hugging "
+                         "Face config names its family, e.g. \"model_type\": \"llama\"): write it with "
+                         "config.save_pretrained",
+        f"hf:{unknown}": f"model='hf:{unknown}' is invalid: model_type='no-such-family' has no causal language model "
+                         f"class in transformers {transformers.__version__} (AutoModelForCausalLM does not know it): "
+                         f"{decoders}",
+        f"hf:{damaged}": f"model='hf:{damaged}' is invalid: '{damaged}/model.safetensors' is not a readable "
+                         "safetensors file (its header is damaged or the file is cut short): save or download the "
+                         "weights again",
+        f"hf:{cut}": f"model='hf:{cut}' is invalid: '{cut}/model.safetensors' is not a readable safetensors file (its "
+                     "header is damaged or the file is cut short): save or download the weights again",
+        f"hf:{good}/model.safetensors": f"model='hf:{good}/model.safetensors' is invalid: '{good}/model.safetensors' "
+                                        "is a file, not a folder: give --model hf:FOLDER (a Hugging Face model folder "
+                                        "with config.json) or hf:FOLDER/config.json",
+    }
+    for spec, message in cases.items():
+        assert _error([*run, spec]) == message
+    assert not (tmp_path / "run").exists()

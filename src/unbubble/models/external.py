@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import json
 import re
 from pathlib import Path
 
@@ -25,19 +26,53 @@ def is_external(spec: str) -> bool:
     return spec == PYTHON_MODEL or spec.startswith("hf:") or bool(_FACTORY.match(spec))
 
 
+_DECODERS = "decoder-only causal language models (GPT-2, Llama, Qwen, Mistral, …)"
+
+
+def _hf_config(spec: str) -> dict:
+    """The parsed config.json of an ``hf:`` spec (a folder holding one, or a ``.json`` file).
+
+    Raises:
+        ConfigError: the path is missing, a file that is not ``.json``, not JSON, or has no ``model_type``.
+    """
+    path = Path(spec[3:]).expanduser()
+    if path.is_file() and path.suffix != ".json":
+        raise ConfigError(f"model={spec!r} is invalid: {str(path)!r} is a file, not a folder: give --model hf:FOLDER "
+                          "(a Hugging Face model folder with config.json) or hf:FOLDER/config.json")
+    file = path if path.is_file() else path / "config.json"
+    if not file.is_file():
+        raise ConfigError(f"model={spec!r} is invalid: {str(path)!r} is neither a config.json nor a folder with "
+                          "one (give --model hf:PATH of a local Hugging Face model or config)")
+    try:
+        config = json.loads(file.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"model={spec!r} is invalid: {str(file)!r} is not valid JSON ({exc.msg} at line "
+                          f"{exc.lineno}, column {exc.colno}): fix it, or write it again with "
+                          "config.save_pretrained") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"model={spec!r} is invalid: {str(file)!r} is not valid JSON (not UTF-8 text): give the "
+                          "config.json of a Hugging Face model") from None
+    if not isinstance(config, dict) or not config.get("model_type"):
+        raise ConfigError(f"model={spec!r} is invalid: {str(file)!r} has no \"model_type\" (a Hugging Face config "
+                          "names its family, e.g. \"model_type\": \"llama\"): write it with config.save_pretrained")
+    if config.get("is_encoder_decoder"):
+        raise ConfigError(f"model={spec!r} is invalid: model_type={config['model_type']!r} is an encoder-decoder "
+                          f"model (is_encoder_decoder: true): unbubble trains {_DECODERS}")
+    return config
+
+
 def check_external(spec: str) -> None:
     """Checks ``spec`` without building the model (one line per problem).
 
     Raises:
-        ConfigError: an ``hf:`` path with no config.json, or a ``module:function`` that does not import.
+        ConfigError: an ``hf:`` path that is missing, a file other than a ``.json`` config, a
+            config.json that is not JSON, has no ``model_type`` or is an encoder-decoder's; or a
+            ``module:function`` that does not import.
     """
     if spec == PYTHON_MODEL:
         return
     if spec.startswith("hf:"):
-        path = Path(spec[3:]).expanduser()
-        if not (path.is_file() or (path / "config.json").is_file()):
-            raise ConfigError(f"model={spec!r} is invalid: {str(path)!r} is neither a config.json nor a folder with "
-                              "one (give --model hf:PATH of a local Hugging Face model or config)")
+        _hf_config(spec)
         return
     module, _, name = spec.partition(":")
     try:
@@ -55,7 +90,9 @@ def load_external(spec: str, seed: int) -> nn.Module:
     random weights (``from_config`` after ``torch.manual_seed(seed)``); or ``module.function()``.
 
     Raises:
-        ConfigError: as :func:`check_external`; transformers missing; a factory that returns no module.
+        ConfigError: as :func:`check_external`; transformers missing; a ``model_type`` without a
+            causal-LM class in transformers (an encoder, an unknown family); a ``.safetensors`` file
+            of the folder that cannot be read; a factory that returns no module.
     """
     check_external(spec)
     torch.manual_seed(seed)
@@ -64,8 +101,10 @@ def load_external(spec: str, seed: int) -> nn.Module:
             import transformers
         except ImportError:
             raise ConfigError(f"model={spec!r} needs transformers: pip install 'unbubble[hf]'") from None
+        _check_causal(spec, _hf_config(spec)["model_type"], transformers.__version__)
         path = Path(spec[3:]).expanduser()
         if path.is_dir() and any((path / w).is_file() for w in _WEIGHTS):
+            _check_safetensors(spec, path)
             return transformers.AutoModelForCausalLM.from_pretrained(path)
         config = transformers.AutoConfig.from_pretrained(path)
         return transformers.AutoModelForCausalLM.from_config(config)
@@ -75,6 +114,33 @@ def load_external(spec: str, seed: int) -> nn.Module:
         raise ConfigError(f"model={spec!r} is invalid: {module}.{name}() returned a {type(model).__name__}, not an "
                           "nn.Module")
     return model
+
+
+def _check_causal(spec: str, model_type: str, version: str) -> None:
+    """Refuses a ``model_type`` that ``AutoModelForCausalLM`` has no class for, in one line."""
+    try:
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as causal
+    except ImportError:  # another layout of transformers: from_config says it
+        return
+    if model_type not in causal:
+        raise ConfigError(f"model={spec!r} is invalid: model_type={model_type!r} has no causal language model class "
+                          f"in transformers {version} (AutoModelForCausalLM does not know it): unbubble trains "
+                          f"{_DECODERS}")
+
+
+def _check_safetensors(spec: str, folder: Path) -> None:
+    """Reads the header of each ``*.safetensors`` file of ``folder`` (not the weights): a damaged
+    or cut-short file is refused in one line instead of transformers' traceback."""
+    from safetensors import safe_open
+
+    for file in sorted(folder.glob("*.safetensors")):
+        try:
+            with safe_open(str(file), "pt"):
+                pass
+        except Exception:  # noqa: BLE001 - safetensors' own error type; any failure means an unreadable file
+            raise ConfigError(f"model={spec!r} is invalid: {str(file)!r} is not a readable safetensors file (its "
+                              "header is damaged or the file is cut short): save or download the weights "
+                              "again") from None
 
 
 @dataclasses.dataclass(frozen=True)
