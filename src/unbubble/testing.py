@@ -68,13 +68,23 @@ def assert_resume_is_bit_identical(job: PipelineJob, step: int) -> None:
 
 
 def train_without_pipeline(job: PipelineJob) -> tuple[list[dict[str, torch.Tensor]], list[float]]:
-    """Independent reference for synchronous schedules: the same stages composed into one
+    """Independent reference for synchronous *schedules*: the job's own stages composed into one
     model, trained in one process with one optimizer per stage, mean loss over each step's
-    micro-batches.
+    micro-batches. It checks a schedule, not a split: composed from the same stages, it agrees with
+    any splitting error (DESIGN §11), so a split model's job is refused; compare those against the
+    unsplit model's own loop.
 
     Returns:
         ``(state_dicts per stage, mean training loss per step)``.
+
+    Raises:
+        TypeError: ``job.stage_fn`` is a ``split_model`` split.
     """
+    from unbubble.models.split import SplitModel
+
+    if isinstance(job.stage_fn, SplitModel):
+        raise TypeError("train_without_pipeline composes the split's own stages, so it cannot catch a splitting "
+                        "error: compare a split model against the unsplit model's own training loop")
     sched = job.schedule
     stages = [job.stage_fn(s) for s in range(sched.n_stages)]
     opts = [job.optimizer_fn([p for p in m.parameters() if p.requires_grad], s) for s, m in enumerate(stages)]

@@ -176,6 +176,27 @@ def test_unknown_layouts_and_names_are_refused_with_the_fix():
         split_model(nn.Sequential(nn.Linear(2, 2)), 1)
     with pytest.raises(ConfigError, match="module_names_per_stage\\[1\\] names 'layers.9'"):
         split_model(TitanLM(), module_names_per_stage=[["tok_embeddings"], ["layers.9"]])
+    every = ["tok_embeddings", "layers.0", "layers.1", "layers.2", "layers.3", "norm", "output"]
+    for names, message in [  # a split that drops, repeats or reorders a layer trains another model
+        ([every[:2], every[3:]], "module_names_per_stage leaves layers.1.norm.weight on no stage: every parameter "
+                                 "must be on exactly one (the stages together are the whole model)"),
+        ([every[:3], every[2:]], "module_names_per_stage puts layers.1.norm.weight on stages [0, 1]: every parameter "
+                                 "must be on exactly one stage"),
+        ([every[:2] + ["layers.0.ff"], every[2:]], "module_names_per_stage puts layers.0.ff.0.weight on stage 0 "
+                                                   "twice: every parameter must be on exactly one stage"),
+        ([["tok_embeddings", "layers.2"], ["layers.1", "layers.0", "layers.3", "norm", "output"]],
+         "module_names_per_stage puts layers.1 (stage 1) after layers.2 (stage 0): layers must follow the model's "
+         "order across the stages"),
+    ]:
+        with pytest.raises(ConfigError) as err:
+            split_model(TitanLM(), module_names_per_stage=names)
+        assert str(err.value) == message
+    with pytest.raises(TypeError, match="cannot catch a splitting error"):
+        from unbubble.testing import train_without_pipeline
+
+        train_without_pipeline(PipelineJob(stage_fn=split_model(TitanLM(), 2), loss_fn=causal_lm_loss,
+                                           batch_fn=ids_batch, optimizer_fn=adamw,
+                                           schedule=get_schedule("1f1b-flush", 2, steps=1, m=2)))
 
 
 @pytest.mark.parametrize("family", ["gpt2", "llama"])

@@ -32,6 +32,8 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
+import math
+import time
 import warnings
 from typing import Any, Sequence
 
@@ -62,35 +64,80 @@ class Plan:
     layers: tuple[tuple[int, ...], ...]
 
 
+#: Hugging Face ``model_type``s :func:`split_model` supports, each with the rule its own forward
+#: (transformers 5.x) uses for each decoder layer's attention mask: ``"full"`` (every layer causal),
+#: ``"window"`` (every layer a sliding window when ``config.sliding_window`` is set: Mistral's
+#: ``mask_function``), ``"layer_types"`` (``config.layer_types[i]``: Qwen2's and Gemma2's mapping).
+#: Embedding scales live in the embedding module (Gemma's ``GemmaTextScaledWordEmbedding``), the
+#: final-logit soft-cap is applied by the last stage (``config.final_logit_softcapping``).
+HF_FAMILIES = {"gpt2": "full", "llama": "full", "gemma": "full", "mistral": "window", "mixtral": "window",
+               "phi3": "window", "qwen2": "layer_types", "qwen3": "layer_types", "qwen2_moe": "layer_types",
+               "gemma2": "layer_types"}
+
+
 def detect_layout(model: nn.Module) -> str:
-    """The layout of ``model`` by its module names, one of :data:`LAYOUTS`.
+    """The layout of ``model``, one of :data:`LAYOUTS`: a Hugging Face model by its
+    ``config.model_type`` (:data:`HF_FAMILIES`), else torchtitan's by its module names.
 
     Raises:
-        ConfigError: none fits (names the layouts and the fix: ``module_names_per_stage``).
+        ConfigError: an HF ``model_type`` split_model does not know, an HF model without ``lm_head``,
+            or a non-HF model of no known layout (names the supported ones).
     """
     names = dict(model.named_children())
-    if "transformer" in names and hasattr(model.transformer, "h") and "lm_head" in names:
-        return "hf-gpt2"
-    if "model" in names and hasattr(model.model, "layers") and "lm_head" in names:
-        return "hf-llama"
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if isinstance(model_type, str):
+        if model_type not in HF_FAMILIES:
+            raise ConfigError(f"model_type {model_type!r} ({type(model).__name__}) is not one split_model supports: "
+                              f"{', '.join(sorted(HF_FAMILIES))} (decoder-only causal LMs whose forward it mirrors)")
+        if "lm_head" not in names:
+            raise ConfigError(f"{type(model).__name__} has no lm_head: split_model takes a causal LM "
+                              f"({model_type}: its *ForCausalLM class)")
+        return "hf-gpt2" if model_type == "gpt2" else "hf-llama"
     if {"tok_embeddings", "layers", "norm", "output"} <= set(names) and isinstance(model.layers, nn.ModuleDict):
         return "torchtitan"
-    raise ConfigError(f"{type(model).__name__} has none of the layouts split_model knows (HF GPT-2: transformer.h + "
-                      "lm_head; HF Llama: model.layers + lm_head; torchtitan: tok_embeddings, layers (ModuleDict), norm, "
-                      "output): give module_names_per_stage=[[names of stage 0], …]")
+    raise ConfigError(f"{type(model).__name__} has none of the layouts split_model knows (a Hugging Face causal LM "
+                      f"of model_type {', '.join(sorted(HF_FAMILIES))}; torchtitan: tok_embeddings, layers "
+                      "(ModuleDict), norm, output): give module_names_per_stage=[[names of stage 0], …]")
 
 
-def _layer_container(model: nn.Module, layout: str) -> tuple[str, nn.Module]:
-    """``(name, module)`` of the decoder layers' container."""
-    prefix = {"hf-gpt2": "transformer.h", "hf-llama": "model.layers", "torchtitan": "layers"}[layout]
-    return prefix, model.get_submodule(prefix)
+def attention_types(config) -> list[str]:
+    """Each decoder layer's attention type, ``"full_attention"`` or ``"sliding_attention"``, as the
+    model's own forward picks its mask (:data:`HF_FAMILIES`)."""
+    rule = HF_FAMILIES[config.model_type]
+    n = config.num_hidden_layers
+    if rule == "layer_types":
+        return list(config.layer_types)[:n]
+    if rule == "window" and getattr(config, "sliding_window", None) is not None:
+        return ["sliding_attention"] * n
+    return ["full_attention"] * n
 
 
-_FIRST = {"hf-gpt2": ("transformer.wte", "transformer.wpe", "transformer.drop"), "hf-llama": ("model.embed_tokens",),
-          "torchtitan": ("tok_embeddings",)}
-_LAST = {"hf-gpt2": ("transformer.ln_f", "lm_head"), "hf-llama": ("model.norm", "lm_head"),
-         "torchtitan": ("norm", "output")}
-_EVERY = {"hf-gpt2": (), "hf-llama": ("model.rotary_emb",), "torchtitan": ()}
+def _check_hf_features(model: nn.Module) -> None:
+    """Refuses what no stage can compute locally (one line each)."""
+    config = model.config
+    if getattr(config, "output_router_logits", False):
+        raise ConfigError(f"{config.model_type} with output_router_logits=True: its load-balancing loss multiplies "
+                          "expert counts summed over all layers by router probabilities summed over all layers, so "
+                          "no stage can add its share locally (an asynchronous pipeline cannot train it exactly): set "
+                          "config.output_router_logits=False")
+
+
+def _parts(model: nn.Module, layout: str) -> tuple[str, tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
+    """``(layer container, first stage's, last stage's, every stage's module names)``. A decoder HF
+    model's come from its own ``base_model_pp_plan`` (``embed_tokens``, ``layers``, ``norm`` under
+    ``base_model_prefix``) and ``lm_head``; its parameter-free rotary embedding goes to every stage."""
+    if layout == "hf-gpt2":
+        return "transformer.h", ("transformer.wte", "transformer.wpe", "transformer.drop"), \
+            ("transformer.ln_f", "lm_head"), ()
+    if layout == "torchtitan":
+        return "layers", ("tok_embeddings",), ("norm", "output"), ()
+    prefix = model.base_model_prefix
+    plan = getattr(model.config, "base_model_pp_plan", None) or {}
+    if not {"embed_tokens", "layers", "norm"} <= set(plan):
+        raise ConfigError(f"{type(model).__name__} declares no base_model_pp_plan with embed_tokens, layers and norm: "
+                          "split_model cannot tell its stages apart")
+    every = (f"{prefix}.rotary_emb",) if hasattr(model.get_submodule(prefix), "rotary_emb") else ()
+    return f"{prefix}.layers", (f"{prefix}.embed_tokens",), (f"{prefix}.norm", "lm_head"), every
 
 
 def plan_split(model: nn.Module, n_stages: int | None = None, cuts: Sequence[int] | None = None,
@@ -110,15 +157,22 @@ def plan_split(model: nn.Module, n_stages: int | None = None, cuts: Sequence[int
         ConfigError: no stage count, cuts out of order, an empty stage, an unknown name.
     """
     if module_names_per_stage is not None:
+        if isinstance(getattr(getattr(model, "config", None), "model_type", None), str):
+            raise ConfigError(f"module_names_per_stage with a Hugging Face model ({type(model).__name__}): its forward "
+                              "does not skip the parts a stage lacks; split it by n_stages or cuts=[first layer of "
+                              "stages 1…N−1]")
         known = dict(model.named_modules())
         for s, names in enumerate(module_names_per_stage):
             for name in names:
                 if name not in known:
                     raise ConfigError(f"module_names_per_stage[{s}] names {name!r}, which {type(model).__name__} does "
                                       "not have (names are model.named_modules() keys)")
-        return Plan("names", tuple(tuple(n) for n in module_names_per_stage), ((),) * len(module_names_per_stage))
+        plan = Plan("names", tuple(tuple(n) for n in module_names_per_stage), ((),) * len(module_names_per_stage))
+        _check_names_cover(model, plan)
+        return plan
     layout = detect_layout(model)
-    prefix, layers = _layer_container(model, layout)
+    prefix, first, last, every = _parts(model, layout)
+    layers = model.get_submodule(prefix)
     keys = list(layers.keys()) if isinstance(layers, nn.ModuleDict) else [str(i) for i in range(len(layers))]
     n_layer = len(keys)
     if cuts is not None:
@@ -139,15 +193,44 @@ def plan_split(model: nn.Module, n_stages: int | None = None, cuts: Sequence[int
     n = len(groups)
     names, idx = [], []
     for s, group in enumerate(groups):
-        own = list(_EVERY[layout])
+        own = list(every)
         if s == 0:
-            own = [*_FIRST[layout], *own]
+            own = [*first, *own]
         own += [f"{prefix}.{keys[i]}" for i in group]
         if s == n - 1:
-            own += list(_LAST[layout])
+            own += list(last)
         names.append(tuple(own))
         idx.append(tuple(int(keys[i]) if keys[i].isdigit() else i for i in group))
     return Plan(layout, tuple(names), tuple(idx))
+
+
+def _check_names_cover(model: nn.Module, plan: Plan) -> None:
+    """Every parameter on exactly one stage, and a numbered container's entries (the
+    decoder layers) in order across the stages: a split that drops, repeats or reorders a layer
+    trains another model.
+
+    Raises:
+        ConfigError: naming the first parameter (or layer) on no stage, on two, or out of order.
+    """
+    for fqn, _ in model.named_parameters():
+        stages = [s for s, names in enumerate(plan.names) if _owner(fqn, names)]
+        if not stages:
+            raise ConfigError(f"module_names_per_stage leaves {fqn} on no stage: every parameter must be on exactly "
+                              "one (the stages together are the whole model)")
+        if len(stages) > 1 or sum(_owner(fqn, [n]) for n in plan.names[stages[0]]) > 1:
+            where = f"stages {stages}" if len(stages) > 1 else f"stage {stages[0]} twice"
+            raise ConfigError(f"module_names_per_stage puts {fqn} on {where}: every parameter must be on exactly "
+                              "one stage")
+    last: tuple[str, int, int] | None = None  # (container, index, stage) of the latest numbered entry
+    for s, names in enumerate(plan.names):
+        for name in names:
+            head, _, tail = name.rpartition(".")
+            if not tail.isdigit():
+                continue
+            if last is not None and last[0] == head and int(tail) <= last[1]:
+                raise ConfigError(f"module_names_per_stage puts {name} (stage {s}) after {head}.{last[1]} (stage "
+                                  f"{last[2]}): layers must follow the model's order across the stages")
+            last = (head, int(tail), s)
 
 
 def _owner(fqn: str, names: Sequence[str]) -> bool:
@@ -188,11 +271,20 @@ def _place(root: nn.Module, fqn: str, module: nn.Module) -> None:
 
 
 class HFStage(nn.Module):
-    """One stage of a Hugging Face GPT-2 or Llama causal LM ([Note: stages keep the model's names]).
+    """One stage of a Hugging Face causal LM of :data:`HF_FAMILIES` ([Note: stages keep the model's names]).
+
+    Every layer gets what the model's own forward gives it: the causal mask of its attention type
+    (full or sliding window, :func:`attention_types`), built by transformers' own
+    ``create_causal_mask`` / ``create_sliding_window_causal_mask`` from the 2-D padding mask and the
+    position ids; packed rows (position ids restarting mid-row, no mask) as the whole model treats
+    them: one causal row with restarting positions under ``config.use_cache`` (its default: the
+    model then builds a cache, and HF detects no packing), each document attending only within
+    itself with ``use_cache=False``; the rotary tables; on the last stage the final norm, the head and the
+    final-logit soft-cap (Gemma2's ``final_logit_softcapping``).
 
     Args:
         config: the model's ``PretrainedConfig`` (its attention implementation picks the mask format).
-        layout: ``"hf-gpt2"`` or ``"hf-llama"``.
+        layout: ``"hf-gpt2"`` or ``"hf-llama"`` (every decoder family with ``base_model_pp_plan``).
         layers: the original indices of this stage's decoder layers.
         first, last: whether it holds the embeddings / the final norm and head.
 
@@ -205,10 +297,22 @@ class HFStage(nn.Module):
         super().__init__()
         self.config, self.layout, self.layer_ids = config, layout, tuple(layers)
         self.first, self.last = first, last
+        types = attention_types(config) if layout == "hf-llama" else ["full_attention"] * config.num_hidden_layers
+        self.attention_types = tuple(types[i] for i in self.layer_ids)
 
     def _layers(self):
         root = self.transformer.h if self.layout == "hf-gpt2" else self.model.layers
         return [root[str(i)] for i in self.layer_ids]
+
+    def _masks(self, h: torch.Tensor, mask: Any, pos: torch.Tensor) -> dict[str, Any]:
+        from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+        build = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
+        # The whole model builds a cache when config.use_cache (the default), and HF then reads no
+        # packed rows from the position ids; without one it attends within each packed document.
+        packed = None if getattr(self.config, "use_cache", False) else pos
+        return {kind: build[kind](config=self.config, inputs_embeds=h, attention_mask=mask, cache=None,
+                                  position_ids=packed) for kind in sorted(set(self.attention_types))}
 
     def forward(self, x: Any) -> Any:
         if self.first:
@@ -221,28 +325,31 @@ class HFStage(nn.Module):
                 t = self.transformer
                 h = t.drop(t.wte(ids) + t.wpe(pos))
             else:
-                h = self.model.embed_tokens(ids)
+                h = self.model.embed_tokens(ids)  # Gemma's scale is the embedding module's own
         else:
             h, mask, pos = x["hidden_states"], x["attention_mask"], x["position_ids"]
         layers = self._layers()
         if layers:
-            from transformers.masking_utils import create_causal_mask
-
-            causal = create_causal_mask(config=self.config, inputs_embeds=h, attention_mask=mask, cache=None,
-                                        position_ids=pos)
+            masks = self._masks(h, mask, pos)
             if self.layout == "hf-gpt2":
                 for block in layers:
-                    h = block(h, None, causal, None, use_cache=False, position_ids=pos)
+                    h = block(h, None, masks["full_attention"], None, use_cache=False, position_ids=pos)
             else:
                 rope = self.model.rotary_emb(h, position_ids=pos)  # recomputed on every stage: no parameters
-                for layer in layers:
-                    h = layer(h, attention_mask=causal, position_embeddings=rope, position_ids=pos, cache=None,
+                for layer, kind in zip(layers, self.attention_types):
+                    h = layer(h, attention_mask=masks[kind], position_embeddings=rope, position_ids=pos, cache=None,
                               use_cache=False)
-            if isinstance(h, tuple):  # older transformers return (hidden_states, …)
+                    if isinstance(h, tuple):  # older transformers return (hidden_states, …)
+                        h = h[0]
+            if isinstance(h, tuple):
                 h = h[0]
         if self.last:
             norm = self.transformer.ln_f if self.layout == "hf-gpt2" else self.model.norm
-            return self.lm_head(norm(h))
+            logits = self.lm_head(norm(h))
+            cap = getattr(self.config, "final_logit_softcapping", None)
+            if cap is not None:  # as Gemma2ForCausalLM.forward
+                logits = torch.tanh(logits / cap) * cap
+            return logits
         return {"hidden_states": h, "attention_mask": mask, "position_ids": pos}
 
 
@@ -301,6 +408,7 @@ class SplitModel:
 
     def __init__(self, model: nn.Module, plan: Plan, untie: bool = False):
         self.model, self.plan, self.untie = model, plan, untie
+        self.probe: Probe | None = None  # split_model's check (verify_split), when it ran
 
     @property
     def n_stages(self) -> int:
@@ -319,8 +427,132 @@ class SplitModel:
         save_model_files(directory, self.model, self.untie)
 
 
+#: Largest |difference| the probe accepts, relative to max(1, max |logit| of the whole model), by
+#: dtype: fp32 chains the same kernels in the same order (measured: 0), half precision rounds per stage.
+PROBE_TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 5e-3}
+
+
+@dataclasses.dataclass(frozen=True)
+class Probe:
+    """What :func:`verify_split` measured: the largest |difference| of the chained stages' logits
+    and loss against the whole model's, the probe's shape ``(B, T)`` and its cost in seconds."""
+
+    logits: float
+    loss: float
+    shape: tuple[int, int]
+    seconds: float
+
+
+def probe_batch(model: nn.Module, layout: str) -> tuple[Any, torch.Tensor]:
+    """``(inputs, labels)`` of the split check: 2 rows of random ids (seeded), for an HF model a dict
+    with a padding mask (row 0 left-padded) and position ids, longer than its sliding window where
+    one is set (so a window the split forgot changes the logits); labels ``-100`` on the padding."""
+    g = torch.Generator().manual_seed(0)
+    if layout.startswith("hf-"):
+        cfg = model.config
+        most = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None) or 64
+        window = getattr(cfg, "sliding_window", None) if layout == "hf-llama" and \
+            "sliding_attention" in attention_types(cfg) else None
+        t = min(most, max(16, (window or 0) + 4))
+        ids = torch.randint(0, cfg.vocab_size, (2, t), generator=g)
+        mask = torch.ones(2, t, dtype=torch.long)
+        mask[0, :min(3, t // 4)] = 0
+        labels = torch.randint(0, cfg.vocab_size, (2, t), generator=g).masked_fill(mask == 0, -100)
+        pos = torch.arange(t).unsqueeze(0).expand(2, t)
+        return {"input_ids": ids, "attention_mask": mask, "position_ids": pos}, labels
+    emb = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
+    if emb is None:
+        raise ConfigError(f"{type(model).__name__} has no nn.Embedding to draw a probe batch from: pass "
+                          "verify=False to split it unchecked")
+    freqs = getattr(model, "freqs_cis", None)
+    t = min(16, freqs.shape[0]) if isinstance(freqs, torch.Tensor) else 16
+    ids = torch.randint(0, emb.num_embeddings, (2, t), generator=g)
+    return ids, torch.randint(0, emb.num_embeddings, (2, t), generator=g)
+
+
+def _last_modules(model: nn.Module, plan: Plan) -> list[str | None]:
+    """Per stage but the last, the whole model's module whose output is that stage's output."""
+    if plan.layout == "names":
+        return [names[-1] if names else None for names in plan.names[:-1]]
+    prefix = _parts(model, plan.layout)[0]
+    return [f"{prefix}.{layers[-1]}" if layers else None for layers in plan.layers[:-1]]
+
+
+def verify_split(model: nn.Module, split: "SplitModel") -> Probe:
+    """Checks that the chained stages compute what the whole model computes (DESIGN §11): one
+    probe batch (:func:`probe_batch`) through ``model`` and through fresh stages, in eval mode
+    without gradients, comparing every stage's output with the whole model's at the same layer,
+    the logits and the :func:`causal_lm_loss`. Costs one forward of the whole model and one of the
+    stages on 2 rows, and building the stages once.
+
+    Returns:
+        :class:`Probe`.
+
+    Raises:
+        ConfigError: a stage raised on the probe, or a difference beyond :data:`PROBE_TOLERANCE`:
+            one line naming the first diverging stage, its layers and the max difference.
+    """
+    t0 = time.perf_counter()
+    plan = split.plan
+    inputs, labels = probe_batch(model, plan.layout)
+    was = model.training
+    seen: dict[str, Any] = {}
+    hooks = [model.get_submodule(name).register_forward_hook(
+        lambda mod, args, out, name=name: seen.__setitem__(name, out[0] if isinstance(out, tuple) else out))
+        for name in _last_modules(model, plan) if name is not None]
+    try:
+        model.eval()
+        with torch.no_grad():
+            whole = model(**inputs) if isinstance(inputs, dict) else model(inputs)
+    finally:
+        model.train(was)
+        for h in hooks:
+            h.remove()
+    whole = whole.logits if hasattr(whole, "logits") else whole
+    dtype = whole.dtype
+    tol = PROBE_TOLERANCE.get(dtype, 1e-5) * max(1.0, float(whole.abs().max()))
+    x = inputs
+    lasts = _last_modules(model, plan)
+    shape = tuple((inputs["input_ids"] if isinstance(inputs, dict) else inputs).shape)
+    what = f"a probe batch of {shape[0]}×{shape[1]} tokens" + (" with a padding mask" if isinstance(inputs, dict) else "")
+    for s in range(split.n_stages):
+        stage = split(s).eval()
+        try:
+            with torch.no_grad():
+                x = stage(x)
+        except Exception as exc:  # noqa: BLE001 - any failure of a stage on the probe is the user's split
+            raise ConfigError(f"stage {s} of the split fails on {what}: {type(exc).__name__}: {exc} (the stage's "
+                              "modules cannot run without the parts other stages hold; split by layers instead, or "
+                              "pass verify=False if you know why)") from None
+        if s < split.n_stages - 1:
+            mine = x["hidden_states"] if isinstance(x, dict) else x
+            ref = seen.get(lasts[s]) if lasts[s] is not None else None
+            if isinstance(mine, torch.Tensor) and isinstance(ref, torch.Tensor) and mine.shape == ref.shape:
+                d = float((mine.float() - ref.float()).abs().max())
+                if not d <= tol:
+                    raise ConfigError(_diverged(s, plan, d, what))
+    d = float((x.float() - whole.float()).abs().max()) if x.shape == whole.shape else math.inf
+    loss = abs(float(causal_lm_loss(x, labels)) - float(causal_lm_loss(whole, labels))) \
+        if x.shape == whole.shape else math.inf
+    if not (d <= tol and loss <= tol):
+        raise ConfigError(_diverged(split.n_stages - 1, plan, d, what) + f" (loss by {loss:.3g})")
+    probe = Probe(d, loss, shape, time.perf_counter() - t0)
+    log.info("split checked: %d stages equal the whole model on %s (max difference %.3g, %.2f s)",
+             split.n_stages, what, d, probe.seconds)
+    return probe
+
+
+def _diverged(s: int, plan: Plan, d: float, what: str) -> str:
+    layers = plan.layers[s]
+    held = "" if not layers else f" (layer {layers[0]})" if len(layers) == 1 else f" (layers {layers[0]}–{layers[-1]})"
+    return (f"the split does not compute what the whole model computes: stage {s}{held} differs by {d:.3g} on {what}; "
+            "the stages miss something the model's own forward does (report it with the model's config), or pass "
+            "verify=False if you know why")
+
+
 def split_model(model: nn.Module, n_stages: int | None = None, *, cuts: Sequence[int] | None = None,
-                module_names_per_stage: Sequence[Sequence[str]] | None = None, untie: bool = False) -> SplitModel:
+                module_names_per_stage: Sequence[Sequence[str]] | None = None, untie: bool = False,
+                verify: bool = True) -> SplitModel:
     """Splits a decoder-only causal LM into pipeline stages ([Note: stages keep the model's names]).
 
     Args:
@@ -332,15 +564,21 @@ def split_model(model: nn.Module, n_stages: int | None = None, *, cuts: Sequence
         module_names_per_stage: per-stage module names (any model; the pruned model's own forward runs).
         untie: give each stage its own copy of a weight tied across stages (GPT-2's ``wte`` / ``lm_head``),
             with a warning; without it such a model is refused.
+        verify: check the split before training (:func:`verify_split`: one probe batch through the
+            whole model and the chained stages; one forward of each); its result is ``split.probe``.
 
     Returns:
         A :class:`SplitModel`: ``split(s)`` builds stage s, usable as ``PipelineJob.stage_fn``.
 
     Raises:
-        ConfigError: an unknown layout, a bad stage count or cut, or weights tied across stages
-            (one line naming both parameters and the fix).
+        ConfigError: an unknown layout or ``model_type``, a bad stage count or cut, names that drop,
+            repeat or reorder a layer, a feature no stage can compute locally (MoE router logits),
+            weights tied across stages (one line naming both parameters and the fix), or stages that
+            do not compute what the whole model computes (``verify``).
     """
     plan = plan_split(model, n_stages, cuts, module_names_per_stage)
+    if plan.layout.startswith("hf-"):
+        _check_hf_features(model)
     for a, b, sa, sb in tied_across_stages(model, plan):
         if not untie:
             raise ConfigError(f"{a} (stage {sa}) and {b} (stage {sb}) are one tied tensor on two stages, which "
@@ -348,7 +586,9 @@ def split_model(model: nn.Module, n_stages: int | None = None, *, cuts: Sequence
                               "or untie them in the model (e.g. tie_word_embeddings=False)")
         warnings.warn(f"untie=True: {a} (stage {sa}) and {b} (stage {sb}) were one tied tensor; each stage now trains "
                       "its own copy, so they drift apart", stacklevel=2)
-    return SplitModel(model, plan, untie)
+    split = SplitModel(model, plan, untie)
+    split.probe = verify_split(model, split) if verify else None
+    return split
 
 
 def causal_lm_loss(logits: torch.Tensor, targets: Any) -> torch.Tensor:
