@@ -264,7 +264,7 @@ def attach_checkpoints(job: PipelineJob, cfg: TrainConfig, run_dir: Path, resume
             log.warning("run %s has no complete checkpoint in %s: it restarts from step 0", run_dir, directory)
             steps = [0]
         step = steps[-1]
-    # the last step's checkpoint: when asked, or when the run is long enough to checkpoint anyway
+    # the last step's checkpoint: by default, or when the run is long enough to checkpoint anyway
     final = cfg.final_checkpoint or 0 < cfg.checkpoint_every <= cfg.steps
     if not (resume and step):
         return dataclasses.replace(job, checkpoint=Checkpointing(str(directory), cfg.checkpoint_every, 2, step, extra,
@@ -427,8 +427,8 @@ def train_model(model: torch.nn.Module, schedule: str = "paci", run_dir: str | P
         resume: a run folder of an earlier ``train_model`` run with this model: continue it.
         progress: print the step lines and the end line (as the CLI does).
         **options: any other :class:`~unbubble.config.TrainConfig` field (``stages``, ``steps``, ``a``,
-            ``lr``, ``engine``, ``untie``, …); ``final_checkpoint`` defaults to True here, so the last
-            step's weights are always there for ``unbubble.export``.
+            ``lr``, ``engine``, ``untie``, …); ``final_checkpoint`` is on, as for ``unbubble train``, so
+            the last step's weights are there for ``unbubble.export``.
 
     Returns:
         ``(result, run_dir)`` as :func:`train`.
@@ -446,7 +446,6 @@ def train_model(model: torch.nn.Module, schedule: str = "paci", run_dir: str | P
         listeners.append(ProgressListener(writer, total, max(total // 20, 1), "", writer.resume_step or 0))
         return listeners[0]
 
-    options.setdefault("final_checkpoint", True)  # the trained model is what one wants back (export)
     names = {f.name for f in dataclasses.fields(TrainConfig)}
     bad = sorted(set(options) - names)
     if bad:

@@ -229,7 +229,7 @@ def test_export_round_trip_reproduces_the_runs_final_logits(family, tmp_path):
         print(f"export round trip, {family}: max logit difference {diff:.3g}")
         assert diff == 0
         # the CLI, and a plain state dict that model.load_state_dict accepts
-        res = CliRunner().invoke(cli, ["export", str(tmp_path), str(tmp_path / "model.pt")])
+        res = CliRunner().invoke(cli, ["export", str(tmp_path / "checkpoints"), str(tmp_path / "model.pt")])
         assert res.exit_code == 0, res.output
         fresh = hf_gpt2(tie=False) if family == "gpt2" else hf_llama()
         fresh.load_state_dict(torch.load(tmp_path / "model.pt", weights_only=True), strict=True)

@@ -320,21 +320,22 @@ def test_resume_continues_the_run_folder_bit_identically(tmp_path, cache_dir):
     assert_same_step_20(fresh)
 
 
-def test_a_short_run_writes_no_checkpoint_unless_asked_and_a_finished_run_is_not_resumed(tmp_path, cache_dir):
-    """Fewer steps than --checkpoint-every: no checkpoint (a stop still writes one); with
-    --final-checkpoint the last step's; at least --checkpoint-every steps: the periodic ones and
-    the last step's. A finished run refuses --resume even without a checkpoint at its last step."""
+def test_a_short_run_writes_its_last_step_unless_told_not_to_and_a_finished_run_is_not_resumed(tmp_path, cache_dir):
+    """Fewer steps than --checkpoint-every: the last step's checkpoint by default (issue 33: train then
+    export works), none with --no-final-checkpoint (a stop still writes one); at least --checkpoint-every
+    steps: the periodic ones and the last step's. A finished run refuses --resume even without a
+    checkpoint at its last step."""
     from unbubble.runtime.checkpoint import complete_steps
 
     base = ["-q", "train", "--engine", "emulator", "--stages", "2", "--a", "2", "--seq-len", "32", "--eval-interval",
             "0", "--eval-batches", "1", "--no-tensorboard", "--cache-dir", cache_dir]
     written = {}
-    for name, extra in (("short", ["--steps", "6"]), ("asked", ["--steps", "6", "--final-checkpoint"]),
-                        ("long", ["--steps", "7", "--checkpoint-every", "3"])):
+    for name, extra in (("short", ["--steps", "6", "--no-final-checkpoint"]), ("default", ["--steps", "6"]),
+                        ("long", ["--steps", "7", "--checkpoint-every", "3", "--no-final-checkpoint"])):
         res = CliRunner().invoke(cli, [*base, *extra, "--run-dir", str(tmp_path / name)])
         assert res.exit_code == 0, res.output
         written[name] = complete_steps(tmp_path / name / "checkpoints", 2)
-    assert written == {"short": [], "asked": [6], "long": [6, 7]}
+    assert written == {"short": [], "default": [6], "long": [6, 7]}
     res = CliRunner().invoke(cli, ["-q", "train", "--resume", str(tmp_path / "short"), "--cache-dir", cache_dir])
     assert res.exit_code == 2
     assert res.stderr.strip().splitlines()[-1] == (

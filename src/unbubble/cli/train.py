@@ -189,8 +189,8 @@ def train(print_config: bool, resume: str | None, **kwargs) -> None:
     Options can come from a YAML file: `unbubble train --config run.yaml --steps 100` (flags
     given explicitly win over the file); `--print-config > run.yaml` writes a starting point.
 
-    Checkpoints go to RUN/checkpoints every --checkpoint-every steps and at the last step of a run
-    at least that long (a shorter one writes none unless stopped, or with --final-checkpoint); Ctrl-C (SIGINT) or SIGTERM
+    Checkpoints go to RUN/checkpoints every --checkpoint-every steps and at the last step (unless
+    --no-final-checkpoint), so `unbubble export RUN OUT` has the trained weights; Ctrl-C (SIGINT) or SIGTERM
     stops at the next step boundary after a checkpoint (exit code 130), and
     `unbubble train --resume RUN` continues. A second signal stops at once (one within 0.25 s of the first is
     the same stop sent twice, as `timeout -s INT` does, and is ignored).

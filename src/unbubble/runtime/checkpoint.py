@@ -58,8 +58,8 @@ class Checkpointing:
         keep: complete checkpoints kept (each stage deletes its older files), ≥ 2.
         resume_step: start from the complete checkpoint of this step (``None``: from scratch).
         extra_cuts: steps where an earlier run stopped (replayed so the schedule is the same).
-        final: also write the last step's checkpoint (``unbubble train``: with
-            ``--final-checkpoint``, or when the run has at least ``every`` steps).
+        final: also write the last step's checkpoint (``unbubble train``: unless
+            ``--no-final-checkpoint``, and always when the run has at least ``every`` steps).
     """
 
     directory: str

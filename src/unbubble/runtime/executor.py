@@ -628,6 +628,8 @@ class StageExecutor:
             "lr_factor": self.lr_factor,
             "last_step_loss": self.last_step_loss,
             "masters": None if self.masters is None else [m.detach() for m in self.masters],
+            # the masters' parameter names: what export writes in place of the bf16 parameters
+            "master_names": None if self.masters is None else list(self.names),
             "last_update": self.last_update,
             "drift_stats": (self.drift_sum, self.drift_count),
             "error_feedback": None if self.error_feedback is None else self.error_feedback.state_dict(),
