@@ -230,6 +230,9 @@ def untied_names(run_dir: str | Path, owners: dict[str, int]) -> list[list[str]]
     Args:
         run_dir: a run folder or a checkpoint folder.
         owners: each merged name's stage (``merged_state_dict(..., owners=...)``).
+
+    Raises:
+        ConfigError: as :func:`checkpoint_dir`.
     """
     info_path = checkpoint_dir(run_dir) / MODEL_DIR / MODEL_INFO
     if not info_path.is_file():

@@ -179,7 +179,11 @@ def grad_mask(layout: Layout) -> list[bool]:
 
 
 def tree_map(fn: Callable[[torch.Tensor], torch.Tensor], tree: Any) -> Any:
-    """``tree`` with ``fn`` applied to every tensor leaf (a tensor: ``fn(tree)``)."""
+    """``tree`` with ``fn`` applied to every tensor leaf (a tensor: ``fn(tree)``).
+
+    Raises:
+        ConfigError: as :func:`flatten`.
+    """
     if isinstance(tree, torch.Tensor):
         return fn(tree)
     if tree is None:
@@ -196,6 +200,9 @@ def detach_output(out: Any, all_floating: bool = False) -> Any:
         all_floating: the forward ran without autograd (recomputation): mark every floating leaf;
             :func:`grad_outputs` then drops the gradients of leaves the recomputed forward finds
             not requiring grad (the same numbers, a few more bytes sent).
+
+    Raises:
+        ConfigError: as :func:`flatten`.
     """
     if isinstance(out, torch.Tensor):
         return out.detach()
