@@ -112,7 +112,8 @@ class TrainConfig:
     br_max_precond_dim: int = field(default=10_000, metadata={"help": "Basis Rotation: sides of a matrix longer than this stay unrotated (SOAP's max_precond_dim). 768 on a GPT-2-small block rotates only its 768-wide sides: +20 % training step over AdamW instead of +78 % (benchmarks/bench_optim.py), a different preconditioner."})
     br_allocation: Literal["uniform", "stage-aware", "inverse"] = field(default="uniform", metadata={"help": "Basis Rotation: how a fixed refresh budget is split across stages (stage-aware: staler stages refresh more often)."})
     stage_aware: bool = field(default=False, metadata={"help": "Shorthand for --br-allocation stage-aware."})
-    clip_grad_norm: float | None = field(default=None, metadata={"help": 'Per-stage gradient-norm clipping; off by default (global clipping needs cross-stage sync).'})
+    clip_grad_norm: float | None = field(default=None, metadata={"help": "Clip each update's gradients to this norm (torchtitan, Megatron and nanoGPT use 1.0); which norm: --clip-scope. Off by default."})
+    clip_scope: str | None = field(default=None, metadata={"help": "Which norm --clip-grad-norm clips by (default sync). sync: the exact norm of this update over all stages (and --dp replicas), as torchtitan: one all-gather per update, a barrier that makes every stage wait for the slowest (PACI's staggered stages stall). stale: the global norm of update t−s, s = ⌈N/a⌉ for the asynchronous schedules (the tightest lag that provably never waits; 1 for the flushed ones), collected by a non-blocking all-gather that has always arrived: no stage waits; updates t < s clip like stage. stage: each stage's own norm against X·√(P_i/P) (its share of the parameters: the clipped global norm stays ≤ X). A non-finite norm skips the update (sync: on every stage; logged, counted in summary.json's clip). post-validate (Zero Bubble's eager step with rollback) is refused: not exact under PACI. One of: sync, stale, stage."})
     model: str = field(default="tiny", metadata={"help": 'Model preset: GPT-2 (tiny, small-cpu, deep-cpu, deep32-cpu, wide-cpu, gpt2, gpt2-medium, gpt2-large, gpt2-xl), Llama-style (llama-tiny, llama-deep-cpu, llama-1b, llama-8b) or mixture of experts (moe-tiny, moe-deep-cpu, mixtral-8x7b); or your own: hf:PATH (a local Hugging Face config.json or model folder; random init without weights; needs the [hf] extra) or module:function (a function of an importable module returning the model), split by unbubble.models.split.'})
     untie: bool = field(default=False, metadata={"help": "With an hf: or module: model whose weights are tied across two stages (GPT-2's embedding and head): give each stage its own copy (warns) instead of refusing the model."})
     corpus: str = field(default="kjv", metadata={"help": 'kjv, shakespeare, a text file, a folder of .txt files, or a folder with train.bin and val.bin (pre-tokenised uint16 ids of --tokenizer, nanoGPT format).'})
@@ -188,8 +189,14 @@ class TrainConfig:
             raise ConfigError(f"muon_momentum={self.muon_momentum!r} is invalid: must be in [0, 1) (set --muon-momentum)")
         if not (isinstance(self.weight_decay, (int, float)) and self.weight_decay >= 0):
             raise ConfigError(f"weight_decay={self.weight_decay!r} is invalid: must be ≥ 0 (set --weight-decay)")
-        if self.clip_grad_norm is not None and not self.clip_grad_norm > 0:
-            raise ConfigError(f"clip_grad_norm={self.clip_grad_norm!r} is invalid: must be > 0 or unset")
+        from unbubble.runtime.clipping import check_clip  # imports torch: only when validating
+
+        if self.clip_scope is not None and self.clip_grad_norm is None:
+            raise ConfigError(f"clip_scope={self.clip_scope!r} has no effect without clip_grad_norm: set "
+                              "--clip-grad-norm X, or drop --clip-scope")
+        if self.clip_grad_norm is not None and self.clip_scope is None:  # the default: torchtitan's exact global clip
+            self.clip_scope = "sync"
+        check_clip(self.clip_grad_norm, self.clip_scope if self.clip_grad_norm is not None else "sync")
         if self.engine not in ENGINES:
             raise ConfigError(f"engine={self.engine!r} is unknown{did_you_mean(self.engine, ENGINES)}: valid engines are {', '.join(ENGINES)} (set --engine)")
         if self.dp > 1 and self.engine == "emulator":  # an option conflict: found before any file is read

@@ -186,6 +186,7 @@ def build_job(cfg: TrainConfig, tokens: TokenData, model_object: torch.nn.Module
         eval_interval=cfg.eval_interval,
         tokens_per_mb=cfg.micro_batch_size * cfg.seq_len,
         clip_grad_norm=cfg.clip_grad_norm,
+        clip_scope=cfg.clip_scope or "sync",
         delay_lr={"pipedream-lr": "pipedream", "staleness-lr": "staleness"}.get(cfg.optimizer),
         dp=cfg.dp,
         nan_policy=cfg.nan_policy,

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 
 import torch
 
-from unbubble.errors import ConfigError
+from unbubble.errors import ConfigError, ScheduleError
 from unbubble.optim import optimizer_state_bytes
 from unbubble.runtime.checkpoint import CutWriter
+from unbubble.runtime.clipping import attach_local, clip_summary
 from unbubble.runtime.job import PipelineJob
 from unbubble.runtime.telemetry import Listener, RunResult, Telemetry, snapshot
 from unbubble.schedules.actions import Action, ActionKind
@@ -85,6 +87,8 @@ def _run(job: PipelineJob, costs: CostModel | None, replay: list[list[Action]] |
     if start:
         for ex in execs:  # one process: one RNG stream, equal in every stage's file
             job.load_checkpoint(ex, restore_rng=ex.stage == 0)
+    clippers = attach_local(job, execs)  # [Note: clip scopes]; after the load: a resume's stale norms
+    barrier = bool(clippers) and job.clip_scope == "sync"
     telemetry = Telemetry(job, listener, start_step=start)
     if job.wants_snapshot(0) and not start:
         for ex in execs:
@@ -96,7 +100,44 @@ def _run(job: PipelineJob, costs: CostModel | None, replay: list[list[Action]] |
     t0 = time.perf_counter()
     telemetry.set_start(time.time())  # after the evaluation of version 0, as wall_s
 
+    def skipped(action: Action) -> bool:
+        """Before the resumed cut: not run (counted once per action, in order)."""
+        if action.kind is ActionKind.U:
+            return updates_seen[action.stage] < start
+        return action.mb < skip_mb
+
+    # [Note: the emulator's barrier] Under clip_scope="sync" a rank's update t waits until every
+    # rank has reached its update t (the process engine's blocking all-gather). The simulated clock
+    # has no barrier, so actions are queued per rank in the simulated order and each runs as soon
+    # as what it needs is there: its input in the mailbox, for an update the global norm. Each
+    # rank keeps its order, so the run computes what the process engine computes.
+    queues: list[deque[Action]] = [deque() for _ in range(job.schedule.n_ranks)]
+
+    def ready(action: Action) -> bool:
+        if skipped(action):
+            return True
+        s, kind = action.stage, action.kind
+        if kind is ActionKind.F and s > 0:
+            return (s, ActionKind.F, action.mb) in mailbox
+        if kind in (ActionKind.B, ActionKind.I) and s < n - 1:
+            return (s, ActionKind.B, action.mb) in mailbox
+        if kind is ActionKind.U:
+            return clippers[job.schedule.rank_of(s)].ready(execs[s])
+        return True
+
     def execute(action: Action) -> None:
+        if not barrier:
+            return run(action)
+        queues[job.schedule.rank_of(action.stage)].append(action)
+        progress = True
+        while progress:
+            progress = False
+            for q in queues:
+                while q and ready(q[0]):
+                    run(q.popleft())
+                    progress = True
+
+    def run(action: Action) -> None:
         ex = execs[action.stage]
         if action.kind is ActionKind.U:
             updates_seen[action.stage] += 1
@@ -132,7 +173,12 @@ def _run(job: PipelineJob, costs: CostModel | None, replay: list[list[Action]] |
         [job.schedule.policy(r, job.order) for r in range(job.schedule.n_ranks)]
     policies = [CutPolicy(p, cuts) for p in policies]
     sim = run_policies(job.schedule, costs or UniformCosts(), execute, policies)
+    stuck = [(r, q[0]) for r, q in enumerate(queues) if q]
+    if stuck:
+        raise ScheduleError(f"clip_scope='sync' deadlocks schedule {job.schedule.name!r}: "
+                            + ", ".join(f"rank {r} waits at {a}" for r, a in stuck))
     wall = time.perf_counter() - t0
     return telemetry.result([ex.module.state_dict() for ex in execs], wall, sim_trace=sim,
                             optimizer_bytes=[optimizer_state_bytes(ex.optimizer) for ex in execs],
-                            stopped_at=cuts.stop_step, memory=[ex.memory_bytes() for ex in execs])
+                            stopped_at=cuts.stop_step, memory=[ex.memory_bytes() for ex in execs],
+                            clip=clip_summary(job, [ex.clip_stats for ex in execs]))

@@ -57,8 +57,10 @@ class StageExecutor:
         loss_scale: multiplies each micro-batch loss before backward (1/a for PACI, 1/m for
             flushed schedules) so an update applies the mean gradient.
         lr_scheduler: stepped once after every update.
-        clip_grad_norm: per-stage gradient-norm clipping before each update (off if None);
-            global clipping would need cross-stage synchronisation.
+        clip_grad_norm: a plain local clip at this threshold before each update (off if None),
+            for direct users of the executor; the engines attach a ``clipping.RankClipper`` as
+            ``clipper`` instead (global, stale or per-stage clipping, [Note: clip scopes] in
+            ``runtime/clipping.py``).
         backward_weights: ``"current"`` (PACI, 1F1B: the live weights), ``"stashed"``
             (PipeDream, 2BW: the version the forward used, kept as separate tensors and used
             through ``torch.func.functional_call``; live parameters are never swapped), or
@@ -173,6 +175,14 @@ class StageExecutor:
         self._call = module if compile_backend is None else compile_stage(module, compile_backend)
         self._prefix = "" if compile_backend is None else COMPILED_PREFIX
         self.rng_seed = rng_seed
+        #: the rank's ``clipping.RankClipper`` ([Note: clip scopes]); ``None``: ``clip_grad_norm`` alone
+        self.clipper = None
+        #: updates clipped, skipped (non-finite norm) and, under ``stale``, clipped locally before the first global norm
+        self.clip_stats = {"clipped": 0, "skipped": 0, "local": 0}
+        #: ``stale``: this stage's per-tensor norms of its last s updates (checkpointed, [Note: stale lag])
+        self.clip_recent: dict[int, torch.Tensor] = {}
+        self._prepared = -1  # the version whose update's first part (prepare_update) has run
+        self._step_loss: float | None = None
 
     @property
     def is_first(self) -> bool:
@@ -633,6 +643,7 @@ class StageExecutor:
             "last_update": self.last_update,
             "drift_stats": (self.drift_sum, self.drift_count),
             "error_feedback": None if self.error_feedback is None else self.error_feedback.state_dict(),
+            "clip": {"stats": dict(self.clip_stats), "recent": dict(self.clip_recent)},
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -657,23 +668,31 @@ class StageExecutor:
         self.drift_sum, self.drift_count = state.get("drift_stats", (0, 0))
         if self.error_feedback is not None and state.get("error_feedback") is not None:
             self.error_feedback.load_state_dict(state["error_feedback"])
+        clip = state.get("clip") or {}
+        self.clip_stats.update(clip.get("stats", {}))
+        self.clip_recent = dict(clip.get("recent", {}))
         self.version = state["version"]
         self.lr_factor = state["lr_factor"]
         self.last_step_loss = state["last_step_loss"]
 
-    def update(self) -> None:
-        """Applies the accumulated gradients, zeroes them and bumps the weight version.
-
-        With ``grad_sync`` (data parallelism) the gradients are first averaged over the
-        replicas; the last stage's step loss becomes the replicas' mean.
-        """
+    def prepare_update(self) -> None:
+        """The first part of ``U``, before clipping (runs once per update; a rank's clipper calls it
+        for each of its stages before their norms are exchanged): the non-finite guard's update-time
+        check, the divergence stop, the last stage's step loss and, with ``grad_sync``, the average
+        over the replicas."""
+        if self._prepared == self.version:
+            return
+        self._prepared = self.version
         if self.nan_policy != "off":
             grads = [p.grad for p in self.grad_params if p.grad is not None]
             if self._tainted or not _finite(grads):
                 if not self._tainted:
                     self._poison(None, None, "accumulated weight gradient (this stage's update is dropped)")
-                for g in grads:  # a zero-gradient update, as for a dropped micro-batch
-                    g.zero_()
+                # without clipping a zero-gradient update, as for a dropped micro-batch; with clipping a
+                # non-finite norm, which skips the update (on every stage under sync, [Note: clip scopes])
+                fill = 0.0 if self.clipper is None else math.nan
+                for g in grads:
+                    g.fill_(fill)
                 self._tainted = False
                 self._kept_since_update = 0  # counts as an update without a usable micro-batch
         self._check_divergence()
@@ -684,7 +703,22 @@ class StageExecutor:
             self._step_losses = []
         if self.grad_sync is not None:
             step_loss = self.grad_sync(self.grad_params, step_loss)
-        if self.clip_grad_norm is not None:
+        self._step_loss = step_loss
+
+    def update(self) -> None:
+        """Applies the accumulated gradients, zeroes them and bumps the weight version.
+
+        With ``grad_sync`` (data parallelism) the gradients are first averaged over the
+        replicas; the last stage's step loss becomes the replicas' mean. With a ``clipper`` the
+        gradients are then clipped, or the update is skipped (no optimizer step) when the norm it
+        clips by is non-finite ([Note: clip scopes] in ``runtime/clipping.py``).
+        """
+        self.prepare_update()
+        step_loss, self._step_loss = self._step_loss, None
+        apply = True
+        if self.clipper is not None:
+            apply = self.clipper.clip(self)
+        elif self.clip_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(self.grad_params, self.clip_grad_norm)
         self.peak_grad_bytes = max(self.peak_grad_bytes, tensor_bytes([p.grad for p in self.grad_params]))
         before = [p.detach().clone() for p in self.params] if self.velocity is not None else None
@@ -692,14 +726,15 @@ class StageExecutor:
             with torch.no_grad():
                 for d, p in zip(self.last_update, self.params):
                     d.copy_(p)
-        if self.error_feedback is not None:
+        if self.error_feedback is not None and apply:
             self.error_feedback.snapshot()
-        with keep_version_counters(self.params):
-            self.optimizer.step()
-            if self.error_feedback is not None:  # on the stepped tensors, before the bf16 copy
-                self.error_feedback.correct()
-            if self.masters is not None:  # bf16 parameters ← rounded fp32 masters, in place
-                copy_masters(self.params, self.masters)
+        if apply:  # a skipped update moves nothing: weights, moments and error feedback stay
+            with keep_version_counters(self.params):
+                self.optimizer.step()
+                if self.error_feedback is not None:  # on the stepped tensors, before the bf16 copy
+                    self.error_feedback.correct()
+                if self.masters is not None:  # bf16 parameters ← rounded fp32 masters, in place
+                    copy_masters(self.params, self.masters)
         # the applied update W − W_prev, as the weights hold it (error feedback's correction included)
         if self.last_update is not None:
             with torch.no_grad():

@@ -11,6 +11,7 @@ from torch import nn
 
 from unbubble.runtime.checkpoint import Checkpointing, DamagedCheckpoint, check_fingerprint, fingerprint, load_stage, \
     rng_state, save_stage, set_rng_state
+from unbubble.runtime.clipping import check_clip, check_rank_updates
 from unbubble.runtime.compiled import check_compile
 from unbubble.runtime.data_parallel import replica_batch
 from unbubble.runtime.executor import BatchFn, LossFn, StageExecutor
@@ -49,7 +50,13 @@ class PipelineJob:
         eval_interval: evaluate the weights of version v (every stage after v updates)
             for every v that is a multiple of this; 0 evaluates only the final weights.
         tokens_per_mb: tokens in one micro-batch (for tokens/s); ``None`` reports samples.
-        clip_grad_norm: per-stage gradient clipping (off if None).
+        clip_grad_norm: X, the gradient-norm clipping threshold (off if None); ``clip_scope`` says
+            which norm each update is clipped by.
+        clip_scope: ``"sync"`` (the exact global norm of this update over all stages and replicas:
+            one all-gather per update, a barrier), ``"stale"`` (the global norm of update t − s,
+            s = ⌈N/a⌉ for the asynchronous schedules and 1 for the flushed ones: no rank waits
+            in steady state) or ``"stage"`` (the stage's own norm against X·√(P_i/P)); a non-finite
+            norm skips the update ([Note: clip scopes] in ``runtime/clipping.py``).
         delay_lr: per-stage learning-rate scaling by the stage's staleness τ_s: ``"pipedream"``
             (or True) multiplies it by τ_s^−(1 − min(u/K, 1)) (PipeDream-LR; always on for the
             pipemare schedule, where it is PipeMare's T1); ``"staleness"`` by 1/(1 + τ_s) for the
@@ -98,6 +105,7 @@ class PipelineJob:
     eval_interval: int = 0
     tokens_per_mb: int | None = None
     clip_grad_norm: float | None = None
+    clip_scope: str = "sync"
     delay_lr: str | bool | None = None
     delay_lr_anneal_steps: int | None = None
     dp: int = 1
@@ -114,6 +122,9 @@ class PipelineJob:
 
     def __post_init__(self) -> None:
         check_order(self.order)  # here, before any stage process starts
+        check_clip(self.clip_grad_norm, self.clip_scope)
+        if self.clip_grad_norm is not None and self.clip_scope != "stage":
+            check_rank_updates(self.schedule)
 
     def build_executor(self, stage: int, module: nn.Module | None = None, replica: int = 0,
                        grad_sync=None, device: torch.device | None = None) -> StageExecutor:
@@ -149,7 +160,7 @@ class PipelineJob:
         batch_fn = self.batch_fn if self.dp == 1 else functools.partial(replica_batch, self.batch_fn, self.dp, replica)
         return StageExecutor(
             stage, self.schedule.n_stages, module, self.loss_fn if stage == self.schedule.n_stages - 1 else None,
-            batch_fn, optimizer, self.schedule.loss_scale, sched, self.clip_grad_norm,
+            batch_fn, optimizer, self.schedule.loss_scale, sched, None,  # clipping: the engine's clipping.RankClipper
             backward_weights=self.schedule.backward_weights, grad_sync=grad_sync, device=device,
             nan_policy=self.nan_policy, nan_lr_factor=self.nan_lr_factor,
             precision=self.precision, masters=masters, recompute=self.recompute,

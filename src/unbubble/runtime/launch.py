@@ -37,6 +37,7 @@ import torch.multiprocessing as mp
 
 from unbubble.errors import ConfigError, NonFiniteError, PipelineFailure, SecondSignal, StartupInterrupted
 from unbubble.runtime import lazy_dynamo
+from unbubble.runtime.clipping import clip_summary
 from unbubble.runtime.job import PipelineJob
 from unbubble.runtime.telemetry import Listener, RunResult, Telemetry
 from unbubble.runtime.worker import from_bytes, run_stage
@@ -309,7 +310,7 @@ class _Collector:
     def __init__(self, job: PipelineJob, listener: Listener | None):
         self.job = job
         self.telemetry = Telemetry(job, listener, start_step=job.start_step)
-        self.finals: dict[int, tuple[dict, float, dict, dict]] = {}
+        self.finals: dict[int, tuple[dict, float, dict, dict, dict]] = {}
         self.done_walls: list[float] = []  # from replicas d > 0
         self.stopped_at: int | None = None
 
@@ -330,8 +331,8 @@ class _Collector:
             version, data = payload
             self.telemetry.add_snapshot(stage, version, from_bytes(data))
         elif kind == "final":
-            data, wall, opt_bytes, memory = payload
-            self.finals[stage] = (from_bytes(data), wall, opt_bytes, memory)
+            data, wall, opt_bytes, memory, clip_stats = payload
+            self.finals[stage] = (from_bytes(data), wall, opt_bytes, memory, clip_stats)
         elif kind == "done":
             self.done_walls.append(payload)
         elif kind == "event":
@@ -346,7 +347,8 @@ class _Collector:
         wall = max([f[1] for f in self.finals.values()] + self.done_walls)
         return self.telemetry.result([self.finals[s][0] for s in range(n)], wall,
                                      optimizer_bytes=[self.finals[s][2] for s in range(n)], stopped_at=self.stopped_at,
-                                     memory=[self.finals[s][3] for s in range(n)])
+                                     memory=[self.finals[s][3] for s in range(n)],
+                                     clip=clip_summary(self.job, [self.finals[s][4] for s in range(n)]))
 
 
 _SECONDARY = ("PeerFailure", "Connection closed by peer", "Connection reset by peer", "Broken pipe")

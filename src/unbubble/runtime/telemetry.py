@@ -54,6 +54,9 @@ class RunResult:
             report them.
         first_step_end: epoch seconds at which the run's first optimizer step had ended on every
             stage (``None`` if one never updated).
+        clip: gradient clipping (``clipping.clip_summary``): scope, threshold, stale lag and per
+            stage the updates clipped and skipped over the whole run (across resumes); ``None``
+            without clipping.
     """
 
     trace: Trace
@@ -69,6 +72,7 @@ class RunResult:
     events: list[dict[str, Any]] = field(default_factory=list)
     memory: list[dict[str, Any]] = field(default_factory=list)
     first_step_end: float | None = None
+    clip: dict[str, Any] | None = None
 
     @property
     def tokens_per_s(self) -> float:
@@ -152,14 +156,14 @@ class Telemetry:
 
     def result(self, final_states: list[dict], wall_s: float, sim_trace: Trace | None = None,
                optimizer_bytes: list[dict] | None = None, stopped_at: int | None = None,
-               memory: list[dict] | None = None) -> RunResult:
+               memory: list[dict] | None = None, clip: dict[str, Any] | None = None) -> RunResult:
         self.trace.records.sort(key=lambda r: (r.start, r.action.stage))
         sched = self.job.schedule
         end = sched.steps if stopped_at is None else stopped_at
         tokens = (end - self.start_step) * sched.mb_per_step * (self.job.tokens_per_mb or 1) * self.job.dp
         return RunResult(self.trace, sim_trace, self.step_losses, sorted(self.val_losses),
                          final_states, wall_s, tokens, optimizer_bytes or [], self.start_step, stopped_at,
-                         self.events, memory or [], self._first_step_end())
+                         self.events, memory or [], self._first_step_end(), clip)
 
     def _first_step_end(self) -> float | None:
         """When the run's first optimizer step had ended on every stage, epoch seconds (``None``

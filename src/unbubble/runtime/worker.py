@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from unbubble.optim import optimizer_state_bytes
 from unbubble.runtime.checkpoint import CutWriter
+from unbubble.runtime.clipping import attach_dist
 from unbubble.runtime.job import PipelineJob
 from unbubble.runtime.data_parallel import GradientAverager, Layout
 from unbubble.runtime.transport import END, P2PTransport, PeerFailure, channel_groups
@@ -51,8 +52,9 @@ def run_stage(job: PipelineJob, rank: int, sink: Sink, replay: list[Action] | No
     start in epoch seconds, after set-up), ``("records", stage, [(action, start_s, end_s, version,
     weights), …])`` and ``("step_loss", stage, loss)`` after each update (with D > 1 the loss is
     the replicas' mean), ``("snapshot", stage, (version, bytes))`` for evaluation, and
-    ``("final", stage, (state_bytes, wall_s, optimizer_bytes, memory))`` at the end (memory: the executor's
-    ``memory_bytes()`` and this process's ``process_rss_bytes``, ``process_peak_rss_bytes``); other replicas,
+    ``("final", stage, (state_bytes, wall_s, optimizer_bytes, memory, clip_stats))`` at the end (memory: the executor's
+    ``memory_bytes()`` and this process's ``process_rss_bytes``, ``process_peak_rss_bytes``; clip_stats: the
+    executor's ``clip_stats``, [Note: clip scopes] in ``clipping.py``); other replicas,
     whose weights equal replica 0's, report only ``("done", stage, wall_s)``. Times are seconds
     since a start shared by all ranks. ``("event", stage, event)`` reports a micro-batch the
     non-finite guard dropped (every replica reports its own); ``("stopped", stage, T)`` before
@@ -104,6 +106,12 @@ def run_stage(job: PipelineJob, rank: int, sink: Sink, replay: list[Action] | No
     if start:
         for ex in execs.values():
             job.load_checkpoint(ex)
+    # [Note: clip scopes]: one group per replica's pipeline ranks, created by every rank in the same order
+    clipper = None
+    if job.clip_grad_norm is not None:
+        clip_groups = channel_groups([(("clip", d), [layout.global_rank(d, r) for r in range(sched.n_ranks)])
+                                      for d in range(job.dp)])
+        clipper = attach_dist(job, execs, prank, clip_groups[replica], device)
     if primary and job.wants_snapshot(0) and not start:
         for s, ex in execs.items():
             sink(("snapshot", s, (0, to_bytes(ex.module.state_dict()))))
@@ -210,6 +218,8 @@ def run_stage(job: PipelineJob, rank: int, sink: Sink, replay: list[Action] | No
                 sink(("snapshot", s, (ex.version, to_bytes(ex.module.state_dict()))))
     if cuts.stop_step is not None:
         at_stop()
+    if clipper is not None and clipper.exchange is not None:  # stale: the last s updates' collectives
+        clipper.exchange.drain()
     transport.close()
     wall = time.time() - t0
     if cuts.stop_step is not None:  # before "final"/"done": the launcher stops reading once all have come
@@ -222,5 +232,6 @@ def run_stage(job: PipelineJob, rank: int, sink: Sink, replay: list[Action] | No
         sink(("records", prank, records))
     for s, ex in execs.items():
         memory = {**ex.memory_bytes(), **{f"process_{k}": v for k, v in process_memory().items()}}
-        sink(("final", s, (to_bytes(ex.module.state_dict()), wall, optimizer_state_bytes(ex.optimizer), memory)))
+        sink(("final", s, (to_bytes(ex.module.state_dict()), wall, optimizer_state_bytes(ex.optimizer), memory,
+                           dict(ex.clip_stats))))
     return cuts.stop_step

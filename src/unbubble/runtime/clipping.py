@@ -1,0 +1,479 @@
+"""Gradient-norm clipping and the non-finite check over the whole pipeline, for every schedule.
+
+[Note: clip scopes]
+``clip_grad_norm = X`` with ``clip_scope``:
+
+* ``sync``: update t of every stage is clipped by the exact norm of update t's gradients over all
+  stages (after the data-parallel average, so over the replicas too), as torchtitan does. It is one
+  all-gather per update across the pipeline ranks, a barrier: every rank's update t waits until
+  every rank has reached its update t. A non-finite global norm skips update t on every stage (the
+  same value reaches every stage, so the decision is the same everywhere).
+* ``stale``: no rank waits in steady state. At its update t each rank starts a non-blocking
+  all-gather of its stages' norms and clips update t by the global norm of update t − s, for the
+  fixed lag s = :func:`stale_lag`, ⌈N/a⌉ for PACI ([Note: stale lag]); updates t < s have no global norm yet and
+  are clipped like ``stage``. Non-finite values: a stage whose own norm of update t is non-finite
+  skips update t at once (the others cannot know yet); when the global norm of update t − s
+  arrives non-finite (some stage skipped t − s), every stage skips update t — the earliest update
+  at which all can agree without waiting.
+* ``stage``: each stage clips by its own norm against X·√(P_i/P), P_i its parameter count and P
+  the pipeline's. Why this share: the squares of the thresholds sum to X², so the clipped global
+  norm never exceeds X (√Σ_i X²·P_i/P = X), the guarantee a global clip gives; and with entries of
+  equal variance ‖g_i‖² ≈ (P_i/P)·‖g‖², so a stage clips about when the global norm would. A
+  non-finite norm skips that stage's update.
+
+An update that is *skipped* applies no optimizer step (no momentum or Adam-moment change, no
+error-feedback correction); its gradients are discarded, the weight version and the learning-rate
+schedule advance as for any update, and an event is logged (``summary.json``'s
+``nonfinite_dropped``). With clipping on, the non-finite guard's update-time finding (a non-finite
+accumulated gradient, [Note: non-finite guard] in ``executor.py``) feeds this rule instead of
+zeroing the gradients: under ``sync`` it skips the update on every stage.
+
+Norms are computed exactly as ``torch.nn.utils.get_total_norm``: one 2-norm per gradient tensor
+(``torch._foreach_norm``), then the 2-norm of those, in the unsplit model's parameter order (stage
+0's parameters first). So ``sync`` on a flushed schedule equals ``torch.nn.utils.clip_grad_norm_``
+over the unsplit model's parameters bit for bit (tested). The exchange carries the per-tensor
+norms, not a partial sum, so the reduction order is fixed (stage order) and the emulator, which
+assembles the same vector in one process, computes the same bits as the all-gather of the
+process engine.
+
+[Note: stale lag]
+s = ⌈N/a⌉ for the asynchronous schedules (a = micro-batches per update: PACI's a, 1 for
+async-1f1b, pipedream and pipemare, m for pipedream-2bw) and s = 1 for the flushed ones (1F1B, ZB,
+ZBV, interleaved, …). It is never more than ⌈(N−1)/a⌉ + 1, the bound the drift alone gives (PACI's
+stages are staggered by up to ⌈(N−1)/a⌉ updates), and one less when a divides N − 1 with a ≥ 2.
+
+Claim: when stage i starts its update t, every stage j has already started its update t − s (and
+with it that update's all-gather). Proof (0-based stages; every schedule runs a stage's backwards in
+micro-batch order and updates right after every a-th, before any other action, so after its
+backward of micro-batch k a stage has applied ⌊(k+1)/a⌋ updates): update t of stage i follows its
+backward of k* = (t+1)·a − 1. That backward needs
+* for j ≥ i: the backward of k* on stage j (the gradient flows down), which stage j runs after its
+  update t − 1;
+* for j < i: the forward of k* on stage i, hence on stage j. A stage j of an asynchronous schedule
+  holds at most N − j micro-batches in flight (the back-pressure cap N + 1 − i, 1-based), so that
+  forward starts only after its backward of k* − (N − j), after which it has applied
+  ⌊(k* − N + j + 1)/a⌋ = t + 1 − ⌈(N − j)/a⌉ ≥ t + 1 − ⌈N/a⌉ updates. A flushed schedule runs the
+  forwards of step t only after its update t − 1.
+So stage j has applied updates 0 … t − s before stage i's update t can start — by causality alone,
+whatever the costs, the order (deterministic or dynamic), or the engine. Its rank started the
+all-gather of update t − s at that update, so every rank has entered that collective when stage i
+needs it: the wait is the collective's own latency, never a peer's progress. The lag is tight: in
+steady state the cap binds on stage 0 and the last stage's update t is causally preceded by
+exactly t + 1 − ⌈N/a⌉ updates of stage 0. :func:`causal_lag` computes the smallest safe lag of any
+per-rank action lists exactly (vector clocks over program order and messages); it equals
+:func:`stale_lag` for every asynchronous schedule over a grid of N and a and is 1 for every flushed
+one (tested), and the simulator's timelines, jittered, never have a stage wait for it (tested).
+Updates t < s have no global norm: each stage clips them as ``stage`` does, without waiting.
+
+Why ``stale`` cannot deadlock: a rank waits only for the all-gather of an update every rank has
+already entered (the claim), and every rank enters the collectives of updates 0, 1, 2, … in that
+order on one dedicated group, so they match. ``sync`` cannot deadlock either: by induction on t,
+every action a rank runs before its update t depends only on actions its peers run before their
+update t (a PACI stage updates right after its b-th backward, and everything it ran before depends
+on forwards upstream that precede the upstream update t and on backwards downstream of micro-
+batches ≤ k*; a flushed schedule's step t depends on step t only), so every rank reaches the
+barrier. The emulator checks it on the real orders (it would raise ``ScheduleError``).
+
+``post-validate`` (Zero Bubble's optimizer post-validation: step eagerly, roll back when the global
+check fails) is refused: under PACI the forwards of later micro-batches already ran on the stepped
+weights and sent their activations downstream, so a rollback of the weights alone is not exact
+(it would have to replay those forwards on every stage); for the synchronous schedules it is not
+implemented (``sync`` is exact there).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from unbubble.errors import ConfigError, ScheduleError, did_you_mean
+
+log = logging.getLogger(__name__)
+
+#: Where the gradient norm a stage clips by comes from ([Note: clip scopes]).
+CLIP_SCOPES = ("sync", "stale", "stage")
+#: torch.nn.utils.clip_grads_with_norm_'s ε in max_norm / (norm + ε).
+EPS = 1e-6
+_LOGGED = 3
+
+_POST_VALIDATE = ("clip_scope='post-validate' is refused: under PACI later micro-batches' forwards already ran "
+                  "on the eagerly stepped weights, so rolling the step back cannot be exact, and for the synchronous "
+                  "schedules it is not implemented (use sync: exact, or stale: no barrier; set --clip-scope)")
+
+
+def check_clip(max_norm: Any, scope: Any) -> None:
+    """Validates ``clip_grad_norm`` and ``clip_scope``.
+
+    Raises:
+        ConfigError: one line naming the value and what is valid.
+    """
+    if max_norm is not None and (isinstance(max_norm, bool) or not isinstance(max_norm, (int, float))
+                                 or not (0 < max_norm < math.inf)):
+        raise ConfigError(f"clip_grad_norm={max_norm!r} is invalid: must be a finite number > 0 or unset "
+                          "(set --clip-grad-norm)")
+    if scope == "post-validate":
+        raise ConfigError(_POST_VALIDATE)
+    if scope not in CLIP_SCOPES:
+        raise ConfigError(f"clip_scope={scope!r} is invalid{did_you_mean(scope, CLIP_SCOPES)}: must be one of "
+                          f"{', '.join(CLIP_SCOPES)} (set --clip-scope)")
+
+
+def check_rank_updates(schedule) -> None:
+    """A rank with several stages exchanges their norms once per update, at its first ``U`` of
+    that update: refuses a schedule whose list interleaves other actions between one rank's
+    updates of one step (none of ours does; every stage's gradients must be complete there).
+
+    Raises:
+        ConfigError: naming the schedule, rank and action.
+    """
+    if schedule.virtual == 1 or schedule.asynchronous:
+        return
+    for rank, acts in enumerate(schedule.static_order()):
+        run = 0
+        for a in acts[: 4 * schedule.mb_per_step * 3 * schedule.virtual + 8]:  # the first steps: lists repeat per step
+            if a.kind.value == "U":
+                run += 1
+            elif 0 < run < schedule.virtual:
+                raise ConfigError(f"schedule={schedule.name!r} runs {a} between rank {rank}'s updates of one step: "
+                                  "global clipping needs them adjacent (set --clip-scope stage)")
+            else:
+                run = 0
+
+
+def stale_lag(schedule) -> int:
+    """s of ``clip_scope="stale"``: update t is clipped by the global norm of update t − s;
+    ⌈N/a⌉ for the asynchronous schedules (a: micro-batches per update), 1 for the flushed ones
+    ([Note: stale lag])."""
+    if not schedule.asynchronous:
+        return 1
+    return -(-schedule.n_stages // schedule.mb_per_step)
+
+
+def tensor_norms(tensors: list[torch.Tensor | None]) -> torch.Tensor:
+    """The 2-norm of each tensor as ``torch.nn.utils.get_total_norm`` computes them (``torch._foreach_norm``
+    per device and dtype, else ``vector_norm``), as one float32 vector; 0 for a ``None`` (a parameter
+    without a gradient), so the length is fixed."""
+    present = [t for t in tensors if t is not None]
+    if not present:
+        return torch.zeros(len(tensors))
+    from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype, _has_foreach_support
+
+    norms: dict[int, torch.Tensor] = {}
+    index = {id(t): i for i, t in enumerate(tensors) if t is not None}
+    grouped = _group_tensors_by_device_and_dtype([present])
+    for (device, _), ([group], _) in grouped.items():
+        if _has_foreach_support(group, device):
+            values = torch._foreach_norm(group, 2.0)
+        else:
+            values = [torch.linalg.vector_norm(g, 2.0) for g in group]
+        for t, v in zip(group, values):
+            norms[index[id(t)]] = v
+    first = present[0].device
+    zero = torch.zeros((), device=first)
+    return torch.stack([norms.get(i, zero).to(first, torch.float32) for i in range(len(tensors))])
+
+
+def total_norm(vector: torch.Tensor) -> torch.Tensor:
+    """The 2-norm of the per-tensor norms (``get_total_norm``'s last step)."""
+    return torch.linalg.vector_norm(vector, 2.0)
+
+
+def stage_sizes(ex) -> tuple[int, int]:
+    """``(gradient tensors, parameters)`` of one stage's executor."""
+    return len(ex.grad_params), sum(p.numel() for p in ex.grad_params)
+
+
+def _assemble(schedule, sizes: dict[int, tuple[int, int]], per_rank: list[torch.Tensor]) -> torch.Tensor:
+    """Every stage's per-tensor norms, in stage order, from each rank's contribution (its stages'
+    norms concatenated in increasing stage order, possibly padded)."""
+    parts = []
+    for s in range(schedule.n_stages):
+        r = schedule.rank_of(s)
+        offset = sum(sizes[o][0] for o in schedule.stages_of(r) if o < s)
+        parts.append(per_rank[r][offset: offset + sizes[s][0]])
+    return torch.cat(parts)
+
+
+class LocalExchange:
+    """The emulator's all-gather: every rank's contribution of update t, assembled in one process."""
+
+    def __init__(self, schedule, sizes: dict[int, tuple[int, int]]):
+        self.schedule, self.sizes = schedule, sizes
+        self._parts: dict[int, dict[int, torch.Tensor]] = {}
+        self._reads: dict[int, int] = {}
+
+    def start(self, rank: int, t: int, vector: torch.Tensor) -> None:
+        self._parts.setdefault(t, {})[rank] = vector
+
+    def ready(self, t: int) -> bool:
+        return len(self._parts.get(t, ())) == self.schedule.n_ranks
+
+    def result(self, t: int) -> torch.Tensor:
+        if not self.ready(t):
+            raise ScheduleError(f"the global gradient norm of update {t} is incomplete: ranks "
+                                f"{sorted(set(range(self.schedule.n_ranks)) - set(self._parts.get(t, ())))} have not "
+                                "reached it (the stale lag's guarantee failed; [Note: stale lag])")
+        parts = self._parts[t]
+        out = _assemble(self.schedule, self.sizes, [parts[r] for r in range(self.schedule.n_ranks)])
+        self._reads[t] = self._reads.get(t, 0) + 1
+        if self._reads[t] == self.schedule.n_ranks:  # every rank has its copy
+            del self._parts[t], self._reads[t]
+        return out
+
+    def drain(self) -> None:
+        pass
+
+
+class DistExchange:
+    """The process engine's all-gather over one replica's pipeline ranks (a dedicated group): each
+    rank's vector is padded to the longest, gathered (``async_op`` under ``stale``) and assembled in
+    stage order, the same bits as :class:`LocalExchange`."""
+
+    def __init__(self, group, schedule, sizes: dict[int, tuple[int, int]], blocking: bool):
+        self.group, self.schedule, self.sizes, self.blocking = group, schedule, sizes, blocking
+        self.width = max(sum(sizes[s][0] for s in schedule.stages_of(r)) for r in range(schedule.n_ranks))
+        self._pending: dict[int, tuple[Any, list[torch.Tensor], torch.Tensor]] = {}
+
+    @staticmethod
+    def gather_sizes(group, schedule, rank: int, local: dict[int, tuple[int, int]],
+                     device: torch.device | None = None) -> dict[int, tuple[int, int]]:
+        """Every stage's :func:`stage_sizes` from each rank's own (one blocking all-gather at set-up;
+        ``device``: where the group's backend takes tensors, the GPU under NCCL)."""
+        mine = torch.tensor([local[s] for s in schedule.stages_of(rank)], dtype=torch.int64, device=device)
+        out = [torch.empty_like(mine) for _ in range(schedule.n_ranks)]
+        dist.all_gather(out, mine, group=group)
+        return {s: tuple(int(x) for x in out[r][i].tolist()) for r in range(schedule.n_ranks)
+                for i, s in enumerate(schedule.stages_of(r))}
+
+    def start(self, rank: int, t: int, vector: torch.Tensor) -> None:
+        padded = torch.zeros(self.width, dtype=vector.dtype, device=vector.device)
+        padded[: vector.numel()] = vector
+        out = [torch.empty_like(padded) for _ in range(self.schedule.n_ranks)]
+        work = dist.all_gather(out, padded, group=self.group, async_op=not self.blocking)
+        self._pending[t] = (work, out, padded)
+
+    def ready(self, t: int) -> bool:
+        return True
+
+    def result(self, t: int) -> torch.Tensor:
+        work, out, _ = self._pending.pop(t)
+        if work is not None:
+            work.wait()
+        return _assemble(self.schedule, self.sizes, out)
+
+    def drain(self) -> None:
+        """Waits for every collective still in flight (the last s updates' under ``stale``)."""
+        for t in sorted(self._pending):
+            work = self._pending.pop(t)[0]
+            if work is not None:
+                work.wait()
+
+
+class RankClipper:
+    """Clips the updates of one rank's stages ([Note: clip scopes]); set as their executors'
+    ``clipper``. The rank contributes its stages' per-tensor norms once per update t, at its first
+    ``U`` of t (all its stages' gradients of t are complete there, :func:`check_rank_updates`).
+
+    Args:
+        max_norm: X.
+        scope: one of :data:`CLIP_SCOPES`.
+        lag: s of ``stale`` (:func:`stale_lag`).
+        rank: the pipeline rank.
+        execs: the rank's executors by stage.
+        exchange: :class:`LocalExchange` or :class:`DistExchange` (``None`` for ``stage``).
+        sizes: every stage's ``(gradient tensors, parameters)``.
+    """
+
+    def __init__(self, max_norm: float, scope: str, lag: int, rank: int, execs: dict, exchange,
+                 sizes: dict[int, tuple[int, int]]):
+        self.max_norm, self.scope, self.lag, self.rank = float(max_norm), scope, lag, rank
+        self.execs = dict(sorted(execs.items()))
+        self.exchange = exchange
+        total = sum(p for _, p in sizes.values())
+        self.share = {s: math.sqrt(sizes[s][1] / total) if total else 1.0 for s in self.execs}
+        self._totals: dict[int, torch.Tensor] = {}
+        self._contributed = -1
+        for ex in self.execs.values():
+            ex.clipper = self
+
+    def restore(self) -> None:
+        """After loading a checkpoint: contributes the saved norms of the last s updates again, in
+        update order (every rank does the same), so updates T … T + s − 1 clip as uninterrupted."""
+        first = next(iter(self.execs.values()))
+        if self.scope == "stale":
+            missing = [t for t in range(max(0, first.version - self.lag), first.version) if t not in first.clip_recent]
+            if missing:
+                raise ConfigError(f"the checkpoint of step {first.version} holds no gradient norms of updates "
+                                  f"{missing[0]}–{missing[-1]}, which clip_scope='stale' (lag {self.lag}) needs: it was "
+                                  "written with another --clip-scope or --clip-grad-norm; resume with that one")
+        for t in sorted(first.clip_recent):
+            self._start(t, [ex.clip_recent[t].to(self._device(ex)) for ex in self.execs.values()])
+
+    @staticmethod
+    def _device(ex) -> torch.device:
+        return ex.grad_params[0].device if ex.grad_params else torch.device("cpu")
+
+    def _start(self, t: int, vectors: list[torch.Tensor]) -> None:
+        self.exchange.start(self.rank, t, torch.cat(vectors))
+        self._contributed = t
+
+    def contribute(self, t: int) -> None:
+        """The rank's part of update t's exchange (once; prepares each of its stages' update)."""
+        if t <= self._contributed:
+            return
+        vectors = []
+        for ex in self.execs.values():
+            ex.prepare_update()
+            v = tensor_norms([p.grad for p in ex.grad_params])
+            if self.scope == "stale":  # what a resume must contribute again ([Note: stale lag])
+                ex.clip_recent[t] = v.detach().cpu()
+                for old in [u for u in ex.clip_recent if u <= t - self.lag]:
+                    del ex.clip_recent[old]
+            vectors.append(v)
+        self._start(t, vectors)
+
+    def ready(self, ex) -> bool:
+        """Whether ``ex``'s next update can run now (the emulator's barrier under ``sync``)."""
+        if self.scope != "sync":
+            return True
+        self.contribute(ex.version)
+        return ex.version in self._totals or self.exchange.ready(ex.version)
+
+    def _global(self, t: int) -> torch.Tensor:
+        total = self._totals.get(t)
+        if total is None:
+            total = self._totals[t] = total_norm(self.exchange.result(t))
+            for old in [u for u in self._totals if u < t - self.lag]:
+                del self._totals[old]
+        return total
+
+    def clip(self, ex) -> bool:
+        """Clips ``ex``'s accumulated gradients for its update ``ex.version`` in place.
+
+        Returns:
+            ``True`` to apply the update, ``False`` to skip it (a non-finite norm).
+        """
+        t, s = ex.version, ex.stage
+        grads = [p.grad for p in ex.grad_params]
+        if self.scope == "stage":
+            local = total_norm(tensor_norms(grads))
+            return self._apply(ex, local, self.max_norm * self.share[s], "its own gradient norm", "this stage")
+        self.contribute(t)
+        if self.scope == "sync":
+            return self._apply(ex, self._global(t), self.max_norm, f"the global gradient norm of update {t}",
+                               "every stage")
+        local = total_norm(tensor_norms(grads))  # stale: the local check at once
+        if not bool(torch.isfinite(local)):
+            return self._apply(ex, local, self.max_norm, "its own gradient norm", "this stage (at once)")
+        if t < self.lag:  # no global norm yet: clipped as scope stage
+            ex.clip_stats["local"] += 1
+            return self._apply(ex, local, self.max_norm * self.share[s], "its own gradient norm", "this stage")
+        return self._apply(ex, self._global(t - self.lag), self.max_norm,
+                           f"the global gradient norm of update {t - self.lag}", "every stage")
+
+    def _apply(self, ex, norm: torch.Tensor, threshold: float, what: str, where: str) -> bool:
+        coef = threshold / (norm + EPS)
+        finite, clipped = torch.stack([torch.isfinite(norm), coef < 1]).tolist()
+        if not finite:
+            ex.clip_stats["skipped"] += 1
+            ex.events.append({"stage": ex.stage, "mb": None, "version": ex.version, "policy": f"clip-{self.scope}",
+                              "what": f"{what} (update skipped on {where})"})
+            if ex.clip_stats["skipped"] <= _LOGGED:
+                log.warning("stage %d skipped update %d: %s is non-finite (clip scope %s; skipped on %s)",
+                            ex.stage, ex.version, what, self.scope, where)
+            return False
+        if clipped:
+            ex.clip_stats["clipped"] += 1
+        torch.nn.utils.clip_grads_with_norm_(ex.grad_params, threshold, norm)
+        return True
+
+
+def attach_local(job, execs: list) -> dict[int, RankClipper]:
+    """The emulator's clippers, one per rank (all stages in this process); ``{}`` without clipping."""
+    if job.clip_grad_norm is None:
+        return {}
+    sched = job.schedule
+    sizes = {ex.stage: stage_sizes(ex) for ex in execs}
+    exchange = None if job.clip_scope == "stage" else LocalExchange(sched, sizes)
+    clippers = {r: RankClipper(job.clip_grad_norm, job.clip_scope, stale_lag(sched), r,
+                               {s: execs[s] for s in sched.stages_of(r)}, exchange, sizes)
+                for r in range(sched.n_ranks)}
+    for c in clippers.values():
+        c.restore()
+    return clippers
+
+
+def attach_dist(job, execs: dict, rank: int, group, device: torch.device | None = None) -> RankClipper | None:
+    """One stage process's clipper: exchanges the stages' sizes once (a blocking all-gather over
+    ``group``, the replica's pipeline ranks), then contributes its saved norms after a resume."""
+    if job.clip_grad_norm is None:
+        return None
+    sched = job.schedule
+    sizes = DistExchange.gather_sizes(group, sched, rank, {s: stage_sizes(ex) for s, ex in execs.items()}, device)
+    exchange = None if job.clip_scope == "stage" else DistExchange(group, sched, sizes, job.clip_scope == "sync")
+    clipper = RankClipper(job.clip_grad_norm, job.clip_scope, stale_lag(sched), rank, execs, exchange, sizes)
+    clipper.restore()
+    return clipper
+
+
+def clip_summary(job, stats: list[dict[str, int]]) -> dict[str, Any] | None:
+    """``summary.json``'s ``clip``: scope, threshold, lag and per-stage counts of clipped updates,
+    skipped updates and (``stale``) updates clipped locally before the first global norm."""
+    if job.clip_grad_norm is None:
+        return None
+    out = {"scope": job.clip_scope, "max_norm": job.clip_grad_norm,
+           "lag": stale_lag(job.schedule) if job.clip_scope == "stale" else None,
+           "clipped": [s.get("clipped", 0) for s in stats], "skipped": [s.get("skipped", 0) for s in stats]}
+    if job.clip_scope == "stale":
+        out["local"] = [s.get("local", 0) for s in stats]
+    return out
+
+
+def causal_lag(schedule, orders: list[list]) -> int:
+    """The smallest lag s such that, in every execution of ``orders`` (per-rank action lists),
+    every stage has started its update t − s before any stage starts its update t: exact, from
+    vector clocks over the lists' program order and messages (F(s, k) → F(s+1, k); the backward
+    or input-gradient of (s, k) → that of (s−1, k)); costs and timing play no part.
+
+    Raises:
+        ScheduleError: the lists deadlock (a message never sent before it is needed).
+    """
+    n = schedule.n_stages
+    clocks = [[0] * n for _ in range(schedule.n_ranks)]
+    sent: dict[tuple[str, int, int], list[int]] = {}
+    pos = [0] * schedule.n_ranks
+    need = 1
+    progress = True
+    while progress:
+        progress = False
+        for r, acts in enumerate(orders):
+            while pos[r] < len(acts):
+                a = acts[pos[r]]
+                kind = a.kind.value
+                key = None
+                if kind == "F" and a.stage > 0:
+                    key = ("F", a.stage - 1, a.mb)
+                elif kind in "BI" and a.stage < n - 1:
+                    key = ("B", a.stage + 1, a.mb)
+                if key is not None:
+                    if key not in sent:
+                        break
+                    clocks[r] = [max(x, y) for x, y in zip(clocks[r], sent[key])]
+                if kind == "U":
+                    t = clocks[r][a.stage]  # its update index: the updates of its own stage seen so far
+                    need = max(need, max(t + 1 - c for c in clocks[r]))
+                    clocks[r][a.stage] += 1
+                elif kind == "F" and a.stage < n - 1:
+                    sent[("F", a.stage, a.mb)] = list(clocks[r])
+                elif kind in "BI" and a.stage > 0:
+                    sent[("B", a.stage, a.mb)] = list(clocks[r])
+                pos[r] += 1
+                progress = True
+    stuck = [r for r in range(schedule.n_ranks) if pos[r] < len(orders[r])]
+    if stuck:
+        raise ScheduleError(f"the orders deadlock at ranks {stuck}: next {[str(orders[r][pos[r]]) for r in stuck]}")
+    return need
