@@ -439,13 +439,18 @@ def train_model(model: torch.nn.Module, schedule: str = "paci", run_dir: str | P
     """
     from unbubble.models.external import PYTHON_MODEL
 
+    from unbubble.progress import ProgressListener, end_lines, setup_logging
+
     listeners: list = []
 
     def factory(writer, total):  # the CLI's progress bar (plain step lines off a terminal)
-        from unbubble.cli.train import ProgressListener
-
         listeners.append(ProgressListener(writer, total, max(total // 20, 1), "", writer.resume_step or 0))
         return listeners[0]
+
+    root = logging.getLogger("unbubble")
+    configured = root.handlers[:], root.level, root.propagate
+    if progress and not root.hasHandlers():  # a plain script: show the step lines as the CLI does
+        setup_logging(0)
 
     names = {f.name for f in dataclasses.fields(TrainConfig)}
     bad = sorted(set(options) - names)
@@ -464,8 +469,8 @@ def train_model(model: torch.nn.Module, schedule: str = "paci", run_dir: str | P
     finally:
         for lst in listeners:
             lst.close()
-    if result is not None and progress:  # the end line of unbubble train
-        util = (result.sim_trace or result.trace).utilization()
-        log.info("run folder %s | tokens/s %s | max Δ per stage %s | utilization %s", run_dir,
-                 f"{result.tokens_per_s:,.0f}", result.max_drift(), " ".join(f"{u:.2f}" for u in util))
+        root.handlers[:], root.level, root.propagate = configured[0], configured[1], configured[2]
+    if result is not None and progress:  # the end lines of unbubble train
+        for line in end_lines(resume_config(run_dir), result, run_dir, json.loads((run_dir / "summary.json").read_text())):
+            print(line)
     return result, run_dir

@@ -191,7 +191,7 @@ def test_config_that_is_not_text(tmp_path):
 def test_second_ctrl_c_names_the_kept_checkpoint(tmp_path, corpus, cache_dir, monkeypatch):
     # the first SIGINT asks for a stop at the next cut (a checkpoint of step 4, not reached); the second stops
     # at once during step 3: what is kept is the checkpoint of step 2, and --resume continues from it
-    from unbubble.cli.train import ProgressListener
+    from unbubble.progress import ProgressListener
     from unbubble.runtime.launch import ECHO_S
 
     def on_step(self, step, loss, info):

@@ -303,7 +303,7 @@ def test_train_prints_the_break_even_of_an_asynchronous_run():
     bubble vanishes across steps at F = I = W); a flushed run prints nothing."""
     from types import SimpleNamespace
 
-    from unbubble.cli.train import _break_even_line
+    from unbubble.progress import break_even_line as _break_even_line
     from unbubble.schedules.registry import get_schedule
     from unbubble.sim.costs import UniformCosts
     from unbubble.sim.engine import run_policies

@@ -346,7 +346,7 @@ def test_a_short_run_writes_its_last_step_unless_told_not_to_and_a_finished_run_
 def test_the_end_line_names_the_step_of_the_final_evaluation():
     """Regression: a run stopped at step 86 before its first evaluation after step 0 printed
     'validation loss 5.5675 -> 5.5675', which reads as no progress."""
-    from unbubble.cli.train import validation_line
+    from unbubble.progress import validation_line
 
     base = {"initial_val_loss": 5.5675, "steps_done": 86}
     assert validation_line({**base, "val_losses": [[0, 5.5675]], "final_val_loss": 5.5675}, 100) == \

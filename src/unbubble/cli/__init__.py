@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import logging
 import sys
 
 import click
-from rich.console import Console
-from rich.logging import RichHandler
 
 from unbubble.errors import ConfigError, NonFiniteError, PipelineFailure, ScheduleError, StartupInterrupted
+from unbubble.progress import err_console, setup_logging  # noqa: F401 - the CLI's console and logging
 
 
 
@@ -48,17 +46,6 @@ def survive_closed_pipes() -> None:
             setattr(sys, name, _ClosedPipeSafe(stream))
 
 
-#: Results go to stdout, messages (logs, errors) to stderr.
-err_console = Console(stderr=True)
-
-
-def setup_logging(verbosity: int) -> None:
-    level = logging.WARNING if verbosity < 0 else logging.DEBUG if verbosity > 0 else logging.INFO
-    handler = RichHandler(console=err_console, show_path=False, show_time=False, markup=False)
-    root = logging.getLogger("unbubble")
-    root.handlers[:] = [handler]
-    root.setLevel(level)
-    root.propagate = False
 
 
 def abort(message: str, status: int = 2) -> None:

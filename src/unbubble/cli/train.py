@@ -9,11 +9,10 @@ import sys
 import typing
 
 import click
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from unbubble.cli import err_console
 from unbubble.config import RESUME_OVERRIDES, TrainConfig, check_schedule_options
 from unbubble.errors import ConfigError, PipelineFailure, SecondSignal, StartupInterrupted
+from unbubble.progress import ProgressListener, end_lines
 
 log = logging.getLogger("unbubble.train")
 
@@ -56,84 +55,6 @@ def _stopped_at_once(signal_: SecondSignal, listeners: list,
     return failure or PipelineFailure(str(signal_))
 
 
-class ProgressListener:
-    """Draws a progress bar on a terminal (plain lines otherwise) and forwards to the run writer.
-
-    Until the first step the bar says what is starting (``starting`` text); tokens/s count the
-    steps done since the training loop started (start-up excluded), and :meth:`finish` shows
-    the run's final figure, the one summary.json holds.
-    """
-
-    def __init__(self, writer, total_steps: int, log_every: int, starting: str = "", first_step: int = 0):
-        self.writer, self.total, self.log_every = writer, total_steps, log_every
-        self.progress = None
-        if err_console.is_terminal:
-            self.progress = Progress(
-                TextColumn("step"), MofNCompleteColumn(), BarColumn(), TextColumn("{task.fields[stats]}"),
-                TimeElapsedColumn(), TimeRemainingColumn(), console=err_console, transient=False)
-            self.task = self.progress.add_task("train", total=total_steps, completed=first_step, stats=starting)
-            self.progress.start()
-        elif starting:
-            log.info(starting)
-
-    def on_step(self, step: int, loss: float, info: dict) -> None:
-        self.writer.on_step(step, loss, info)
-        stats = f"loss {loss:.4f} | {info['tok_per_s']:,.0f} tok/s | max Δ {info['max_drift']}"
-        if self.progress is not None:
-            self.progress.update(self.task, completed=step, stats=stats)
-        elif step % self.log_every == 0 or step == self.total:
-            log.info("step %d/%d | %s | %.1f s", step, self.total, stats, info["elapsed_s"])
-
-    def on_eval(self, version: int, val_loss: float) -> None:
-        self.writer.on_eval(version, val_loss)
-
-    def on_event(self, event: dict) -> None:
-        self.writer.on_event(event)
-
-    def on_snapshot(self, version: int, states: dict) -> None:
-        self.writer.on_snapshot(version, states)
-
-    def finish(self, summary: dict) -> None:
-        """Shows the whole run's figures of ``summary`` (summary.json) on the bar."""
-        if self.progress is not None and summary.get("final_train_loss") is not None:
-            self.progress.update(self.task, stats=f"loss {summary['final_train_loss']:.4f} | "
-                                 f"{summary['tokens_per_s']:,.0f} tok/s (whole run) | max Δ {max(summary['max_drift'])}")
-
-    def close(self) -> None:
-        if self.progress is not None:
-            self.progress.stop()
-
-
-def _break_even_line(cfg: TrainConfig, result) -> str | None:
-    """For an asynchronous run: the throughput ratio it buys over the fastest synchronous schedule
-    (:data:`unbubble.sim.extrapolate.SYNCHRONOUS`) at m = its micro-batches per update, simulated with
-    this run's measured per-stage costs (the break-even its token overhead must stay below), and over
-    the fastest within 1F1B-flush's activation memory where that is another schedule; None for
-    synchronous runs or tiny traces."""
-    from unbubble.errors import ConfigError
-    from unbubble.schedules.registry import get_schedule
-
-    if not get_schedule(cfg.schedule, cfg.stages, 1, a=cfg.a, m=cfg.m, v=cfg.v).asynchronous or cfg.dp > 1:
-        return None
-    from unbubble.sim.costs import PipelineCosts, StageCosts
-    from unbubble.sim.extrapolate import async_over_sync
-    from unbubble.sim.measured import kind_medians
-
-    m = cfg.mb_per_step
-    try:  # compute only (median F, B, U per stage): the emulator's wall-clock gaps are not link times
-        med = kind_medians(result.trace)
-        costs = PipelineCosts(tuple(StageCosts.from_fb(d["F"], d["B"], d.get("U", 0.0)) for d in med))
-        ratio, name = async_over_sync(costs, cfg.stages, m, a=m)
-        ratio_mem, name_mem = async_over_sync(costs, cfg.stages, m, a=m, memory="1f1b")
-    except (ConfigError, KeyError, ValueError, ZeroDivisionError):  # a stage that ran no F or B
-        return None
-    same = "" if name_mem == name else (f" ({ratio_mem:.2f}× against {name_mem}, the fastest within 1F1B-flush's "
-                                        "activation memory)")
-    return (f"break-even: on these stages' measured costs this schedule is {ratio:.2f}× as fast as the fastest "
-            f"synchronous one at m = {m} ({name}){same}; asynchrony pays while it needs fewer than {ratio:.2f}× their "
-            "tokens (docs/faq.md#when-does-asynchrony-pay)")
-
-
 def _given(kwargs: dict) -> dict:
     """The options given explicitly on the command line (not defaults)."""
     from click.core import ParameterSource
@@ -151,21 +72,6 @@ def _effective_config(kwargs: dict) -> TrainConfig:
     if path is None:
         return TrainConfig(**kwargs)
     return load_config(path, overrides=_given(kwargs))
-
-
-def validation_line(summary: dict, eval_interval: int) -> str:
-    """The end-of-run validation line from ``summary.json``: the step of the final evaluation when it
-    is not the last step done, and no "5.57 -> 5.57" when the run stopped before any evaluation after
-    step 0 (that would read as no progress)."""
-    from unbubble.loggers import perplexity
-
-    last = summary["val_losses"][-1][0]  # the version the final validation loss evaluated
-    if last == 0:
-        return (f"validation loss {summary['initial_val_loss']:.4f} at step 0; no evaluation since "
-                f"(--eval-interval {eval_interval})")
-    at = "" if last == summary["steps_done"] else f" at step {last}"
-    return (f"validation loss {summary['initial_val_loss']:.4f} -> {summary['final_val_loss']:.4f}{at} "
-            f"(ppl {perplexity(summary['final_val_loss']):.4g})")
 
 
 @click.command(context_settings={"show_default": True})
@@ -253,20 +159,8 @@ def train(print_config: bool, resume: str | None, **kwargs) -> None:
     for lst in listeners:
         lst.finish(summary)
         lst.close()
-    click.echo(f"run folder: {run_dir}")
-    if summary["val_losses"]:
-        click.echo(validation_line(summary, cfg.eval_interval))
-    util = (result.sim_trace or result.trace).utilization()
-    kind = "simulated utilization" if result.sim_trace is not None else "utilization"
-    per = "virtual stage" if len(result.max_drift()) != len(util) else "stage"  # interleaved: v chunks per rank
-    click.echo(f"tokens/s {result.tokens_per_s:,.0f} | max Δ per {per} {result.max_drift()} | "
-               f"{kind} {' '.join(f'{u:.2f}' for u in util)}")
-    line = _break_even_line(cfg, result)
-    if line:
+    for line in end_lines(cfg, result, run_dir, summary):
         click.echo(line)
-    if result.events:
-        click.echo(f"non-finite guard ({cfg.nan_policy}): dropped {len(result.events)} micro-batch(es); see "
-                   f"{run_dir}/metrics.jsonl")
     if result.stopped_at is not None:
         if cfg.checkpoints:
             click.echo(f"stopped at step {result.stopped_at} of {cfg.steps}; checkpoint "
