@@ -27,7 +27,7 @@ def _ints(text: str | None, name: str) -> list[int] | None:
                           f"(set --{name.replace('_', '-')})") from None
 
 
-def _columns(time_to_target: bool):
+def _columns(time_to_target: bool, barrier: bool = False):
     from unbubble.sim.report import Column, _gb, _num, _pct
 
     yes = lambda v: "full" if v else "none"  # noqa: E731
@@ -39,6 +39,8 @@ def _columns(time_to_target: bool):
                  Column("tokens_per_s", "tokens/s", _num(0), hide=2)]
     else:
         cols += [Column("tokens_per_s", "tokens/s", _num(0)), Column("vs_first", "× first", _num(3), hide=5)]
+    if barrier:
+        cols += [Column("vs_no_barrier", "× no barrier", _num(3))]
     cols += [Column("peak_memory_bytes", "peak GB", _gb), Column("bubble", "bubble", _pct, hide=1),
              Column("max_delay", "max τ", hide=6)]
     return cols
@@ -87,6 +89,14 @@ def _print(obj, fmt: str, width: int | None) -> None:
 @click.option("--predict-weights/--no-predict-weights", default=False,
               help="Count weight prediction's buffers in paci's and async-1f1b's memory.")
 @click.option("--flash-attention/--no-flash-attention", default=False, help="Attention scores are not stored.")
+@click.option("--clip-scope", default="none", type=click.Choice(["none", "stage", "sync", "stale"]),
+              help="Per-update global operation of every configuration, as `unbubble train --clip-scope` (global "
+                   "gradient clipping, the non-finite check): sync, a blocking gradient-norm all-reduce over the "
+                   "pipeline's devices (a barrier per update); stale, non-blocking, update t clipped with the norm "
+                   "of update t − s; stage, a local norm. Rows then give tokens/s with it and × no barrier.")
+@click.option("--clip-lag", default=None, type=int,
+              help="s of --clip-scope stale [default: the runtime's, ⌈N/a⌉ for asynchronous schedules, 1 for "
+                   "flushed ones].")
 @click.option("--top", default=10, type=int, help="Rows printed per table.")
 @click.option("--all-configs", is_flag=True, help="Rank every configuration (default: each schedule's best).")
 @click.option("--format", "fmt", default="table", type=click.Choice(FORMATS), help="How tables are printed.")
@@ -95,7 +105,8 @@ def plan(model: str, gpus: str, global_batch_tokens: int, seq_len: int | None, m
          link_gb_s: float | None, inter_node_gb_s: float | None, achievable: float | None, precision: str,
          vocab_size: int | None, schedules: str | None, stages: str | None, v_values: str, recompute: str,
          max_micro_batches: int | None, token_overhead: float | None, error_feedback: bool, predict_weights: bool,
-         flash_attention: bool, top: int, all_configs: bool, fmt: str, wide: bool) -> None:
+         flash_attention: bool, clip_scope: str, clip_lag: int | None, top: int, all_configs: bool, fmt: str,
+         wide: bool) -> None:
     """Which schedule, pipeline depth and micro-batching to run: a search on the simulator.
 
     Searches every schedule × pipeline depth N × micro-batches per update (m, or a for PACI) ×
@@ -122,7 +133,8 @@ def plan(model: str, gpus: str, global_batch_tokens: int, seq_len: int | None, m
                               v_values=_ints(v_values, "v") or planner.DEFAULT_V, recompute=rc, precision=precision,
                               flash_attention=flash_attention, predict_weights=predict_weights,
                               error_feedback=error_feedback,
-                              token_overhead=overhead, max_micro_batches=max_micro_batches)
+                              token_overhead=overhead, max_micro_batches=max_micro_batches,
+                              clip_scope=clip_scope, clip_lag=clip_lag)
     ranked = planner.rank(rows)
     elapsed = time.perf_counter() - t0
     columns = max(shutil.get_terminal_size().columns, 40)
@@ -160,13 +172,26 @@ def plan(model: str, gpus: str, global_batch_tokens: int, seq_len: int | None, m
         click.echo(textwrap.fill(head, columns, break_on_hyphens=False))
     else:
         click.echo(head + "\n")
-    _print(render(t1, _columns(False), fmt, title=title1, width=width), fmt, width)
+    barrier = clip_scope != "none"
+    _print(render(t1, _columns(False, barrier), fmt, title=title1, width=width), fmt, width)
     if t2:
-        _print(render(t2, _columns(True), fmt, title=title2, width=width), fmt, width)
+        _print(render(t2, _columns(True, barrier), fmt, title=title2, width=width), fmt, width)
     source = (planner.TOKEN_OVERHEAD_SOURCE if token_overhead is None else "given with --token-overhead")
     notes = [f"Token overhead {overhead:g}: {source}; applied to every delayed row "
              "(asynchronous, N > 1; the others compute 1F1B-flush's updates: overhead 1).",
              "Predicted on the analytic cost model (unbubble.sim.analytic) and the simulator's memory model; "
              "data-parallel all-reduce added to each update, not overlapped."]
+    if barrier:
+        from unbubble.sim.barrier import allreduce_latency
+
+        what = {"sync": "a blocking gradient-norm all-reduce over each pipeline's devices per update (a barrier: "
+                        "no stage steps before every stage has finished the update's backwards)",
+                "stale": "a non-blocking gradient-norm all-reduce per update, update t clipped with the norm of "
+                         f"update t − {clip_lag if clip_lag else 's (⌈N/a⌉ asynchronous, 1 flushed)'}",
+                "stage": "a local gradient norm per update (no all-reduce)"}[clip_scope]
+        node = min(cluster.gpus, cluster.hardware.gpus_per_node)
+        notes.append(f"--clip-scope {clip_scope}: {what}; all-reduce latency from the hardware table, a ring "
+                     f"({allreduce_latency(cluster.hardware, node) * 1e6:.3g} µs over {node} devices of a node); "
+                     "× no barrier: tokens/s ÷ the same configuration's without it.")
     for line in notes:
         click.echo(textwrap.fill(line, columns, break_on_hyphens=False) if fmt == "table" else "\n" + line)

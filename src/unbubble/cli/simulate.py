@@ -175,6 +175,7 @@ class CostSource:
                                   f"chunks, but {o['model']} has {self.config.n_layer} blocks: at most {fits} stages "
                                   f"for {schedule.name} (set --stages {fits} or less, or pick a deeper --model)") \
                     from err
+            self.last_model = am
             return am.costs, am.memory, am.stage_layers
         if schedule.n_stages != schedule.n_ranks:
             raise ConfigError(f"schedule={schedule.name!r} has {schedule.n_stages} virtual stages: it needs costs per "
@@ -191,6 +192,21 @@ class CostSource:
             base = PipelineCosts(base.stages, base.message_bytes, base.bandwidth_bytes_per_s, base.latency_s,
                                  o["jitter"], o["seed"], self.stragglers)
         return base, self.measured_memory, self.measured_layers
+
+    def global_op(self, schedule, scope: str):
+        """The per-update global operation of ``scope`` for ``schedule`` ([Note: the barrier] in
+        ``sim/barrier.py``): on the analytic model the all-reduce latency of its hardware over the
+        schedule's devices and each stage's local-norm time (gradient bytes ÷ memory bandwidth); on
+        unit or measured costs no local-norm time and ``--allreduce-latency`` (default 0). Call after
+        :meth:`for_schedule` for the same schedule."""
+        from unbubble.sim.barrier import GlobalOp, for_analytic
+
+        if scope == "none":
+            return None
+        lag, lam = self.o["clip_lag"], self.o["allreduce_latency"]
+        if self.kind == "analytic":
+            return for_analytic(self.last_model, scope, schedule.n_ranks, lag=lag, latency_s=lam)
+        return GlobalOp(scope, lam or 0.0, 0.0, lag)
 
 
 @click.command(context_settings={"show_default": True})
@@ -236,6 +252,18 @@ class CostSource:
                                                              "[default: runs/<time>-simulate-<schedule>-N<stages>].")
 @click.option("--checkpoint-every", default=0, type=int, help="Drain the pipeline after every K-th update, as a "
               "run that checkpoints every K steps does (0: never), to see what checkpoints cost.")
+@click.option("--clip-scope", default="none",
+              help="Per-update global operation, as `unbubble train --clip-scope` (global gradient clipping, the "
+                   "global non-finite check): none; stage (local norm only); sync (a blocking gradient-norm "
+                   "all-reduce over every stage: a barrier per update); stale (non-blocking, update t clipped with "
+                   "the norm of update t − s). Comma-separated to compare, e.g. sync,stale; every schedule is also "
+                   "run without it (none) and reported with its × no barrier.")
+@click.option("--clip-lag", default=None, type=int,
+              help="s of --clip-scope stale [default: the runtime's, ⌈N/a⌉ for asynchronous schedules (a: "
+                   "micro-batches per update), 1 for flushed ones].")
+@click.option("--allreduce-latency", default=None, type=float,
+              help="Seconds of the clip's all-reduce [default: a ring over the devices on --hardware's links; 0 "
+                   "with --uniform or --costs-from].")
 @click.option("--timeline-steps", default=2, type=int, help="Steps of each schedule drawn in its timeline.")
 @click.option("--format", "fmt", default="table", type=click.Choice(FORMATS), help="How tables are printed.")
 @click.option("--wide", is_flag=True, help="Print every table column (by default a terminal too narrow for a "
@@ -291,6 +319,7 @@ def simulate(**o) -> None:
                           "(set --checkpoint-every)")
     if o["timeline_steps"] < 1:
         raise ConfigError(f"timeline_steps={o['timeline_steps']} is invalid: must be ≥ 1 (set --timeline-steps)")
+    scopes = _clip_scopes(o)
     source = CostSource(o)
     if o["stages"] is None:
         o["stages"] = 8
@@ -309,26 +338,36 @@ def simulate(**o) -> None:
              source.description)
     out = Path(o["out"] or f"runs/{time.strftime('%Y%m%d-%H%M%S')}-simulate-{names[0]}-N{o['stages']}")
     out.mkdir(parents=True, exist_ok=True)
-    results, notes = [], []
+    results, notes, scope_of, vs_none = [], [], [], []
     for name in names:
         sched = _schedule(name, o["stages"], mb, o["a"], o["m"], o["v"])
         if sched.total_mb != mb:  # whole updates only
             log.warning("%s: %d micro-batches simulated, not %d: %d whole updates of %d (give --micro-batches %d)",
                         name, sched.total_mb, mb, sched.steps, sched.mb_per_step, sched.total_mb)
         costs, memory, layers = source.for_schedule(sched)
-        t0 = time.perf_counter()
-        res = run_sim(sched, costs, memory, samples_per_mb=source.samples_per_mb, tokens_per_mb=source.tokens_per_mb,
-                      checkpoint_every=o["checkpoint_every"])
-        log.debug("%s: %d actions simulated in %.2f s", name, len(res.trace), time.perf_counter() - t0)
-        slug = res.label.replace(" ", "").replace("(", "-").replace(")", "").replace("=", "")
-        timeline_png(res.trace, out / f"timeline-{slug}.png", title=f"{res.label}, N={o['stages']}",
-                     t_end=window_end(res.trace, sched.mb_per_step, o["timeline_steps"]))
-        chrome_trace(res.trace, out / f"trace-{slug}.json", name=res.label)
-        results.append(res)
-        notes.append(report.bottleneck_line(res, layers))
+        plain = None
+        for scope in scopes:
+            t0 = time.perf_counter()
+            res = run_sim(sched, costs, memory, samples_per_mb=source.samples_per_mb,
+                          tokens_per_mb=source.tokens_per_mb, checkpoint_every=o["checkpoint_every"],
+                          global_op=source.global_op(sched, scope))
+            log.debug("%s: %d actions simulated in %.2f s", res.label, len(res.trace), time.perf_counter() - t0)
+            slug = res.label.replace(" ", "").replace("(", "-").replace(")", "").replace("=", "")
+            timeline_png(res.trace, out / f"timeline-{slug}.png", title=f"{res.label}, N={o['stages']}",
+                         t_end=window_end(res.trace, sched.mb_per_step, o["timeline_steps"]))
+            chrome_trace(res.trace, out / f"trace-{slug}.json", name=res.label)
+            results.append(res)
+            plain = res if scope == "none" else plain
+            scope_of.append(scope)
+            vs_none.append(res.steady_samples_per_s / plain.steady_samples_per_s if plain is not None else None)
+            # the imbalance is the schedule's: named once, on its run without the barrier
+            notes.append(report.bottleneck_line(res, layers) if scope == "none" else report.barrier_line(res, plain))
     notes = [line for line in notes if line]
 
     summary = report.summary_rows(results)
+    if scopes != ["none"]:
+        for row, scope, vs in zip(summary, scope_of, vs_none):
+            row.update(clip_scope=scope, vs_no_barrier=vs)
     stages = [row for res in results for row in report.stage_rows(res)]
     drift = report.drift_rows(results)
     (out / "summary.csv").write_text(report.to_csv(summary, report.SUMMARY_COLUMNS))
@@ -354,6 +393,41 @@ def simulate(**o) -> None:
         click.echo(textwrap.fill(f"wrote {out}/: summary.csv/.md, stages.csv/.md, drift.csv, timeline-*.png, "
                                  "trace-*.json", columns, subsequent_indent="  ", break_long_words=False,
                                  break_on_hyphens=False))
+
+
+def _clip_scopes(o: dict) -> list[str]:
+    """The clip scopes to simulate, ``none`` first (every schedule is also reported without a barrier).
+
+    Raises:
+        ConfigError: an unknown scope, a --clip-lag below 1 or without stale, a negative --allreduce-latency.
+    """
+    import math
+
+    from unbubble.sim.barrier import SCOPES
+
+    scopes = [x.strip() for x in str(o["clip_scope"]).split(",") if x.strip()]
+    if not scopes:
+        raise ConfigError(f"clip_scope={o['clip_scope']!r} is empty: give one or more of {', '.join(SCOPES)} "
+                          "(set --clip-scope)")
+    for x in scopes:
+        if x not in SCOPES:
+            raise ConfigError(f"clip_scope={x!r} is invalid{did_you_mean(x, SCOPES)}: must be one of "
+                              f"{', '.join(SCOPES)}, or several separated by commas (set --clip-scope)")
+    if o["clip_lag"] is not None:
+        if o["clip_lag"] < 1:
+            raise ConfigError(f"clip_lag={o['clip_lag']} is invalid: the stale norm's lag must be an integer ≥ 1 "
+                              "updates (set --clip-lag)")
+        if "stale" not in scopes:
+            raise ConfigError("--clip-lag is the lag of --clip-scope stale: add stale to --clip-scope, or drop "
+                              "--clip-lag")
+    lam = o["allreduce_latency"]
+    if lam is not None and not (0 <= lam < math.inf):
+        raise ConfigError(f"allreduce_latency={lam!r} is invalid: must be a finite number ≥ 0 seconds "
+                          "(set --allreduce-latency)")
+    if lam is not None and scopes in (["none"], ["none", "stage"], ["stage"]):
+        raise ConfigError("--allreduce-latency applies to --clip-scope sync or stale (an all-reduce): add one, "
+                          "or drop --allreduce-latency")
+    return ["none"] + [x for x in dict.fromkeys(scopes) if x != "none"]
 
 
 def _print(obj, fmt: str, width: int | None) -> None:

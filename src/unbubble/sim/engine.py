@@ -20,12 +20,14 @@ jitter, latency and zero-length actions. When numba is installed, the same case 
 compiled kernel instead (``_run_compiled``, [Note: compiled engine] in ``sim/kernel.py``), which
 again gives the identical trace (``tests/unit/test_sim_kernel.py``: seeded random schedules, costs
 and replayed orders through every path). Pass ``fast=False`` to force the reference, or set
-``UNBUBBLE_SIM_NUMBA=0`` to force the pure-Python fast path.
+``UNBUBBLE_SIM_NUMBA=0`` to force the pure-Python fast path. A run with a per-update global
+operation (``global_op``: [Note: the barrier] in ``sim/barrier.py``) always takes the reference path.
 """
 
 from __future__ import annotations
 
 import heapq
+import math
 from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Iterator, Protocol
@@ -33,7 +35,7 @@ from typing import Callable, Iterator, Protocol
 import numpy as np
 
 from unbubble.errors import ScheduleError
-from unbubble.schedules.actions import Action, format_order
+from unbubble.schedules.actions import Action, ActionKind, format_order
 from unbubble.schedules.policy import ListPolicy, PaciPolicy, RankView, StageState
 from unbubble.schedules.registry import Schedule
 from unbubble.sim import kernel
@@ -114,6 +116,8 @@ class Trace:
         self._stage_lists: list[list[Action] | None] | None = None  # per stage, in execution order
         self._cols: tuple | None = None  # (stage, kind, mb, start_s, end_s, version, weights) numpy columns
         self._bwd_cols: tuple | None = None  # _backward_columns() once computed (() = not applicable)
+        #: what a per-update global operation did (:class:`~unbubble.sim.barrier.GlobalOpLog`), or None
+        self.global_op_log = None
 
     @classmethod
     def _from_rows(cls, n_stages: int, n_ranks: int | None, rows: list[Row], actions: list[Action] | None = None,
@@ -342,7 +346,7 @@ Execute = Callable[[Action], None]
 
 
 def run_policies(schedule: Schedule, costs: CostModel, execute: Execute | None = None,
-                 policies: list | None = None, *, fast: bool = True) -> Trace:
+                 policies: list | None = None, *, fast: bool = True, global_op=None) -> Trace:
     """Runs every rank's policy on a simulated clock.
 
     A rank (= a stage, or the v virtual stages of interleaved 1F1B) runs one action at a
@@ -356,6 +360,10 @@ def run_policies(schedule: Schedule, costs: CostModel, execute: Execute | None =
             the emulator runs real computation here.
         policies: per-rank policies overriding ``schedule.policy`` (replay mode).
         fast: allow the inline evaluation of ``ListPolicy``/``PaciPolicy`` ([Note: engine fast paths]).
+        global_op: a per-update global operation (:class:`~unbubble.sim.barrier.GlobalOp`, e.g. the
+            gradient-norm all-reduce of global clipping; [Note: the barrier] in ``sim/barrier.py``);
+            runs on the reference path, its log in ``Trace.global_op_log``. ``None`` or scope
+            ``none``: no such operation.
 
     Returns:
         The :class:`Trace` with simulated start/end times and versions.
@@ -376,7 +384,9 @@ def run_policies(schedule: Schedule, costs: CostModel, execute: Execute | None =
     fdelay = [costs.send_latency(s, s + 1) if s + 1 < n else 0.0 for s in range(n)]
     bdelay = [costs.send_latency(s, s - 1) if s > 0 else 0.0 for s in range(n)]
     stashed = getattr(schedule, "backward_weights", "current") == "stashed"
-    if (fast and execute is None and table is not None and n_ranks == n
+    if global_op is not None and not global_op.active:
+        global_op = None
+    if (fast and global_op is None and execute is None and table is not None and n_ranks == n
             and all(type(p) in (ListPolicy, PaciPolicy) for p in pols)):
         out = _run_compiled(n, schedule.total_mb, pols, table, noise, fdelay, bdelay, stashed)
         if out is not None:
@@ -387,9 +397,10 @@ def run_policies(schedule: Schedule, costs: CostModel, execute: Execute | None =
             trace = Trace._from_rows(n, n_ranks, rows, stage_lists=stage_lists)
         states = views
     else:
-        rows, actions, states, views = _run_reference(schedule, pols, costs, table, noise, fdelay, bdelay,
-                                                      execute, stashed)
+        rows, actions, states, views, gop_log = _run_reference(schedule, pols, costs, table, noise, fdelay, bdelay,
+                                                               execute, stashed, global_op)
         trace = Trace._from_rows(n, n_ranks, rows, actions=actions, placement=placement_of(schedule))
+        trace.global_op_log = gop_log
     stuck = [r for r in range(n_ranks) if not pols[r].done(views[r])]
     if stuck:
         lines = [
@@ -397,8 +408,11 @@ def run_policies(schedule: Schedule, costs: CostModel, execute: Execute | None =
             f"bwd_ready={sorted(states[s].bwd_ready)} done F={states[s].n_fwd} B={states[s].n_bwd} v={states[s].version}"
             for r in stuck for s in _stages_of(schedule, r)
         ]
+        barrier = (f" under the global operation (clip scope {global_op.scope}: a rank's updates of one step are "
+                   "not consecutive in its list, so one waits for the all-reduce another has not joined)"
+                   if global_op is not None else "")
         raise ScheduleError(
-            f"schedule {schedule.name!r} deadlocked: stages {stuck} cannot act\n" + "\n".join(lines)
+            f"schedule {schedule.name!r} deadlocked{barrier}: stages {stuck} cannot act\n" + "\n".join(lines)
             + "\nexecuted so far:\n" + format_order(trace.order())
         )
     return trace
@@ -426,8 +440,25 @@ def _compound_scale(costs, table, first: Action, second: Action) -> float:
     return (d1 + d2 - phi * min(d1, d2)) / (d1 + d2) if d1 + d2 > 0 else 1.0
 
 
-def _run_reference(schedule, pols, costs, table, noise, fdelay, bdelay, execute, stashed):
-    """The engine's semantics: ask each idle rank's policy; see [Note: engine fast paths]."""
+def _update_run(pol, view, stage: int) -> list[int]:
+    """The stages whose ``U`` run consecutively from the rank's next action (a ``U`` of ``stage``): a
+    rank that hosts several chunks updates them together at the end of its step ([Note: the barrier]).
+    Rule-based policies (PACI) update one stage per rank."""
+    inner = getattr(pol, "inner", pol)
+    acts = getattr(inner, "actions", None)
+    if acts is None:
+        return [stage]
+    out, i = [], view.n_actions
+    while i < len(acts) and acts[i].kind is ActionKind.U:
+        out.append(acts[i].stage)
+        i += 1
+    return out if stage in out else [stage]
+
+
+def _run_reference(schedule, pols, costs, table, noise, fdelay, bdelay, execute, stashed, global_op=None):
+    """The engine's semantics: ask each idle rank's policy; see [Note: engine fast paths]. With a
+    ``global_op``, each ``U`` also waits for the all-reduce its step needs ([Note: the barrier] in
+    ``sim/barrier.py``)."""
     n, n_ranks, total = schedule.n_stages, schedule.n_ranks, schedule.total_mb
     states = [StageState(s, n, total) for s in range(n)]
     stages_of = [_stages_of(schedule, r) for r in range(n_ranks)]
@@ -449,6 +480,19 @@ def _run_reference(schedule, pols, costs, table, noise, fdelay, bdelay, execute,
     bin_: list[deque] = [deque() for _ in range(n)]  # (arrival_s, mb) of gradients for stage s
     events: list[tuple[float, int, int]] = [(0.0, r, r) for r in range(n_ranks)]
     seq = n_ranks
+    gop_log = None
+    if global_op is not None:
+        from unbubble.sim.barrier import GlobalOpLog
+
+        scope, lam, lag = global_op.scope, global_op.latency_s, global_op.lag_for(schedule)
+        nu = global_op.norms(n)
+        gop_log = GlobalOpLog(scope, lag, norm_s=nu)
+        reached_t = [0] * n  # the last update each stage has reached
+        contrib: dict[int, list] = {}  # t -> [stages reached, latest reached + ν]
+        completed = gop_log.completed  # t -> R_t
+        waiting: dict[int, set[int]] = {}  # t -> ranks waiting for R_t to become known
+        # each rank's pending first U of an update: (stage, t, ν of the run, reached, run)
+        lead: list[tuple | None] = [None] * n_ranks
 
     def wake(t: float, rank: int) -> None:
         nonlocal seq
@@ -467,12 +511,45 @@ def _run_reference(schedule, pols, costs, table, noise, fdelay, bdelay, execute,
         if action is None:
             continue
         s, k = action.stage, KIND_INDEX[action.kind]
+        extra = 0.0
+        if gop_log is not None and k == _U:  # [Note: the barrier]
+            t_up = states[s].version + 1
+            if reached_t[s] < t_up:  # the rank reaches update t: local norms, then its share of the all-reduce
+                run = _update_run(pols[r], views[r], s)
+                nu_run = sum(nu[x] for x in run)
+                lead[r] = (s, t_up, nu_run, t, tuple(run))
+                for x in run:
+                    tx = states[x].version + 1
+                    reached_t[x] = tx
+                    c = contrib.setdefault(tx, [0, -math.inf])
+                    c[0] += 1
+                    c[1] = max(c[1], t + nu_run)
+                    if c[0] == n and scope != "stage":
+                        completed[tx] = c[1] + lam
+                        for rr in waiting.pop(tx, ()):
+                            wake(t, rr)
+            first = lead[r] is not None and lead[r][0] == s and lead[r][1] == t_up
+            nu_here = lead[r][2] if first else 0.0
+            need = t_up if scope == "sync" else t_up - lag if scope == "stale" else 0
+            if need >= 1:
+                if need not in completed:
+                    waiting.setdefault(need, set()).add(r)
+                    continue
+                if t < completed[need] - nu_here:
+                    wake(completed[need] - nu_here, r)
+                    continue
+            if first:
+                _, _, _, reached, run = lead[r]
+                gop_log.updates.append((r, run, t_up, reached, t))
+                lead[r] = None
+                extra = nu_here
         mb = -1 if action.mb is None else action.mb
         st = states[s]
         if table is None:
             d = costs.duration(action)
         else:
             d = table[s][k] if noise is None else noise(s, k, t)
+        d += extra
         if overlaps[r]:  # a compound action: both parts take _compound_scale of their durations
             pos = views[r].n_actions
             if pos in overlaps[r]:
@@ -500,7 +577,7 @@ def _run_reference(schedule, pols, costs, table, noise, fdelay, bdelay, execute,
         elif (k == _B or k == _I) and s > 0:
             bin_[s - 1].append((end + bdelay[s], mb))
             wake(end + bdelay[s], rank_of[s - 1])
-    return rows, actions, states, views
+    return rows, actions, states, views, gop_log
 
 
 def _run_fast(n, total, pols, table, noise, fdelay, bdelay, stashed):

@@ -280,7 +280,7 @@ def synchronous_options(n_stages: int, m: int, schedules: Sequence[str] = SYNCHR
 
 
 def async_over_sync(costs, n_stages: int, m: int, a: int | None = None, schedules: Sequence[str] = SYNCHRONOUS,
-                    memory: str = "any", v: int = COMPARE_V) -> tuple[float, str]:
+                    memory: str = "any", v: int = COMPARE_V, paci_op=None, sync_op=None) -> tuple[float, str]:
     """PACI's steady-state throughput over the fastest synchronous schedule's at m micro-batches per
     update: the speed-up asynchrony buys, which its token overhead must stay below to pay (break-even).
 
@@ -299,6 +299,11 @@ def async_over_sync(costs, n_stages: int, m: int, a: int | None = None, schedule
         memory: ``"any"``, or ``"1f1b"`` for only the schedules within 1F1B-flush's activation memory
             (:func:`peak_activations`; PACI holds N micro-batches, 1F1B-flush min(m, N)).
         v: chunks per rank of the schedules in :data:`VIRTUAL`.
+        paci_op, sync_op: the per-update global operation of PACI's run and of the synchronous
+            schedules' (:class:`~unbubble.sim.barrier.GlobalOp`, e.g. the gradient-norm all-reduce of
+            global clipping with scope ``sync`` or ``stale``; [Note: the barrier] in ``sim/barrier.py``),
+            or a function ``schedule -> GlobalOp`` (each schedule's own per-chunk local-norm times);
+            ``None``: none, the table without a barrier.
 
     Returns:
         ``(ratio, fastest synchronous schedule)``; ratios over 1 mean PACI is faster; a schedule in
@@ -307,8 +312,12 @@ def async_over_sync(costs, n_stages: int, m: int, a: int | None = None, schedule
     a = m if a is None else a
     costs_for = costs if callable(costs) else \
         (lambda sched: chunk_costs(costs, n_stages, sched.virtual, sched.placement))
+
+    def op_for(op, sched):
+        return op(sched) if callable(op) else op
+
     paci_sched = get_schedule("paci", n_stages, steps=max(16, 256 // a), a=a)
-    paci = simulate(paci_sched, costs_for(paci_sched)).steady_samples_per_s
+    paci = simulate(paci_sched, costs_for(paci_sched), global_op=op_for(paci_op, paci_sched)).steady_samples_per_s
     best, name = 0.0, ""
     for s in synchronous_options(n_stages, m, schedules, memory, v):
         sched = get_schedule(s, n_stages, steps=4, m=m, v=v)
@@ -316,7 +325,7 @@ def async_over_sync(costs, n_stages: int, m: int, a: int | None = None, schedule
             chunk = costs_for(sched)
         except ConfigError:  # the model cannot be cut into this schedule's chunks (fewer blocks than chunks)
             continue
-        rate = simulate(sched, chunk).steady_samples_per_s
+        rate = simulate(sched, chunk, global_op=op_for(sync_op, sched)).steady_samples_per_s
         if rate > best:
             best, name = rate, sync_label(s, v)
     return paci / best, name

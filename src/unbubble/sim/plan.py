@@ -36,6 +36,14 @@ Model of one configuration (all SI units: seconds, bytes, tokens):
 * Bubble: the mean idle fraction of the devices in that steady state: 1 − mean over ranks of
   (busy seconds per micro-batch × micro-batches per second); updates and recomputed forwards count
   as busy.
+* Global clipping (``clip_scope``, as ``unbubble train --clip-scope``): ``sync`` and ``stale`` add a
+  gradient-norm all-reduce per update over the N devices of a pipeline (the replicas hold the same
+  reduced gradients, so they need not join it), ``stage`` a local norm
+  (:class:`unbubble.sim.barrier.GlobalOp` from :func:`unbubble.sim.barrier.for_analytic`; [Note: the
+  barrier] in ``sim/barrier.py``). Every configuration is then simulated with it (the row's tokens/s,
+  bubble and rank) and without it (``no_barrier_tokens_per_s``). The data-parallel all-reduce stays
+  inside U, after the barrier's wait rather than before the local norm: the same time per update
+  where every stage's data-parallel all-reduce takes as long.
 
 The default token overhead, :data:`DEFAULT_TOKEN_OVERHEAD` = 1.33, is a measurement, not a
 property of asynchrony: PACI a = 4 with Muon and ``--error-feedback 1`` (the default remedy of
@@ -165,6 +173,9 @@ class PlanRow:
         bubble: mean idle fraction of the devices in steady state, in [0, 1).
         max_delay: largest staleness τ of any stage (0 for flushed schedules).
         token_overhead: tokens to the synchronous run's loss ÷ its tokens (1 for rows without delay).
+        clip_scope: the per-update global operation simulated (``none``, ``stage``, ``sync``, ``stale``).
+        no_barrier_tokens_per_s: tokens/s of the same configuration without it (``None`` when
+            ``clip_scope`` is ``none``).
     """
 
     schedule: str
@@ -182,6 +193,8 @@ class PlanRow:
     bubble: float
     max_delay: int
     token_overhead: float = 1.0
+    clip_scope: str = "none"
+    no_barrier_tokens_per_s: float | None = None
 
     @property
     def fits(self) -> bool:
@@ -210,10 +223,15 @@ class PlanRow:
             out += f" v={self.v}"
         return out
 
+    @property
+    def vs_no_barrier(self) -> float | None:
+        """tokens/s with the global operation ÷ without it (``None`` without one)."""
+        return None if self.no_barrier_tokens_per_s is None else self.tokens_per_s / self.no_barrier_tokens_per_s
+
     def as_dict(self) -> dict:
         """The row with its derived values (for tables and CSV)."""
         return {**dataclasses.asdict(self), "label": self.label, "fits": self.fits,
-                "effective_tokens_per_s": self.effective_tokens_per_s}
+                "effective_tokens_per_s": self.effective_tokens_per_s, "vs_no_barrier": self.vs_no_barrier}
 
 
 def _divisors(n: int) -> list[int]:
@@ -267,7 +285,8 @@ def candidates(model: "str | ModelConfig", cluster: Cluster, global_batch_tokens
                precision: str = "bf16", vocab_size: int | None = None, flash_attention: bool = False,
                predict_weights: bool = False, error_feedback: bool = True,
                token_overhead: float | None = DEFAULT_TOKEN_OVERHEAD,
-               max_micro_batches: int | None = None) -> list[PlanRow]:
+               max_micro_batches: int | None = None, clip_scope: str = "none",
+               clip_lag: int | None = None) -> list[PlanRow]:
     """Every configuration of the search, simulated, whether it fits in memory or not (see the
     module docstring for the model). Arguments as :func:`plan`; rows in search order.
 
@@ -317,6 +336,14 @@ def candidates(model: "str | ModelConfig", cluster: Cluster, global_batch_tokens
                           f"split evenly over the data-parallel replicas of any depth in {depths} (dp = gpus/N = "
                           f"{sorted({gpus // n for n in depths})}): give a multiple of "
                           f"{min(gpus // n for n in depths) * s_len} tokens (set --global-batch-tokens)")
+    from unbubble.sim.barrier import GlobalOp, check_scope, for_analytic
+
+    check_scope(clip_scope)
+    if clip_lag is not None:
+        GlobalOp("stale", lag=clip_lag)  # validates it
+        if clip_scope != "stale":
+            raise ConfigError(f"clip_lag={clip_lag} is the lag of clip scope stale, not {clip_scope}: set "
+                              "--clip-scope stale or drop --clip-lag")
     prec = get_precision(precision)
     hw = cluster.hardware
     rows: list[PlanRow] = []
@@ -355,6 +382,11 @@ def candidates(model: "str | ModelConfig", cluster: Cluster, global_batch_tokens
                         costs = _with_allreduce(am.costs, am.memory.grads_bytes, dp, hw, sched.n_ranks,
                                                 sched.rank_of)
                         res = simulate(sched, costs, am.memory, samples_per_mb=b, tokens_per_mb=b * s_len)
+                        plain = None
+                        if clip_scope != "none":
+                            plain = res.steady_tokens_per_s * dp
+                            res = simulate(sched, costs, am.memory, samples_per_mb=b, tokens_per_mb=b * s_len,
+                                           global_op=for_analytic(am, clip_scope, n, lag=clip_lag))
                         rate_mb = res.steady_samples_per_s / b  # micro-batches per second, one replica
                         util = [x / sched.total_mb * rate_mb for x in res.trace.busy_per_rank()]
                         delay = max(sched.delay_bound(s) for s in range(sched.n_stages))
@@ -362,7 +394,7 @@ def candidates(model: "str | ModelConfig", cluster: Cluster, global_batch_tokens
                             name, n, dp, sched.virtual, mb, b, s_len, rc, sched.asynchronous,
                             res.steady_tokens_per_s * dp, max(r.peak for r in res.memory), hw.memory_bytes,
                             max(0.0, 1.0 - sum(util) / len(util)), delay,
-                            token_overhead if delay > 0 and token_overhead is not None else 1.0)
+                            token_overhead if delay > 0 and token_overhead is not None else 1.0, clip_scope, plain)
                         rows.append(row)
                         fitted = row.fits
     if not rows:
@@ -376,7 +408,8 @@ def plan(model: "str | ModelConfig", cluster: Cluster, global_batch_tokens: int,
          schedules: Sequence[str] | None = None, stages: Sequence[int] | None = None,
          v_values: Sequence[int] = DEFAULT_V, recompute: Sequence[bool] = (False, True), precision: str = "bf16",
          vocab_size: int | None = None, flash_attention: bool = False, predict_weights: bool = False,
-         error_feedback: bool = True, token_overhead: float | None = DEFAULT_TOKEN_OVERHEAD, max_micro_batches: int | None = None) -> list[PlanRow]:
+         error_feedback: bool = True, token_overhead: float | None = DEFAULT_TOKEN_OVERHEAD,
+         max_micro_batches: int | None = None, clip_scope: str = "none", clip_lag: int | None = None) -> list[PlanRow]:
     """The configurations that fit in memory, fastest first.
 
     Args:
@@ -398,6 +431,10 @@ def plan(model: "str | ModelConfig", cluster: Cluster, global_batch_tokens: int,
         token_overhead: tokens an asynchronous run needs to reach the synchronous loss ÷ the
             synchronous run's (default :data:`DEFAULT_TOKEN_OVERHEAD`, a measurement; ``None``: 1).
         max_micro_batches: largest m (or a) tried (default: every divisor of the sequences per replica).
+        clip_scope: the per-update global operation of every configuration (``none``; ``stage``, ``sync``
+            or ``stale`` as ``unbubble train --clip-scope``; see the module docstring).
+        clip_lag: s of ``stale`` (default the runtime's, :func:`unbubble.sim.barrier.stale_lag`: ⌈N/a⌉ for
+            asynchronous schedules, 1 for flushed ones).
 
     Returns:
         :class:`PlanRow` s that fit, by predicted tokens/s (highest first; ties: fewer stages,
@@ -412,7 +449,8 @@ def plan(model: "str | ModelConfig", cluster: Cluster, global_batch_tokens: int,
     rows = candidates(model, cluster, global_batch_tokens, seq_len, schedules=schedules, stages=stages,
                       v_values=v_values, recompute=recompute, precision=precision, vocab_size=vocab_size,
                       flash_attention=flash_attention, predict_weights=predict_weights,
-                      error_feedback=error_feedback, token_overhead=token_overhead, max_micro_batches=max_micro_batches)
+                      error_feedback=error_feedback, token_overhead=token_overhead, max_micro_batches=max_micro_batches,
+                      clip_scope=clip_scope, clip_lag=clip_lag)
     return rank(rows)
 
 

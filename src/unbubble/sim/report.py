@@ -61,6 +61,8 @@ SUMMARY_COLUMNS = [
     Column("steady_samples_per_s_per_device", "samples/s/device", _num(3), hide=3),
     Column("steady_tokens_per_s", "tokens/s (steady)", _num(0), hide=9),
     Column("speedup", "× first", _num(3)),
+    Column("clip_scope", "clip", hide=12),
+    Column("vs_no_barrier", "× no barrier", _num(3)),
     Column("mean_bubble", "bubble (mean)", _pct),
     Column("max_bubble", "bubble (worst)", _pct, hide=6),
     Column("max_drift", "max Δ", hide=10),
@@ -260,3 +262,24 @@ def bottleneck_line(result: SimResult, layers: Sequence[range] | None = None, mi
         what = f"{'; '.join(stage_parts(s, n, layers) for s in stages)} (blocks per stage {split}), "
     return (f"{head}; {who} is the bottleneck: {what}{busy[r] / sum(busy):.1%} of the work, {ratio:.2f}× the mean "
             f"{'stage' if nr == n else 'device'}: the others wait for it (imbalance alone: {1 - 1 / ratio:.1%} bubble)")
+
+
+def barrier_line(result: SimResult, without: SimResult | None = None) -> str | None:
+    """What the run's per-update global operation cost ([Note: the barrier] in ``sim/barrier.py``):
+    the throughput against the same schedule without it, the share of time the devices idled waiting
+    for the all-reduce, and for ``stale`` the norm's lag. ``None`` without an active global operation."""
+    op, log = result.global_op, result.trace.global_op_log
+    if op is None or log is None:
+        return None
+    waits = [0.0] * result.n_ranks
+    for (r, _), w in log.waits().items():
+        waits[r] += w
+    span = result.makespan_s or 1.0
+    worst = max(range(len(waits)), key=waits.__getitem__)
+    vs = (f"{result.steady_samples_per_s / without.steady_samples_per_s:.3f}× its steady throughput without it; "
+          if without is not None else "")
+    lag = f"stale clips update t with the global norm of update t − {log.lag}; " if op.scope == "stale" else ""
+    what = {"sync": "a blocking gradient-norm all-reduce per update", "stale": "a non-blocking gradient-norm "
+            "all-reduce per update", "stage": "a local gradient norm per update, no all-reduce"}[op.scope]
+    return (f"{result.label}: {what} (latency {op.latency_s * 1e6:.3g} µs); {vs}{lag}devices idle waiting for it "
+            f"{sum(waits) / len(waits) / span:.1%} of the run on average (device {worst}: {waits[worst] / span:.1%})")

@@ -26,7 +26,10 @@ class SimResult:
         memory: peak memory per rank (``None`` without a :class:`MemorySpec`).
         samples_per_mb: sequences per micro-batch (1 if unknown: throughput is then micro-batches/s).
         tokens_per_mb: tokens per micro-batch (``None`` if unknown).
-        label: a name for tables (default: the schedule's name and its m or a).
+        label: a name for tables (default: the schedule's name and its m or a, and the clip scope of
+            a per-update global operation, e.g. ``zb-h2 (m=8) clip sync``).
+        global_op: the per-update global operation the run had (:class:`~unbubble.sim.barrier.GlobalOp`),
+            or ``None``.
     """
 
     schedule: Schedule
@@ -36,12 +39,15 @@ class SimResult:
     tokens_per_mb: int | None = None
     label: str = ""
     _util: list[float] | None = field(default=None, repr=False)
+    global_op: Any = None
 
     def __post_init__(self) -> None:
         if not self.label:
             s = self.schedule
             self.label = f"{s.name} ({'a' if s.name == 'paci' else 'm'}={s.mb_per_step})" \
                 if s.name not in ("async-1f1b", "pipedream", "pipemare") else s.name
+            if self.global_op is not None and self.global_op.active:
+                self.label += f" clip {self.global_op.scope}"
 
     @property
     def n_ranks(self) -> int:
@@ -155,7 +161,8 @@ def schedule_policies(schedule: Schedule) -> list:
 
 
 def simulate(schedule: Schedule, costs: CostModel, memory: MemorySpec | None = None, *, samples_per_mb: int = 1,
-             tokens_per_mb: int | None = None, label: str = "", checkpoint_every: int = 0) -> SimResult:
+             tokens_per_mb: int | None = None, label: str = "", checkpoint_every: int = 0,
+             global_op=None) -> SimResult:
     """Runs ``schedule`` on ``costs`` and, with a ``memory`` spec, counts the peak memory of every rank.
 
     Args:
@@ -167,6 +174,9 @@ def simulate(schedule: Schedule, costs: CostModel, memory: MemorySpec | None = N
         checkpoint_every: K > 0 drains the pipeline after every K-th update, as a training run
             that checkpoints does ([Note: the checkpoint cut] in ``runtime/checkpoint.py``), so
             the throughput includes the checkpoints' cost (writing the files is not modelled).
+        global_op: a per-update global operation (:class:`~unbubble.sim.barrier.GlobalOp`: the
+            gradient-norm all-reduce of global clipping, ``sync``, ``stale`` or ``stage``; [Note: the
+            barrier] in ``sim/barrier.py``); ``None``: none.
 
     Raises:
         ScheduleError: the schedule deadlocks.
@@ -176,8 +186,8 @@ def simulate(schedule: Schedule, costs: CostModel, memory: MemorySpec | None = N
     if checkpoint_every:
         cuts = Cuts(schedule.mb_per_step, every=checkpoint_every)
         policies = [CutPolicy(p, cuts) for p in policies]
-    trace = run_policies(schedule, costs, policies=policies)
+    trace = run_policies(schedule, costs, policies=policies, global_op=global_op)
     mem = None
     if memory is not None:
         mem = peak_memory(trace, memory, stashed=getattr(schedule, "backward_weights", "current") == "stashed")
-    return SimResult(schedule, trace, mem, samples_per_mb, tokens_per_mb, label)
+    return SimResult(schedule, trace, mem, samples_per_mb, tokens_per_mb, label, global_op=global_op)
