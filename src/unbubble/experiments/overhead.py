@@ -30,6 +30,7 @@ Metrics, from ``runs.csv`` and ``curves.csv`` only:
 
 from __future__ import annotations
 
+import functools
 import math
 import statistics
 import time
@@ -237,6 +238,58 @@ def break_even_rows(ns=(4, 8, 16), ms=(4, 8, 16, 32), schedules=SYNCHRONOUS, mem
     return rows
 
 
+def break_even_barrier_rows(ns=(4, 8, 16), ms=(4, 8, 16, 32), schedules=SYNCHRONOUS) -> list[dict[str, Any]]:
+    """The break-even ratio with a per-update barrier (global gradient clipping: a gradient-norm
+    all-reduce over every stage each update; [Note: the barrier] in ``unbubble.sim.barrier``), on the
+    setups of :func:`break_even_rows`, one row per (setup, N, m): PACI (a = m) over the fastest
+    synchronous schedule without it (``none``), with ``sync`` on every schedule (``sync``: the synchronous
+    schedules lose their across-update overlap, PACI's staggered stages stall), and PACI with ``stale``
+    against the synchronous schedules with ``sync`` (``stale vs sync``: the exact clip for the
+    synchronous run, PACI clipping update t with the norm of update t − ⌈N/a⌉). gpt2-medium:
+    the H200 table's all-reduce latency (a ring over the N devices) and each chunk's local-norm time
+    (gradient bytes ÷ HBM bandwidth); unit costs: neither. Computed once per arguments (the simulator
+    is deterministic)."""
+    return [dict(row) for row in _barrier_rows(tuple(ns), tuple(ms), tuple(schedules))]
+
+
+@functools.lru_cache(maxsize=8)
+def _barrier_rows(ns: tuple, ms: tuple, schedules: tuple) -> tuple:
+    """:func:`break_even_barrier_rows`, cached."""
+    from unbubble.sim.analytic import analytic_model, make_model
+    from unbubble.sim.barrier import GlobalOp, for_analytic
+    from unbubble.sim.costs import UniformCosts
+    from unbubble.sim.extrapolate import async_over_sync
+    from unbubble.sim.hardware import get_hardware
+
+    rows = []
+    cfg, hw = make_model("gpt2-medium"), get_hardware("h200")
+    for setup in ("gpt2-medium, H200", "unit costs (F = 1, B = 2)"):
+        for n in ns:
+            if setup.startswith("gpt2"):
+                @functools.lru_cache(maxsize=None)
+                def model(virtual, placement, n=n):
+                    return analytic_model(cfg, n, hw, 16, virtual=virtual, placement=placement)
+
+                def costs(sched, model=model):
+                    return model(sched.virtual, sched.placement).costs
+
+                def op(scope, model=model):
+                    return lambda sched: for_analytic(model(sched.virtual, sched.placement), scope)
+            else:
+                costs = UniformCosts(f=1.0, b=2.0)
+
+                def op(scope):
+                    return GlobalOp(scope)
+            for m in ms:
+                row: dict[str, Any] = {"setup": setup, "N": n, "m": m}
+                for key, paci_op, sync_op in (("none", None, None), ("sync", op("sync"), op("sync")),
+                                              ("stale vs sync", op("stale"), op("sync"))):
+                    ratio, name = async_over_sync(costs, n, m, schedules=schedules, paci_op=paci_op, sync_op=sync_op)
+                    row[key] = f"{ratio:.2f} ({name})"
+                rows.append(row)
+    return tuple(rows)
+
+
 def measured_break_even(study: Study, method: str, n: int, ms=(4, 8, 16, 32), memory: str = "any") -> dict[str, Any]:
     """The same ratio on this study's clock (per-stage F, B measured in its runs, ``method``'s U;
     schedules with v chunks per rank split each stage's measured work evenly)."""
@@ -264,6 +317,20 @@ def _schedule_set() -> str:
             "assumed because the model has one block per stage; interleaved-1f1b only where m is a multiple of N, "
             "dualpipev where m ≥ 2N, its overlapped F and B run one after the other (overlap φ = 0, as on these "
             "CPUs))")
+
+
+#: The sentence above the break-even table with a per-update barrier (:func:`break_even_barrier_rows`).
+BARRIER_NOTE = (
+    "With a per-update barrier (global gradient clipping or a global non-finite check: one gradient-norm "
+    "all-reduce over all stages per update, `unbubble simulate --clip-scope`): PACI (a = m) over the fastest "
+    "synchronous schedule without it (none), with `sync` on every schedule (the synchronous schedules lose "
+    "their across-update overlap: ZB-H2 and ZBV pay their flushed step's bubble each update, 1F1B-flush only "
+    "the latency; PACI's staggered stages wait for stage 0), and PACI with `stale` (update t clipped with the "
+    "norm of update t − ⌈N/a⌉, which no stage waits for in steady state) against the synchronous "
+    "schedules with `sync`. A synchronous schedule that validates its step after the fact (Zero Bubble's "
+    "optimizer post-validation) keeps the ratio of the none column while clipping rarely triggers. gpt2-medium: "
+    "the all-reduce's latency from the H200 table (a ring over the N devices) and each stage's local norm "
+    "(gradient bytes ÷ HBM bandwidth); unit costs: neither.")
 
 
 def _memory_note(ns=(4, 8, 16), ms=(4, 8, 16, 32)) -> str:
@@ -368,6 +435,8 @@ def overhead_study(out: Path, size: str = "default", seeds: list[int] | None = N
     if longer:
         files.append(write_csv(out / "overhead_study_horizon.csv", longer))
     files.append(write_csv(out / "overhead_study_break_even.csv", breakeven))
+    barrier = break_even_barrier_rows()
+    files.append(write_csv(out / "overhead_study_break_even_barrier.csv", barrier))
     files += _plots(study, h1, facts, n, out)
     wall = time.perf_counter() - t0
     b = h1["base"]
@@ -394,6 +463,7 @@ def overhead_study(out: Path, size: str = "default", seeds: list[int] | None = N
             "a device starts its next update while later ones finish theirs, so the steady-state bubble vanishes; "
             "ZBV does so within 1F1B-flush's activation memory.\n\n"
           + md_table(breakeven) + "\n\n" + _memory_note() + "\n\n" + md_table(same_memory) + "\n\n"
+          + BARRIER_NOTE + "\n\n" + md_table(barrier) + "\n\n"
           + "![budgets](overhead_study_budgets.png)\n\n"
           + provenance(f"unbubble experiment overhead-study --size {size}", h1["seeds"],
                        wall if analyze is None else run_wall / workers,
