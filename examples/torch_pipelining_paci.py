@@ -2,6 +2,7 @@
 
     torchrun --nproc-per-node 2 examples/torch_pipelining_paci.py                 # 12 steps, ≈ 10 s on 2 cores
     torchrun --nproc-per-node 4 examples/torch_pipelining_paci.py --steps 40 --a 2
+    torchrun --nproc-per-node 2 examples/torch_pipelining_paci.py --clip stale     # global norm of update t − ⌈N/a⌉: no wait
     torchrun --nproc-per-node 2 examples/torch_pipelining_paci.py --clip stage     # no per-step synchronisation
 
 A small decoder-only model in torchtitan's layout (``tok_embeddings``, ``layers`` as an ``nn.ModuleDict``
@@ -30,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from unbubble.pipelining import clip_grad_norm_pp, pipeline_paci
+from unbubble.runtime.clipping import PipelineClip
 
 
 @dataclass(kw_only=True, slots=True)
@@ -52,8 +54,9 @@ class Config:
     warmup_steps: int = 2
     max_norm: float = 1.0
     clip: str = "global"
-    """"global" (torchtitan's clip over the pipeline group: one all-reduce per step), "stage" (each stage
-    by its own norm, no synchronisation) or "none\""""
+    """"global" (torchtitan's clip over the pipeline group: one all-reduce per step, every rank waits for the
+    slowest), "stale" (the global norm of update t − ⌈N/a⌉ from a non-blocking all-gather: no rank waits;
+    unbubble.runtime.clipping.PipelineClip), "stage" (each stage by its own norm, no synchronisation) or "none\""""
     seed: int = 0
     log: bool = True
 
@@ -142,6 +145,8 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.1)
         self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_lambda(cfg, s))
         self.step = 0
+        self.stale_clip = PipelineClip(cfg.max_norm, "stale", a=cfg.a or cfg.n_microbatches, group=group) \
+            if cfg.clip == "stale" else None
 
     def train_step(self, data_iterator) -> tuple[float, float]:
         """One training step, torchtitan's order. Returns ``(mean loss of this step on the last stage, or
@@ -154,13 +159,19 @@ class Trainer:
         params = [p for m in self.model_parts for p in m.parameters()]
         if self.cfg.clip == "global":  # over the pipeline: every rank holds the same update's gradients now
             grad_norm = clip_grad_norm_pp(params, self.cfg.max_norm, self.group)
+        elif self.cfg.clip == "stale":  # no wait: the norm of update t − s, whose all-gather every rank has entered
+            grad_norm = self.stale_clip(params)
         elif self.cfg.clip == "stage":
             grad_norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.max_norm)
         else:
             grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
-        if not torch.isfinite(grad_norm):  # with "global" every rank skips the same update
-            raise FloatingPointError(f"step {self.step + 1}: non-finite gradient norm {float(grad_norm)}")
-        self.optimizer.step()  # PACI's local update U of this stage
+        if not torch.isfinite(grad_norm):
+            if self.cfg.clip != "stale":  # with "global" every rank stops at the same update
+                raise FloatingPointError(f"step {self.step + 1}: non-finite gradient norm {float(grad_norm)}")
+            # stale: this rank skips the update (its own norm now; every rank when the global norm arrives)
+            print(f"step {self.step + 1}: non-finite gradient norm, update skipped on this stage", flush=True)
+        else:
+            self.optimizer.step()  # PACI's local update U of this stage
         self.lr_scheduler.step()
         self.step += 1
         return loss, float(grad_norm)
@@ -178,6 +189,8 @@ class Trainer:
                           f"lr {self.lr_scheduler.get_last_lr()[0]:.2e} | {time.perf_counter() - t0:.3f} s/step",
                           flush=True)
         self.pp_schedule.drain()  # nothing in flight: evaluate or checkpoint the model parts now
+        if self.stale_clip is not None:
+            self.stale_clip.drain()  # the last s updates' all-gathers
         return losses
 
 
@@ -195,7 +208,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--steps", type=int, default=d.steps)
     p.add_argument("--a", type=int, default=None)
     p.add_argument("--n-microbatches", type=int, default=d.n_microbatches)
-    p.add_argument("--clip", choices=["global", "stage", "none"], default=d.clip)
+    p.add_argument("--clip", choices=["global", "stale", "stage", "none"], default=d.clip)
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     dist.init_process_group("gloo")  # torchrun sets RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT

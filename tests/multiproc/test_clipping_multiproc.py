@@ -3,17 +3,21 @@
 
 import dataclasses
 import functools
+import importlib.util
 import io
 import queue
 import socket
+import sys
 import time
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 import torch
 
 from unbubble.runtime.checkpoint import Checkpointing
 from unbubble.runtime.emulator import run_emulator
+from unbubble.runtime.job import PipelineJob
 from unbubble.schedules import get_schedule
 from unbubble.testing import tiny_gpt_config, tiny_gpt_job
 
@@ -33,6 +37,10 @@ def _worker(rank: int, world: int, port: int, jobs: list, q) -> None:
                                 timeout=timedelta(seconds=120))
         results = []
         for job in jobs:
+            if isinstance(job, dict):  # the torchtitan-shaped example on torch's PipelineStage
+                ex = _example()
+                results.append(ex.train(ex.Config(**job, log=False)))
+                continue
             msgs: list[tuple] = []
             run_stage(job, rank, msgs.append)
             finals = {s: p for kind, s, p in msgs if kind == "final"}
@@ -48,6 +56,18 @@ def _worker(rank: int, world: int, port: int, jobs: list, q) -> None:
         import traceback
 
         q.put((rank, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "torch_pipelining_paci.py"
+
+
+def _example():
+    """``examples/torch_pipelining_paci.py`` as a module (registered first: its dataclass looks itself up)."""
+    if "torch_pipelining_paci" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("torch_pipelining_paci", EXAMPLE)
+        mod = sys.modules["torch_pipelining_paci"] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+    return sys.modules["torch_pipelining_paci"]
 
 
 def _launch(jobs: list, world: int = N, timeout_s: float = 400.0) -> list[list[dict]]:
@@ -140,3 +160,34 @@ def test_two_replicas_clip_by_the_norm_of_their_averaged_gradients():
             assert results[s][i]["clip"][s]["clipped"] == ref.clip["clipped"][s]
             for name, want in ref.final_states[s].items():
                 torch.testing.assert_close(results[s][i]["states"][s][name], want, rtol=1e-5, atol=1e-7)
+
+
+def test_the_example_on_torch_pipeline_stages_with_clip_stale_equals_the_emulator():
+    """examples/torch_pipelining_paci.py --clip stale (PipelineClip) on 2 ranks, a = 1 (s = ⌈2/1⌉ = 2)
+    and a = 2 (s = 1): bit-equal weights to the emulator's PACI with clip_scope='stale'."""
+    runs = [{"steps": 6, "a": 1, "clip": "stale", "max_norm": 0.2}, {"steps": 5, "a": 2, "clip": "stale", "max_norm": 0.2}]
+    results = _launch(runs, world=2)
+    ex = _example()
+    for i, run in enumerate(runs):
+        cfg = ex.Config(**run, log=False)
+        job = PipelineJob(stage_fn=functools.partial(_example_stage, cfg), loss_fn=ex.cross_entropy,
+                          batch_fn=functools.partial(ex.micro_batch, cfg), optimizer_fn=_example_adamw(cfg),
+                          schedule=get_schedule("paci", 2, cfg.steps, a=cfg.a), lr_lambda=functools.partial(ex.lr_lambda, cfg),
+                          clip_grad_norm=cfg.max_norm, clip_scope="stale")
+        emu = run_emulator(job)
+        assert any(emu.clip["clipped"]) and emu.clip["lag"] == -(-2 // cfg.a)
+        for s in range(2):
+            assert all(torch.equal(results[s][i]["state"][k], v) for k, v in emu.final_states[s].items()), (run, s)
+        assert results[1][i]["losses"] == pytest.approx(emu.step_losses, rel=1e-6, abs=0)
+
+
+def _example_stage(cfg, stage: int):
+    from unbubble.pipelining import split_torchtitan_model
+
+    return split_torchtitan_model(_example().build_model(cfg), stage, 2)
+
+
+def _example_adamw(cfg):
+    def make(params, stage):
+        return torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    return make

@@ -414,3 +414,56 @@ def test_train_config_defaults_to_sync_and_refuses_a_scope_without_a_threshold()
         TrainConfig(clip_scope="stale")
     with pytest.raises(ConfigError, match=r"^clip_scope='post-validate' is refused"):
         TrainConfig(clip_grad_norm=1.0, clip_scope="post-validate")
+
+
+# -- PipelineClip: the same scopes for a loop over torch's PipelineStage ----------------------------------
+@pytest.fixture
+def world_of_one():
+    import socket
+
+    import torch.distributed as dist
+
+    created = not dist.is_initialized()
+    if created:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    yield
+    if created:
+        dist.destroy_process_group()
+
+
+def test_pipeline_clip_stale_lags_by_s_and_resumes_from_its_state(world_of_one):
+    """A world of one, lag 2 given: update 0 and 1 clip by their own norm (share 1), update t ≥ 2 by
+    the norm of update t − 2; a fresh object loaded from the state after update 3 continues exactly."""
+    from unbubble.runtime.clipping import PipelineClip
+
+    norms = [3.0, 0.5, 0.2, 4.0, 0.1, 2.0]
+    params = [nn.Parameter(torch.zeros(3)), nn.Parameter(torch.zeros(2))]
+
+    def run(clip, ts):
+        out = []
+        for t in ts:
+            direction = torch.tensor([1.0, 2.0, 2.0, 0.0, 0.0]) / 3
+            params[0].grad, params[1].grad = (norms[t] * direction[:3]).clone(), (norms[t] * direction[3:]).clone()
+            got = clip(params)
+            out.append((float(got), float(torch.cat([p.grad for p in params]).norm())))
+        return out
+
+    whole = run(PipelineClip(1.0, "stale", lag=2), range(6))
+    for t, (by, after) in enumerate(whole):
+        want_by = norms[t] if t < 2 else norms[t - 2]
+        assert by == pytest.approx(want_by, rel=1e-6)
+        assert after == pytest.approx(norms[t] * min(1.0, 1.0 / (want_by + 1e-6)), rel=1e-5)
+    first = PipelineClip(1.0, "stale", lag=2)
+    run(first, range(4))
+    resumed = PipelineClip(1.0, "stale", lag=2)
+    resumed.load_state_dict(first.state_dict(), params)
+    assert run(resumed, range(4, 6)) == whole[4:]
+    resumed.drain()
+    first.drain()
+    with pytest.raises(ConfigError, match="holds no gradient norms of updates 2–3"):
+        PipelineClip(1.0, "stale", lag=2).load_state_dict({"step": 4, "recent": {}}, params)
+    with pytest.raises(ConfigError, match=r"^clip_scope='post-validate' is refused"):
+        PipelineClip(1.0, "post-validate", a=2)

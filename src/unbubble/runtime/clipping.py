@@ -296,6 +296,7 @@ class RankClipper:
         total = sum(p for _, p in sizes.values())
         self.share = {s: math.sqrt(sizes[s][1] / total) if total else 1.0 for s in self.execs}
         self._totals: dict[int, torch.Tensor] = {}
+        self._own: dict[int, torch.Tensor] = {}  # stage -> its per-tensor norms of the update contributed last
         self._contributed = -1
         for ex in self.execs.values():
             ex.clipper = self
@@ -328,7 +329,7 @@ class RankClipper:
         vectors = []
         for ex in self.execs.values():
             ex.prepare_update()
-            v = tensor_norms([p.grad for p in ex.grad_params])
+            v = self._own[ex.stage] = tensor_norms([p.grad for p in ex.grad_params])
             if self.scope == "stale":  # what a resume must contribute again ([Note: stale lag])
                 ex.clip_recent[t] = v.detach().cpu()
                 for old in [u for u in ex.clip_recent if u <= t - self.lag]:
@@ -358,15 +359,14 @@ class RankClipper:
             ``True`` to apply the update, ``False`` to skip it (a non-finite norm).
         """
         t, s = ex.version, ex.stage
-        grads = [p.grad for p in ex.grad_params]
         if self.scope == "stage":
-            local = total_norm(tensor_norms(grads))
+            local = total_norm(tensor_norms([p.grad for p in ex.grad_params]))
             return self._apply(ex, local, self.max_norm * self.share[s], "its own gradient norm", "this stage")
         self.contribute(t)
         if self.scope == "sync":
             return self._apply(ex, self._global(t), self.max_norm, f"the global gradient norm of update {t}",
                                "every stage")
-        local = total_norm(tensor_norms(grads))  # stale: the local check at once
+        local = total_norm(self._own[s])  # stale: the local check at once (the norms just contributed)
         if not bool(torch.isfinite(local)):
             return self._apply(ex, local, self.max_norm, "its own gradient norm", "this stage (at once)")
         if t < self.lag:  # no global norm yet: clipped as scope stage
@@ -477,3 +477,155 @@ def causal_lag(schedule, orders: list[list]) -> int:
     if stuck:
         raise ScheduleError(f"the orders deadlock at ranks {stuck}: next {[str(orders[r][pos[r]]) for r in stuck]}")
     return need
+
+
+class PipelineClip:
+    """Gradient clipping for a loop over torch's ``PipelineStage`` (``unbubble.pipelining.SchedulePACI``,
+    one stage per rank), with the scopes of [Note: clip scopes]: call it on every rank right after
+    ``schedule.step()`` (every rank then holds the gradients of its update t) and step the optimizer
+    only if the norm it returns is finite.
+
+    .. code-block:: python
+
+        clip = PipelineClip(1.0, "stale", a=4, group=pp_group)   # s = ⌈N/a⌉
+        for step in range(steps):
+            optimizer.zero_grad()
+            schedule.step(data_iterator, losses=losses)
+            norm = clip(model_part.parameters())                  # stale: no rank waits
+            if torch.isfinite(norm):
+                optimizer.step()
+            lr_scheduler.step()
+        schedule.drain()
+        clip.drain()                                              # the last s updates' all-gathers
+
+    ``sync`` is :func:`unbubble.pipelining.clip_grad_norm_pp`'s global clip made deterministic (an
+    all-gather of the per-tensor norms summed in rank order instead of an all-reduce whose order the
+    backend picks); ``stale`` clips update t by the global norm of update t − s, s = ⌈N/a⌉ (the
+    all-gather of update t − s was started s calls earlier and every rank has entered it: [Note: stale
+    lag]); ``stage`` clips by the rank's own norm against X·√(P_i/P). Updates t < s under ``stale`` clip
+    as ``stage``. The norms are those of unbubble's own runtime, so with the same model, data and order
+    the weights equal the emulator's bit for bit (tested on ``examples/torch_pipelining_paci.py``).
+
+    Args:
+        max_norm: X.
+        scope: ``"sync"``, ``"stale"`` or ``"stage"``.
+        a: backwards per update (PACI's a); sets s = ⌈N/a⌉. Give ``lag`` instead for a flushed torch
+            schedule (1).
+        lag: s, overriding ``a``.
+        group: the pipeline's process group (default: the world), one rank per stage in stage order.
+            A group of its own keeps the ``stale`` collectives apart from the schedule's sends.
+
+    Raises:
+        ConfigError: a bad ``max_norm`` or ``scope``, or neither ``a`` nor ``lag`` under ``stale``.
+    """
+
+    def __init__(self, max_norm: float, scope: str = "stale", *, a: int | None = None, lag: int | None = None,
+                 group=None):
+        check_clip(max_norm, scope)
+        self.max_norm, self.scope, self.group = float(max_norm), scope, group
+        self.n = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        if lag is None and a is not None:
+            if isinstance(a, bool) or not isinstance(a, int) or a < 1:
+                raise ConfigError(f"a={a!r} is invalid: must be an integer ≥ 1 (PACI's backwards per update)")
+            lag = -(-self.n // a)
+        if scope == "stale" and (lag is None or isinstance(lag, bool) or not isinstance(lag, int) or lag < 1):
+            raise ConfigError(f"lag={lag!r} is invalid for scope 'stale': give a (s = ⌈N/a⌉) or an integer lag ≥ 1")
+        self.lag = lag or 1
+        self.step = 0  # updates clipped so far on this rank: the next call is update t = step
+        self.recent: dict[int, torch.Tensor] = {}  # stale: own per-tensor norms of the last s updates
+        self._sizes: list[tuple[int, int]] | None = None
+        self._pending: dict[int, tuple[Any, list[torch.Tensor]]] = {}
+
+    def _setup(self, count: int, numel: int, device: torch.device) -> None:
+        mine = torch.tensor([count, numel], dtype=torch.int64, device=device)
+        out = [torch.empty_like(mine) for _ in range(self.n)]
+        dist.all_gather(out, mine, group=self.group)
+        self._sizes = [tuple(int(x) for x in o.tolist()) for o in out]
+        total = sum(p for _, p in self._sizes)
+        self.share = math.sqrt(numel / total) if total else 1.0
+        self.width = max(c for c, _ in self._sizes)
+
+    def _start(self, t: int, vector: torch.Tensor) -> None:
+        padded = torch.zeros(self.width, dtype=vector.dtype, device=vector.device)
+        padded[: vector.numel()] = vector
+        out = [torch.empty_like(padded) for _ in range(self.n)]
+        work = dist.all_gather(out, padded, group=self.group, async_op=self.scope == "stale")
+        self._pending[t] = (work, out)
+
+    def _global(self, t: int) -> torch.Tensor:
+        work, out = self._pending.pop(t)
+        if work is not None:
+            work.wait()
+        return total_norm(torch.cat([o[:c] for o, (c, _) in zip(out, self._sizes)]))
+
+    def __call__(self, parameters) -> torch.Tensor:
+        """Clips this rank's gradients of update t (the call count) in place.
+
+        Returns:
+            The norm the update was clipped by (a 0-dim tensor); non-finite: skip this update's
+            ``optimizer.step()`` (under ``sync`` and for a stale global norm every rank gets the same value).
+        """
+        params = [p for p in parameters if p.requires_grad]
+        vector = tensor_norms([p.grad for p in params])
+        device = vector.device
+        if self._sizes is None:
+            self._setup(len(params), sum(p.numel() for p in params), device)
+        t, self.step = self.step, self.step + 1
+        if self.scope == "stage":
+            return self._apply(params, total_norm(vector), self.max_norm * self.share)
+        self._start(t, vector)
+        if self.scope == "sync":
+            return self._apply(params, self._global(t), self.max_norm)
+        self.recent[t] = vector.detach().cpu()
+        for old in [u for u in self.recent if u <= t - self.lag]:
+            del self.recent[old]
+        local = total_norm(vector)
+        if not bool(torch.isfinite(local)):
+            return local
+        if t < self.lag:
+            return self._apply(params, local, self.max_norm * self.share)
+        return self._apply(params, self._global(t - self.lag), self.max_norm)
+
+    @staticmethod
+    def _apply(params: list[torch.Tensor], norm: torch.Tensor, threshold: float) -> torch.Tensor:
+        if bool(torch.isfinite(norm)):
+            torch.nn.utils.clip_grads_with_norm_(params, threshold, norm)
+        return norm
+
+    def drain(self) -> None:
+        """Waits for the all-gathers still in flight (call on every rank before the group is destroyed)."""
+        for t in sorted(self._pending):
+            work = self._pending.pop(t)[0]
+            if work is not None:
+                work.wait()
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a resume needs: the update count and, under ``stale``, this rank's norms of the last s updates."""
+        return {"step": self.step, "recent": dict(self.recent)}
+
+    def load_state_dict(self, state: dict[str, Any], parameters) -> None:
+        """Restores :meth:`state_dict` on a fresh object, before its first call, and starts the saved
+        updates' all-gathers again in order (every rank does the same, like the first call's exchange of
+        sizes), so updates T … T + s − 1 clip as in the uninterrupted run.
+
+        Args:
+            state: :meth:`state_dict` of this rank.
+            parameters: this rank's parameters (the ones the calls will get).
+
+        Raises:
+            ConfigError: the state lacks norms ``stale`` needs (saved under another scope or lag).
+        """
+        params = [p for p in parameters if p.requires_grad]
+        step, recent = state["step"], dict(state["recent"])
+        missing = [t for t in range(max(0, step - self.lag), step) if t not in recent]
+        if self.scope == "stale" and missing:
+            raise ConfigError(f"the clip state of update {step} holds no gradient norms of updates {missing[0]}–"
+                              f"{missing[-1]}, which scope 'stale' (lag {self.lag}) needs: it was saved with another "
+                              "scope or lag")
+        device = params[0].device if params else torch.device("cpu")
+        self._setup(len(params), sum(p.numel() for p in params), device)
+        self.step, self.recent = step, recent
+        if self.scope == "stale":
+            for t in sorted(recent):
+                self._start(t, recent[t].to(device))
