@@ -354,7 +354,7 @@ class HFStage(nn.Module):
 
 
 def _prune(model: nn.Module, names: Sequence[str]) -> nn.Module:
-    """A deep copy of ``model`` keeping only the modules in ``names`` (and what they contain):
+    """A deep copy of ``model`` (a :func:`skeleton`) keeping only the modules in ``names`` (and what they contain):
     others become ``None`` at the top level, or are deleted from a ``ModuleDict`` / ``ModuleList``
     (a ``ModuleList`` becomes a ``ModuleDict`` keyed by the original indices), as torchtitan prunes."""
     keep = set(names)
@@ -384,38 +384,89 @@ def _prune(model: nn.Module, names: Sequence[str]) -> nn.Module:
     return stage
 
 
-def build_stage(model: nn.Module, plan: Plan, stage: int, untie: bool = False) -> nn.Module:
-    """Stage ``stage`` of ``plan`` (copies; ``model`` is not changed)."""
+def skeleton(model: nn.Module) -> nn.Module:
+    """A copy of ``model``'s structure with every parameter and buffer on the meta device (no
+    data; tied tensors stay one), as torchtitan builds a model before it materialises a stage."""
+    memo: dict = {}
+    for p in model.parameters():
+        memo[id(p)] = nn.Parameter(p.detach().to("meta"), requires_grad=p.requires_grad)
+    for b in model.buffers():
+        memo[id(b)] = b.detach().to("meta")
+    return copy.deepcopy(model, memo)
+
+
+def tensors_by_name(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer of ``model`` under each of its names (tied ones under both)."""
+    return {**{n: p.detach() for n, p in model.named_parameters(remove_duplicate=False)},
+            **{n: b.detach() for n, b in model.named_buffers(remove_duplicate=False)}}
+
+
+def materialize(stage: nn.Module, tensors: dict[str, torch.Tensor]) -> nn.Module:
+    """Gives a meta-device stage its own copies of its tensors, looked up by the model's names
+    ([Note: stages keep the model's names]); a tensor tied within the stage stays one."""
+    made: dict[int, torch.Tensor] = {}
+    for prefix, module in stage.named_modules(remove_duplicate=False):
+        for kind in ("_parameters", "_buffers"):
+            table = getattr(module, kind)
+            for key, t in list(table.items()):
+                if t is None or t.device.type != "meta":
+                    continue
+                if id(t) not in made:
+                    data = tensors[f"{prefix}.{key}" if prefix else key].clone()  # the stage trains it in place
+                    made[id(t)] = nn.Parameter(data, requires_grad=t.requires_grad) if kind == "_parameters" else data
+                table[key] = made[id(t)]
+    return stage
+
+
+def build_stage(model: nn.Module, plan: Plan, stage: int, untie: bool = False,
+                tensors: dict[str, torch.Tensor] | None = None) -> nn.Module:
+    """Stage ``stage`` of ``plan``: its modules copied from ``model``'s :func:`skeleton` (so the
+    whole model is never copied), then given their own copies of ``tensors`` (default: ``model``'s;
+    ``model`` is not changed)."""
     names = plan.names[stage]
+    meta = model if tensors is not None else skeleton(model)
     if plan.layout in ("names", "torchtitan"):
-        return _prune(model, names)
-    out = HFStage(model.config, plan.layout, plan.layers[stage], stage == 0, stage == len(plan.names) - 1)
-    memo: dict = {}  # one memo per stage: weights tied within a stage stay one tensor
-    for fqn in names:
-        _place(out, fqn, copy.deepcopy(_get(model, fqn), memo))
-    return out
+        out = _prune(meta, names)
+    else:
+        out = HFStage(meta.config, plan.layout, plan.layers[stage], stage == 0, stage == len(plan.names) - 1)
+        memo: dict = {}  # one memo per stage: weights tied within a stage stay one tensor
+        for fqn in names:
+            _place(out, fqn, copy.deepcopy(_get(meta, fqn), memo))
+    return materialize(out, tensors if tensors is not None else tensors_by_name(model))
 
 
 class SplitModel:
     """A picklable ``stage_fn`` (``PipelineJob.stage_fn``): ``split(stage)`` builds a fresh copy
     of stage ``stage`` every call (deterministic: the same weights every call and process).
 
+    Pickled (to each stage process), it carries the model's :func:`skeleton` and its tensors by
+    name, which ``torch.multiprocessing`` hands over in shared memory: a stage process copies only
+    its own stage's tensors, never the whole model.
+
     Attributes:
-        model: the whole model (kept on the CPU, unchanged).
+        model: the whole model (kept on the CPU, unchanged); in a stage process its skeleton.
         plan: the :class:`Plan`.
         untie: tied weights across stages were untied (each stage its own copy).
+        probe: what :func:`verify_split` measured (None when it did not run).
     """
 
     def __init__(self, model: nn.Module, plan: Plan, untie: bool = False):
         self.model, self.plan, self.untie = model, plan, untie
         self.probe: Probe | None = None  # split_model's check (verify_split), when it ran
+        self._tensors: dict[str, torch.Tensor] | None = None  # set when unpickled: self.model is then meta
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        if self._tensors is None:
+            state["model"], state["_tensors"] = skeleton(self.model), tensors_by_name(self.model)
+        return state
 
     @property
     def n_stages(self) -> int:
         return len(self.plan.names)
 
     def __call__(self, stage: int) -> nn.Module:
-        return build_stage(self.model, self.plan, stage, self.untie)
+        return build_stage(self.model, self.plan, stage, self.untie, self._tensors)
 
     def stages(self) -> list[nn.Module]:
         return [self(s) for s in range(self.n_stages)]
