@@ -29,7 +29,7 @@ from unbubble.experiments.sweep import SweepData, SweepSpec, raw_tables, read_ta
 
 
 #: Experiments that are resumable sweeps (``--analyze`` rebuilds them from their CSVs).
-STUDIES = ("paci-study", "br-study", "overhead-study", "horizon-study", "pays-study")
+STUDIES = ("paci-study", "br-study", "overhead-study", "horizon-study", "pays-study", "clip-study")
 
 
 def _study_provenance(name: str, size: str, spec: dict[str, Any], data: SweepData, wall: float,

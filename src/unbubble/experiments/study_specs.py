@@ -338,3 +338,38 @@ def pays_study_spec(size: str, part: str = "default") -> dict[str, Any]:
         methods, stages, seeds = pair(1 if tiny else 2, 1.0 if tiny else 2.0), h1["stages"], [0, 1]
     return {**h1, "name": "pays-study" + ("" if part == "default" else f"-{part}"), "base": base, "stages": stages,
             "seeds": seeds, "methods": methods, "extend_grid": 0, "budgets": PAYS_BUDGETS}
+
+
+def clip_study_spec(size: str) -> dict[str, Any]:
+    """``clip-study`` (what global clipping costs in quality, DESIGN §11): 1F1B-flush + Muon with
+    the exact global clip (``sync``) against PACI + Muon + error feedback (c = 1, the default) with
+    ``sync``, ``stale`` and ``stage`` and without clipping, at overhead-study's horizon (N = 8,
+    a = m = 4, 600 updates), clip 1.0 (torchtitan's, Megatron's and nanoGPT's default), 2 seeds.
+
+    The two ``sync`` rows tune on a two-point grid (the no-clip tuned 1e-2 and 3e-2: clipping may
+    allow a larger step); ``stale`` and ``stage`` take PACI ``sync``'s lr. The unclipped rows keep
+    overhead-study's tuned lr and are reused from horizon-study's published runs."""
+    h1 = overhead_spec(size)
+    tiny = size == "tiny"
+    flush, paci = ({"schedule": "1f1b-flush", "m": 2}, {"schedule": "paci", "a": 2}) if tiny else \
+        ({"schedule": "1f1b-flush", "m": 4}, {"schedule": "paci", "a": 4})
+    tag_f, tag_p = f"1f1b-flush m={flush['m']} + muon", f"paci a={paci['a']} + muon + error feedback"
+    muon, ef = {"optimizer": "muon"}, {"error_feedback": 1.0}
+    lr = [3e-3] if tiny else [1e-2]
+    grid = [3e-3, 1e-2] if tiny else [1e-2, 3e-2]
+
+    def clip(scope: str) -> dict[str, Any]:
+        return {"clip_grad_norm": 1.0, "clip_scope": scope}
+
+    methods = [
+        {"label": tag_f, **flush, **muon, "lrs": lr},
+        {"label": tag_p, **paci, **muon, **ef, "lrs": lr, "baseline": tag_f},
+        {"label": f"{tag_f} + clip sync", **flush, **muon, **clip("sync"), "lrs": grid},
+        {"label": f"{tag_p} + clip sync", **paci, **muon, **ef, **clip("sync"), "lrs": grid,
+         "baseline": f"{tag_f} + clip sync"},
+        {"label": f"{tag_p} + clip stale", **paci, **muon, **ef, **clip("stale"), "lr_from": f"{tag_p} + clip sync",
+         "baseline": f"{tag_f} + clip sync"},
+        {"label": f"{tag_p} + clip stage", **paci, **muon, **ef, **clip("stage"), "lr_from": f"{tag_p} + clip sync",
+         "baseline": f"{tag_f} + clip sync"},
+    ]
+    return {**h1, "name": "clip-study", "methods": methods, "extend_grid": 0, "budgets": []}
