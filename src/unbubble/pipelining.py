@@ -47,7 +47,11 @@ its shape, torchtitan's ``train_step`` included:
   updated weights, which is unbubble's checkpoint cut ([Note: the checkpoint cut] in
   ``runtime/checkpoint.py``): a run drained after step V equals the emulator's run with a cut at V, and a
   checkpoint written after ``drain()`` resumes bit for bit (:meth:`SchedulePACI.state_dict`). Evaluate
-  with the model parts directly after ``drain()`` (or without it: the weights are already version V).
+  with :meth:`SchedulePACI.eval` after ``drain()`` (a forward-only pass through the pipeline), or with the
+  model parts directly (without a drain: the weights are already version V).
+* Data parallelism inside a stage (DDP, FSDP2): gradients are reduced once per update, after the a-th
+  backward, before ``step()`` returns ([Note: data parallelism inside a stage]). Stages whose boundaries
+  are dicts (Hugging Face stages from ``split_model``) run wrapped in :class:`TreeStage`.
 
 [Note: backward on current weights, through a public seam]
 The graphs of in-flight micro-batches were built before the loop's in-place ``optimizer.step()``; stock
@@ -61,12 +65,17 @@ This replaces unbubble's own runtime's ``_unsafe_set_version_counter`` (``runtim
 Private torch APIs are used in one place only, ``_torch_private`` below; ``tests/unit/test_pipelining.py``
 fails loudly when a torch upgrade changes one of them.
 
+torch versions: tested with torch 2.13 only; :class:`SchedulePACI` refuses any other at construction
+(:data:`TESTED_TORCH`).
+
 Source: PACI, arXiv 2606.07881, §3; torch.distributed.pipelining (``PipelineStage``,
-``PipelineScheduleSingle``), torch 2.13.
+``PipelineScheduleSingle``), torch 2.13; torchtitan ``_build_pipeline_schedule`` (:func:`build_pipeline_schedule`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import re
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -74,12 +83,38 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.pipelining import PipelineStage
-from torch.distributed.pipelining.schedules import PipelineScheduleSingle
+from torch.nn.parallel import DistributedDataParallel
 
 from unbubble.errors import ConfigError
+from unbubble.runtime.pytree import Layout, flatten, unflatten
 
-__all__ = ["SchedulePACI", "clip_grad_norm_pp", "split_torchtitan_model", "pipeline_paci"]
+#: the torch versions this module was tested with, ``[low, high)`` by (major, minor)
+TESTED_TORCH = ((2, 13), (2, 14))
+
+
+def _check_torch_version(version: str | None = None) -> None:
+    """Raises ConfigError unless ``version`` (default: the installed torch's) is in :data:`TESTED_TORCH`."""
+    version = str(torch.__version__ if version is None else version)
+    parts = re.match(r"(\d+)\.(\d+)", version)
+    (lo, hi) = TESTED_TORCH
+    if parts is None or not lo <= (int(parts[1]), int(parts[2])) < hi:
+        raise ConfigError(f"torch {version} is not supported by unbubble.pipelining: it drives torch.distributed."
+                          f"pipelining internals tested with torch {lo[0]}.{lo[1]} only (>= {lo[0]}.{lo[1]}, < "
+                          f"{hi[0]}.{hi[1]}); install torch {lo[0]}.{lo[1]}.x, or train with unbubble's own runtime")
+
+
+try:
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining.schedules import PipelineScheduleSingle
+    from torch.distributed.pipelining.schedules import get_schedule_class as _torch_schedule_class
+    from torch.distributed.tensor import DTensor
+except ImportError:  # an older torch lacks some: the same one line as at construction
+    _check_torch_version()
+    raise
+
+__all__ = ["SchedulePACI", "TreeStage", "clip_grad_norm_pp", "split_torchtitan_model", "pipeline_paci",
+           "build_pipeline_schedule", "get_schedule_class", "TESTED_TORCH"]
 
 LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
 
@@ -88,24 +123,79 @@ LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
 # Every use of torch that is neither public nor documented, in one place:
 #   * PipelineScheduleSingle._initialize_stage(args, kwargs, target): the stage's shape inference and
 #     receive buffers, as torch's own schedules run it on their first step (no public way exists), and
-#     its _loss_fn, swapped around it for a target that is a nest of tensors (torch infers with a tensor);
-#   * PipelineStage.fwd_cache: drain() drops the graphs of the forwards it discards from it;
-#   * Tensor._version (read only): the in-place check for saved activations under the hooks.
-# tests/unit/test_pipelining.py::test_private_torch_seams_are_as_this_module_expects checks all of them.
+#     its _loss_fn, swapped around it for a target that is a nest of tensors (torch infers with a tensor)
+#     and for a last stage whose output a TreeStage flattened, and its _stage, whose DDP module it runs under
+#     no_sync() (torch's inference forward would otherwise arm DDP's reducer);
+#   * PipelineStage.forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output),
+#     backward_one_chunk(bwd_chunk_id, loss, full_backward, last_backward) and
+#     perform_reduce_grad(grad_scale_factor): the per-micro-batch actions torch's schedules call (public
+#     names, undocumented); last_backward=True on an update's a-th backward lets DDP all-reduce in it,
+#     perform_reduce_grad after it runs FSDP2's reduce-scatter ([Note: data parallelism inside a stage]);
+#   * torch.distributed.pipelining._backward.stage_backward (through backward_one_chunk) resets the receive
+#     buffers' .grad after reading it, so a receive slot reused by micro-batch k + N starts from no gradient;
+#   * PipelineStage._send_meta(meta, dst_stage) / _recv_meta(src_stage): the shape inference's one object
+#     per boundary, which also carries a TreeStage's output layout to the next stage ([Note: tree
+#     boundaries on torch's stage]);
+#   * PipelineStage.fwd_cache: drain() and eval() drop the graphs of the forwards they discard from it;
+#   * Tensor._version (read only): the in-place check for saved activations under the hooks;
+#   * torch.distributed._composable.replicate's DDP class: refused inside a stage (it syncs on every backward).
+# tests/unit/test_pipelining.py::test_private_torch_seams_are_as_this_module_expects checks all of them, and
+# the schedule refuses any torch outside TESTED_TORCH at construction (_check_torch_version; at import when torch
+# lacks one of the modules imported above).
 class _torch_private:
     @staticmethod
-    def initialize_stage(schedule: PipelineScheduleSingle, args: tuple, kwargs: dict, target: Any) -> None:
-        if target is None or isinstance(target, torch.Tensor):
-            schedule._initialize_stage(args, kwargs, target)
-            return
+    def initialize_stage(schedule: PipelineScheduleSingle, args: tuple, kwargs: dict, target: Any,
+                         rebuild: Callable[[Any], Any]) -> None:
+        """torch's shape inference and buffers; its loss sees ``rebuild(output)`` and the real ``target``."""
         # torch's backward inference takes one tensor target (PipelineStage._to_tensor): a nest of them reaches
         # the loss through schedule._loss_fn, around a placeholder tensor
         loss_fn = schedule._loss_fn
-        schedule._loss_fn = lambda output, _placeholder: loss_fn(output, target)
+        schedule._loss_fn = lambda output, _placeholder: loss_fn(rebuild(output), target)
+        # torch's inference calls the module outside no_sync(): DDP's forward would then arm its reducer, and the
+        # first micro-batch's backward would all-reduce (a second reduction in the first update)
+        submod = schedule._stage.submod
+        no_sync = submod.no_sync() if isinstance(submod, DistributedDataParallel) else contextlib.nullcontext()
         try:
-            schedule._initialize_stage(args, kwargs, torch.zeros(()))
+            placeholder = target if target is None or isinstance(target, torch.Tensor) else torch.zeros(())
+            with no_sync:
+                schedule._initialize_stage(args, kwargs, placeholder)
         finally:
             schedule._loss_fn = loss_fn
+
+    @staticmethod
+    def forward(stage: PipelineStage, slot: int, args: tuple, kwargs: dict) -> Any:
+        return stage.forward_one_chunk(slot, args, kwargs, save_forward_output=False)
+
+    @staticmethod
+    def backward(stage: PipelineStage, slot: int, loss: torch.Tensor | None, last: bool) -> None:
+        stage.backward_one_chunk(slot, loss=loss, full_backward=True, last_backward=last)
+
+    @staticmethod
+    def reduce_grad(stage: PipelineStage) -> None:
+        stage.perform_reduce_grad(1)  # our 1/a is in each micro-batch's loss: no scaling here
+
+    @staticmethod
+    def carry_layouts(stage: PipelineStage, tree: "TreeStage | None") -> None:
+        """The shape inference's forward metadata object also carries ``tree``'s output layout downstream,
+        and the one received sets ``tree``'s input layout (on this stage object only)."""
+        from torch.distributed.pipelining.stage import _StageForwardMeta
+
+        send, recv = stage._send_meta, stage._recv_meta
+
+        def send_meta(meta: Any, dst_stage: int) -> None:
+            if isinstance(meta, _StageForwardMeta):
+                meta = (_LAYOUT_TAG, meta, None if tree is None else tree.out_layout)
+            send(meta, dst_stage)
+
+        def recv_meta(src_stage: int) -> Any:
+            meta = recv(src_stage)
+            if isinstance(meta, tuple) and len(meta) == 3 and meta[0] == _LAYOUT_TAG:
+                _, meta, layout = meta
+                if tree is not None:
+                    tree.in_layout = layout
+            return meta
+
+        stage._send_meta, stage._recv_meta = send_meta, recv_meta
 
     @staticmethod
     def drop_forward(stage: PipelineStage, slot: int) -> None:
@@ -115,13 +205,27 @@ class _torch_private:
     def version(t: torch.Tensor) -> int:
         return t._version
 
+    @staticmethod
+    def composable_ddp() -> tuple[type, ...]:
+        """``torch.distributed._composable.replicate``'s DDP class (its modules are instances), if present."""
+        try:
+            from torch.distributed._composable.replicate import DDP
+        except ImportError:  # pragma: no cover - removed in a later torch
+            return ()
+        return (DDP,)
+
+
+_LAYOUT_TAG = "unbubble.TreeStage layout"
+
 
 class _SavedByReference:
     """``saved_tensors_hooks`` under which a backward may follow in-place updates of ``params``
     ([Note: backward on current weights, through a public seam])."""
 
     def __init__(self, params: Iterable[torch.Tensor]):
-        self._storages = {p.untyped_storage().data_ptr() for p in params}
+        # FSDP2's sharded parameters are DTensors: the local shard is what the optimizer updates in place
+        self._storages = {(p.to_local() if isinstance(p, DTensor) else p).untyped_storage().data_ptr()
+                          for p in params}
 
     def _pack(self, t: torch.Tensor) -> tuple[torch.Tensor, int]:
         return t, _torch_private.version(t)
@@ -171,6 +275,144 @@ def _chunk(tree: Any, m: int, path: str) -> list:
     return [tree] * m
 
 
+# [Note: data parallelism inside a stage]
+# A stage module may be replicated over a data-parallel group: wrapped whole in ``DistributedDataParallel``, or
+# sharded with ``fully_shard`` (FSDP2) at its root (and, as torchtitan does, also at its blocks). torch's stage runs
+# every backward under DDP's ``no_sync()`` / FSDP's ``set_requires_gradient_sync(False)`` unless told it is the
+# last one; SchedulePACI says so on each update's a-th backward (``last_backward=True``: DDP all-reduces in that
+# backward, each replica's gradient divided by the group size) and then calls ``perform_reduce_grad`` (FSDP2's
+# post-backward: the reduce-scatter of the accumulated gradients, then reshard). Gradients are so reduced exactly
+# once per update, over the a micro-batches of every replica, before ``step()`` returns: the loop's clipping and
+# ``optimizer.step()`` see the replicas' mean gradient, as in unbubble's own ``--dp`` runs (``GradientAverager``
+# at each U, ``runtime/data_parallel.py``). Forwards read ahead across an update need nothing: DDP's replicas stay
+# equal by applying equal updates, and FSDP2 has resharded after the reduction, so the next forward and every
+# in-flight micro-batch's backward all-gather the updated shards (the backward on the current weights, PACI's
+# rule). Each replica passes its own data iterator. A wrapper the schedule cannot drive this way is refused at
+# construction in one line (:func:`_check_data_parallel`), never run unsynchronised: FSDP1
+# (``FullyShardedDataParallel``), ``torch.distributed._composable.replicate`` (it syncs on every backward), and
+# DDP or ``fully_shard`` below a root that is not itself wrapped (torch's stage looks at the root only).
+def _check_data_parallel(module: nn.Module) -> None:
+    """Raises ConfigError for a stage module whose gradients SchedulePACI cannot reduce once per update."""
+    supported = ("supported: DistributedDataParallel(stage module), or fully_shard (FSDP2) applied to the stage "
+                 "module itself (its submodules may be sharded too)")
+    composable = _torch_private.composable_ddp()
+    root = type(module).__name__
+    for name, sub in module.named_modules():
+        where = f"stage module {root}" + (f" at {name!r}" if name else "")
+        if isinstance(sub, FullyShardedDataParallel):
+            raise ConfigError(f"{where} is a FullyShardedDataParallel (FSDP1), which SchedulePACI cannot sync once per "
+                              f"update; {supported}")
+        if composable and isinstance(sub, composable):
+            raise ConfigError(f"{where} is replicated by torch.distributed._composable.replicate, which all-reduces "
+                              f"on every backward; {supported}")
+        if name and isinstance(sub, DistributedDataParallel):
+            raise ConfigError(f"{where} is a DistributedDataParallel inside the stage module, which torch's stage "
+                              f"cannot hold in no_sync(); {supported}")
+        if name and isinstance(sub, FSDPModule) and not isinstance(module, FSDPModule):
+            raise ConfigError(f"{where} is sharded by fully_shard but the stage module {root} is not, so its "
+                              f"gradients would be reduced on every backward; {supported}")
+
+
+def _merge(outputs: list) -> Any:
+    """The micro-batches' outputs as one: tensor leaves concatenated along dim 0 (0-dim ones stacked)."""
+    leaves, layout = zip(*(flatten(out) for out in outputs))
+    merged = [torch.cat(ts) if ts[0].dim() else torch.stack(ts) for ts in zip(*leaves)]
+    return unflatten(merged, layout[0])
+
+
+class _Unset:
+    def __repr__(self) -> str:
+        return "unset"
+
+
+_UNSET: Any = _Unset()
+
+
+# [Note: tree boundaries on torch's stage]
+# torch's ``PipelineStage`` carries tensors only: a stage's inputs after the first and every stage's outputs must be
+# tensors or tuples of them ("Stage args must be … tensors, got dict"). :class:`TreeStage` wraps a stage module
+# whose output is a tree (Hugging Face stages from ``unbubble.models.split.split_model`` return
+# ``{"hidden_states", "attention_mask", "position_ids"}``): it returns the tree's tensor leaves as a tuple
+# (``unbubble.runtime.pytree.flatten``; other leaves, an ``attention_mask`` of ``None`` say, stay in the layout),
+# and the next stage's TreeStage rebuilds the tree from the received tensors and that layout before calling its
+# module, which so gets what unbubble's executor gives it (the previous stage's output as one argument). The
+# layout crosses the boundary once: SchedulePACI attaches it to the object torch's shape inference sends
+# downstream at the first ``step()`` (``_torch_private.carry_layouts``), so it needs no message of its own. torch
+# fixes a boundary's tensors at that inference (shapes, dtypes), so a layout may not change afterwards: a stage
+# whose output layout differs from its first is refused in one line. Gradients follow torch's rule: each floating
+# leaf that requires grad gets one, integer leaves (token ids, masks, position ids) none.
+class TreeStage(nn.Module):
+    """A stage module with a tree-valued output (a dict, tuple, list or nest), runnable in torch's ``PipelineStage``
+    under :class:`SchedulePACI` ([Note: tree boundaries on torch's stage]).
+
+    .. code-block:: python
+
+        split = split_model(hf_model, n_ranks)                    # HF stages: dict boundaries
+        part = split(rank)                                        # optimize and checkpoint this module
+        stage = PipelineStage(TreeStage(part), rank, n_ranks, device)
+        schedule = SchedulePACI(stage, n_microbatches=4, loss_fn=causal_lm_loss)
+        # data: ({"input_ids": (m·B, T) int64[, "attention_mask": (m·B, T)]}, labels (m·B, T))
+
+    Wrap it first, then in ``DistributedDataParallel`` or ``fully_shard`` ([Note: data parallelism inside a
+    stage]); its own ``state_dict`` prefixes ``module.``, so checkpoint and optimize the wrapped module itself.
+
+    Calls: on the first stage a dict batch (torch's keyword arguments) reaches the module as one argument,
+    ``module(batch)``, as unbubble's executor calls it, other inputs as positional arguments; on later stages
+    the module gets the previous stage's output rebuilt (a tensor stays a tensor). Returns a tensor output as it
+    is, and a tree as the tuple of its tensor leaves (the last stage's is rebuilt for ``loss_fn``).
+
+    Args:
+        module: the stage module; its output's non-tensor leaves must not change between micro-batches.
+
+    Raises:
+        ConfigError: (at a forward) on a later stage before SchedulePACI set its input layout, or an output whose
+            layout differs from the first one's.
+
+    Source: the pytree boundary of ``unbubble.runtime.pytree`` ([Note: stage boundaries carry pytrees]).
+    """
+
+    def __init__(self, module: nn.Module):
+        super().__init__()
+        self.module = module
+        self.in_layout: Layout | None = _UNSET  #: None on the first stage (the batch as given), else the received
+        self.out_layout: Layout | None = _UNSET  #: None for a tensor output
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.in_layout is _UNSET:
+            raise ConfigError(f"TreeStage({type(self.module).__name__}) has no input layout yet: SchedulePACI sets it "
+                              "at its first step() (torch's own schedules cannot carry a tree boundary)")
+        if self.in_layout is not None:  # a later stage: the previous stage's output, rebuilt
+            out = self.module(unflatten(list(args), self.in_layout))
+        elif kwargs and not args:  # the first stage's dict batch, one argument as in unbubble's executor
+            out = self.module(kwargs)
+        else:
+            out = self.module(*args, **kwargs)
+        if isinstance(out, torch.Tensor):
+            leaves, layout = out, None
+        else:
+            leaves, layout = flatten(out)
+            leaves = tuple(leaves)
+        if self.out_layout is _UNSET:
+            self.out_layout = layout
+        elif layout != self.out_layout:
+            raise ConfigError(f"the output layout of TreeStage({type(self.module).__name__}) changed from "
+                              f"{self.out_layout} to {layout}: torch's PipelineStage fixes a boundary's tensors at the "
+                              "first step(), so every micro-batch's output must have the same structure")
+        return leaves
+
+    def rebuild(self, output: Any) -> Any:
+        """The tree whose leaves ``output`` holds (a tensor or tuple as torch returns it); as is for a tensor output."""
+        if self.out_layout is _UNSET or self.out_layout is None:
+            return output
+        return unflatten([output] if isinstance(output, torch.Tensor) else list(output), self.out_layout)
+
+
+def _tree_stage(submod: nn.Module) -> TreeStage | None:
+    """The TreeStage a stage runs, under DistributedDataParallel or fully_shard (in place), or None."""
+    inner = submod.module if isinstance(submod, DistributedDataParallel) else submod
+    return inner if isinstance(inner, TreeStage) else None
+
+
 class SchedulePACI(PipelineScheduleSingle):
     """PACI(a) over one torch ``PipelineStage`` per rank, never flushed between ``step()`` calls.
 
@@ -178,8 +420,12 @@ class SchedulePACI(PipelineScheduleSingle):
     otherwise runs the backward of its oldest in-flight micro-batch; after every a-th backward it returns
     from ``step()`` and the caller's ``optimizer.step()`` is the local update. The drift of stage i is
     bounded by Δ_i ≤ ⌈(N − i)/a⌉, attained in steady state. Each micro-batch's loss is multiplied by
-    1/a before its backward (so an update applies the mean gradient); ``losses`` holds the unscaled ones.
-    The step contract is [Note: the step contract] in this module's docstring.
+    1/a before its backward (so an update applies the mean gradient; ``scale_grads=False``: not);
+    ``losses`` holds the unscaled ones. The step contract is [Note: the step contract] in this module's
+    docstring. A stage module wrapped in ``DistributedDataParallel`` or sharded by ``fully_shard`` has its
+    gradients reduced over its data-parallel group once per update, after the a-th backward and before
+    ``step()`` returns ([Note: data parallelism inside a stage]); a tree-valued stage runs wrapped in
+    :class:`TreeStage`. :meth:`eval` is a forward-only pass of one batch on a drained schedule.
 
     With ``flush=True`` no forward of update t + 1's micro-batches starts before update t: every
     ``step()`` ends drained, which is 1F1B-flush with m = a (torch's ``Schedule1F1B`` order).
@@ -189,16 +435,25 @@ class SchedulePACI(PipelineScheduleSingle):
             size of its process group (one stage per rank). Its module's input on the first stage is the
             micro-batch's inputs (a tensor, e.g. token ids ``(B, T)`` int64; a tuple or list: its positional
             arguments; a dict: its keyword arguments, [Note: how a batch is split]), else the previous stage's
-            output; any tensor-valued output.
+            output; any tensor-valued output (a tree's: :class:`TreeStage`). Its module may be wrapped in
+            ``DistributedDataParallel`` or ``fully_shard`` (FSDP2) at its root.
         n_microbatches: m, the micro-batches each batch from the data iterator splits into (dim 0).
         loss_fn: ``loss_fn(last_stage_output, target_micro_batch) -> scalar`` mean loss.
         a: accumulation factor, backwards per ``step()`` and update (default m). Need not divide m, nor
             m divide it: micro-batches carry over between batches and calls.
         flush: drain at the end of every ``step()`` (1F1B-flush) instead of PACI's carry-over.
+        scale_grads: multiply each micro-batch's loss by 1/a before its backward (default), so the update
+            applies the mean of its a micro-batches' gradients, as torch's ``scale_grads=True`` with a mean
+            ``loss_fn``. ``False``: backpropagate ``loss_fn``'s value as it is, so the update applies the sum of
+            its a micro-batches' gradients; ``loss_fn`` must then be normalised over the whole update itself
+            (torchtitan passes ``False`` with a sum loss divided by the step's token count).
 
     Raises:
         ConfigError: ``n_microbatches`` or ``a`` not an integer ≥ 1, no ``loss_fn``, a ``stage`` that is
-            not a ``PipelineStage``, or ``num_stages`` different from the number of ranks.
+            not a ``PipelineStage``, ``num_stages`` different from the number of ranks, ``scale_grads`` not a
+            bool, a stage module wrapped in a way the schedule cannot sync once per update (FSDP1,
+            composable ``replicate``, DDP or ``fully_shard`` below an unwrapped root), or a torch version
+            outside :data:`TESTED_TORCH` (2.13).
 
     Memory: each stage holds at most N + 1 − i micro-batches' activations, as 1F1B-flush; no weight copy.
 
@@ -206,7 +461,8 @@ class SchedulePACI(PipelineScheduleSingle):
     """
 
     def __init__(self, stage: PipelineStage, n_microbatches: int, loss_fn: LossFn, a: int | None = None, *,
-                 flush: bool = False):
+                 flush: bool = False, scale_grads: bool = True):
+        _check_torch_version()
         _check_int("n_microbatches", n_microbatches, "micro-batches per batch of the data iterator")
         a = n_microbatches if a is None else a
         _check_int("a", a, "backward passes per step() and local update")
@@ -218,14 +474,20 @@ class SchedulePACI(PipelineScheduleSingle):
         if stage.num_stages != stage.group_size:
             raise ConfigError(f"num_stages={stage.num_stages} is invalid with {stage.group_size} ranks: SchedulePACI "
                               f"runs one stage per rank (build the PipelineStage with num_stages={stage.group_size})")
+        if not isinstance(scale_grads, bool):
+            raise ConfigError(f"scale_grads={scale_grads!r} is invalid: True (each loss × 1/a: the update's mean "
+                              "gradient) or False (the loss as given: the update's summed gradient)")
+        _check_data_parallel(stage.submod)
         # torch's receive buffers are per chunk id: micro-batch k uses slot k mod N; a slot is reused only
         # after its micro-batch's backward (at most N + 1 − i are in flight)
         super().__init__(stage, n_microbatches=stage.num_stages, loss_fn=loss_fn, scale_grads=False)
         # our own handles (torch's base class keeps its own private copies for _initialize_stage)
         self._pp_stage, self._slots, self._user_loss = stage, stage.num_stages, loss_fn
-        self.m, self.a, self.flush = n_microbatches, a, flush
+        self.m, self.a, self.flush, self.scale_grads = n_microbatches, a, flush, scale_grads
         self.cap = stage.num_stages - stage.stage_index  # N + 1 − i, i = stage + 1
-        self._scale = 1.0 / a
+        self._scale = 1.0 / a if scale_grads else None
+        self._tree = _tree_stage(stage.submod)
+        self._rebuild: Callable[[Any], Any] = self._tree.rebuild if self._tree is not None else (lambda out: out)
         self._steps = 0  # step() calls finished = updates the loop has applied (the weight version)
         self._n_fwd = self._n_bwd = 0
         self._fwd_version: dict[int, int] = {}
@@ -324,7 +586,10 @@ class SchedulePACI(PipelineScheduleSingle):
             if self.in_flight < self.cap and not (self.flush and self._n_fwd >= end):
                 self._forward(self._n_fwd)
             else:
-                call_losses += self._backward(self._n_bwd)
+                call_losses += self._backward(self._n_bwd, last=self._n_bwd == end - 1)
+        # the update's one gradient reduction over a data-parallel group (FSDP2's reduce-scatter; DDP's
+        # all-reduce ran in the a-th backward): [Note: data parallelism inside a stage]
+        _torch_private.reduce_grad(st)
         self._steps += 1
         # under PACI the previous stage ends each call with exactly one forward more than this one
         # (n_fwd = a·(t+1) + N − i on stage i − 1, one less here): drain() receives it
@@ -353,12 +618,77 @@ class SchedulePACI(PipelineScheduleSingle):
         for kind in self._sends:
             self._wait(kind)
 
+    def eval(self, *args: Any, target: Any = None, losses: list | None = None, **kwargs: Any) -> Any:
+        """A forward-only pass of one batch through the pipeline on a drained schedule (torch's ``eval`` signature).
+
+        The batch splits into ``n_microbatches`` micro-batches as the training batches do ([Note: how a batch is
+        split]); each runs forward on every stage in turn under ``torch.no_grad()``, on the weights of the last
+        update the loop applied, and nothing stays in flight (no gradient, no update, ``steps`` unchanged). Every
+        rank calls it: the first stage with the inputs, the last with ``target``, the others with nothing. The
+        micro-batches must have the training micro-batches' shapes (torch's receive buffers are made at the first
+        ``step()``).
+
+        Args:
+            args, kwargs: on the first stage, the batch's inputs as positional arguments, or a dict of inputs as
+                keyword arguments (torchtitan's ``input_dict``); every tensor leaf has m·B rows along dim 0.
+            target: on the last stage, the batch's targets (needed for ``losses``).
+            losses: on the last stage, cleared and filled with the m micro-batch losses (``loss_fn``'s values,
+                0-dim tensors, oldest first) when ``target`` is given.
+
+        Returns:
+            On the last stage the m outputs merged (each tensor leaf concatenated along dim 0, 0-dim leaves stacked;
+            other leaves from the first), else ``None``.
+
+        Raises:
+            RuntimeError: before the first ``step()``, or with micro-batches in flight (call :meth:`drain` on every
+                rank first: it moves the checkpoint cut, so it is the training loop's choice).
+            ConfigError: a batch tensor whose dim 0 is not a multiple of m, or pre-split micro-batches
+                (``arg_mbs=``, ``kwarg_mbs=``, ``target_mbs=``, ``loss_kwargs=``: a later torch's ``eval``).
+        """
+        st = self._pp_stage
+        presplit = [k for k in ("arg_mbs", "kwarg_mbs", "target_mbs", "loss_kwargs") if k in kwargs]
+        if presplit:
+            raise ConfigError(f"{', '.join(presplit)}= is invalid for SchedulePACI.eval: it takes torch 2.13's eval(*args, "
+                              "target=, losses=) with the whole batch (split into n_microbatches as in training)")
+        if not self._initialized:
+            raise RuntimeError(f"SchedulePACI.eval() on stage {st.stage_index} before the first step(): torch's stage "
+                               "buffers are made there; until then evaluate the model parts directly")
+        if self.in_flight or self._owed:
+            raise RuntimeError(f"SchedulePACI.eval() on stage {st.stage_index} with {self.in_flight} micro-batches in "
+                               "flight: call drain() on every rank first (eval uses the same receive buffers)")
+        arg_mbs = _chunk(tuple(args), self.m, "args") if st.is_first else [()] * self.m
+        kwarg_mbs = _chunk(dict(kwargs), self.m, "kwargs") if st.is_first else [{}] * self.m
+        target_mbs = _chunk(target, self.m, "target") if st.is_last and target is not None else None
+        outputs, values = [], []
+        with torch.no_grad():
+            for j in range(self.m):
+                slot = j % self._slots
+                if not st.is_first:
+                    self._recv(st.get_fwd_recv_ops(slot))
+                out = _torch_private.forward(st, slot, arg_mbs[j], kwarg_mbs[j])
+                if st.is_last:
+                    outputs.append(self._rebuild(out))
+                    if target_mbs is not None:
+                        values.append(self._user_loss(outputs[-1], target_mbs[j]).detach())
+                else:
+                    self._send("fwd", st.get_fwd_send_ops(slot))
+                _torch_private.drop_forward(st, slot)
+        self._wait("fwd")
+        if st.is_last and losses is not None and target_mbs is not None:
+            losses.clear()
+            losses.extend(values)
+        return _merge(outputs) if st.is_last else None
+
     # -- actions --------------------------------------------------------------------------------------
     def _initialize(self) -> None:
         st = self._pp_stage
         args, kwargs = self._inputs(self._n_fwd) if st.is_first else ((), {})
         target = self._target(self._n_fwd) if st.is_last else None
-        _torch_private.initialize_stage(self, args, kwargs, target)
+        if self._tree is not None and st.is_first:
+            self._tree.in_layout = None  # the batch as given
+        # every stage forwards the layout of its output with torch's inference metadata (a plain stage: None)
+        _torch_private.carry_layouts(st, self._tree)
+        _torch_private.initialize_stage(self, args, kwargs, target, self._rebuild)
         self._hooks = _SavedByReference(st.submod.parameters())
         self._initialized = True
 
@@ -368,21 +698,22 @@ class SchedulePACI(PipelineScheduleSingle):
         if not st.is_first:
             self._recv(st.get_fwd_recv_ops(slot))
         with self._hooks():
-            out = st.forward_one_chunk(slot, args, kwargs, save_forward_output=False)
+            out = _torch_private.forward(st, slot, args, kwargs)
             if st.is_last:
-                loss = self._user_loss(out, self._target(k))
-                self._loss[k] = (loss * self._scale, loss.detach())
+                loss = self._user_loss(self._rebuild(out), self._target(k))
+                self._loss[k] = (loss if self._scale is None else loss * self._scale, loss.detach())
         if not st.is_last:
             self._send("fwd", st.get_fwd_send_ops(slot))
         self._fwd_version[k] = self._steps
         self._n_fwd += 1
 
-    def _backward(self, k: int) -> list[torch.Tensor]:
+    def _backward(self, k: int, last: bool) -> list[torch.Tensor]:
+        """Backward of micro-batch k; ``last``: the update's a-th (DDP all-reduces in it)."""
         st, slot = self._pp_stage, k % self._slots
         if not st.is_last:
             self._recv(st.get_bwd_recv_ops(slot))
         scaled, value = self._loss.pop(k) if st.is_last else (None, None)
-        st.backward_one_chunk(slot, loss=scaled, full_backward=True, last_backward=False)
+        _torch_private.backward(st, slot, scaled, last)
         if not st.is_first:
             self._send("bwd", st.get_bwd_send_ops(slot))
         self.drift[self._steps - self._fwd_version.pop(k)] += 1
@@ -467,8 +798,12 @@ def clip_grad_norm_pp(parameters: Iterable[torch.Tensor], max_norm: float, group
     slowest to finish its a-th backward (the cost ``unbubble bench`` measures). Its result is also the global
     non-finite check (``torch.isfinite(norm)``).
 
+    With a data-parallel stage ([Note: data parallelism inside a stage]) the gradients are already the replicas'
+    mean (DDP) or its shards (FSDP2, whose norm is gathered over the data-parallel group first), so every
+    replica clips by the same norm.
+
     Args:
-        parameters: this stage's parameters (their ``.grad``).
+        parameters: this stage's parameters (their ``.grad``; FSDP2's DTensors included).
         max_norm: largest allowed total norm.
         group: the pipeline's process group (default: the world).
         norm_type: p of the p-norm (finite).
@@ -481,6 +816,8 @@ def clip_grad_norm_pp(parameters: Iterable[torch.Tensor], max_norm: float, group
     """
     params = [p for p in parameters if p.grad is not None]
     local = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type) if params else torch.zeros(())
+    if isinstance(local, DTensor):  # FSDP2's sharded gradients: the stage's norm over its shards (as torchtitan)
+        local = local.full_tensor()
     total = local.double() ** norm_type
     dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
     total = (total ** (1.0 / norm_type)).to(local.dtype)
@@ -563,7 +900,8 @@ def pipeline_paci(model: nn.Module, *, device: torch.device, loss_fn: LossFn, n_
             default the world. Rank r of the group runs stage r.
         layers_per_stage: as in :func:`split_torchtitan_model`.
         parallelize: applied to the pruned part before it is wrapped (torchtitan's ``parallelize_fn``:
-            TP, activation checkpointing, compile; FSDP/DDP inside a PACI stage is untested).
+            activation checkpointing, compile, ``fully_shard`` or DDP over the data-parallel group, [Note: data
+            parallelism inside a stage]; tensor parallelism is untested).
         flush: see :class:`SchedulePACI`.
 
     Returns:
@@ -579,3 +917,96 @@ def pipeline_paci(model: nn.Module, *, device: torch.device, loss_fn: LossFn, n_
     stage = PipelineStage(part, rank, n_ranks, device, group=group)
     schedule = SchedulePACI(stage, n_microbatches, loss_fn, a=a, flush=flush)
     return schedule, [part], rank == 0, rank == n_ranks - 1
+
+
+def get_schedule_class(schedule_name: str) -> type:
+    """torch's ``get_schedule_class`` with ``"PACI"`` (any case) added: :class:`SchedulePACI`.
+
+    torchtitan looks its ``parallelism.pipeline_parallel_schedule`` up with torch's function, whose table is
+    closed; this one answers ``"PACI"`` and passes every other name to torch's.
+
+    Raises:
+        ConfigError: a name neither ``"PACI"`` nor one of torch's (naming both).
+    """
+    if isinstance(schedule_name, str) and schedule_name.lower() == "paci":
+        return SchedulePACI
+    try:
+        return _torch_schedule_class(schedule_name)
+    except ValueError as exc:
+        raise ConfigError(f"pipeline_parallel_schedule={schedule_name!r} is invalid: 'PACI' (unbubble) or one of "
+                          f"torch's ({exc})") from None
+
+
+def build_pipeline_schedule(*, parallelism: Any, num_microbatches: int, stages: list[PipelineStage], loss_fn: Callable,
+                            backward_requires_autograd: bool = True, a: int | None = None, scale_grads: bool = False,
+                            loss_kwargs: dict[str, Any] | None = None, fallback: Callable[..., Any] | None = None) -> Any:
+    """A drop-in for torchtitan's ``_build_pipeline_schedule`` (``torchtitan/distributed/pipeline_parallel.py``)
+    that also builds PACI.
+
+    With ``parallelism.pipeline_parallel_schedule == "PACI"`` (any case) it returns ``SchedulePACI(stages[0],
+    n_microbatches=num_microbatches, loss_fn=…, a=a, scale_grads=scale_grads)``. Any other name goes to
+    ``fallback`` (torchtitan's own builder, called with torchtitan's keyword arguments) when given, else is built
+    as torchtitan builds torch's schedules (single-stage or looped, ``scale_grads=False``). As in torchtitan,
+    ``loss_fn`` may return ``(loss, metrics)`` (torchtitan's ``BaseLoss``): the schedule gets the loss. Install it
+    (and :func:`get_schedule_class`, which torchtitan's stage split calls) over torchtitan's before
+    ``pipeline_llm`` runs; docs/pipelining.md has the lines.
+
+    Args:
+        parallelism: torchtitan's ``ParallelismConfig`` (read: ``pipeline_parallel_schedule``,
+            ``pipeline_parallel_schedule_csv``).
+        num_microbatches: m, the micro-batches each batch of the data iterator splits into.
+        stages: this rank's stages (PACI: exactly one).
+        loss_fn: ``loss_fn(output, target) -> loss`` or ``-> (loss, metrics)``.
+        backward_requires_autograd: torchtitan's flag for looped schedules (Graph PP); must be True for PACI.
+        a: PACI's accumulation factor (default m: one update per torchtitan step).
+        scale_grads: PACI only, :class:`SchedulePACI`'s: ``False`` (torchtitan's choice) backpropagates the loss as
+            ``loss_fn`` returns it, so the update applies the sum of its a micro-batches' gradients and ``loss_fn``
+            must normalise over the update (torchtitan's sum loss divided by the update's token count); ``True``
+            multiplies each loss by 1/a (the mean over the update, for a mean ``loss_fn``).
+        loss_kwargs: PACI only: keyword arguments for every ``loss_fn`` call, e.g. torchtitan's
+            ``{"global_valid_tokens": torch.tensor(a · tokens per micro-batch)}`` (``SchedulePACI.step`` takes none:
+            an update's micro-batches are read across calls).
+        fallback: the builder for every other schedule name (torchtitan's ``_build_pipeline_schedule``).
+
+    Returns:
+        The schedule (``SchedulePACI`` for ``"PACI"``).
+
+    Raises:
+        ConfigError: an unknown schedule name; for PACI more than one stage on the rank, a CSV schedule, or
+            ``backward_requires_autograd=False``; a CSV schedule without ``fallback``; as :class:`SchedulePACI`.
+
+    Source: torchtitan ``_build_pipeline_schedule`` (pytorch/torchtitan, commit b5bcd76, August 2026).
+    """
+    name = parallelism.pipeline_parallel_schedule
+    csv = getattr(parallelism, "pipeline_parallel_schedule_csv", None)
+
+    def scalar_loss(*args: Any, **kwargs: Any) -> torch.Tensor:
+        out = loss_fn(*args, **kwargs)
+        return out[0] if isinstance(out, tuple) else out
+
+    def paci_loss(output: Any, target: Any) -> torch.Tensor:
+        return scalar_loss(output, target, **(loss_kwargs or {}))
+
+    if not (isinstance(name, str) and name.lower() == "paci"):
+        if fallback is not None:
+            return fallback(parallelism=parallelism, num_microbatches=num_microbatches, stages=stages, loss_fn=loss_fn,
+                            backward_requires_autograd=backward_requires_autograd)
+        if csv:
+            raise ConfigError(f"pipeline_parallel_schedule_csv={csv!r} needs torchtitan's builder: pass "
+                              "fallback=torchtitan's _build_pipeline_schedule")
+        cls = get_schedule_class(name)
+        if issubclass(cls, PipelineScheduleSingle):
+            return cls(stages[0], n_microbatches=num_microbatches, loss_fn=scalar_loss, scale_grads=False)
+        return cls(stages, n_microbatches=num_microbatches, loss_fn=scalar_loss, scale_grads=False,
+                   backward_requires_autograd=backward_requires_autograd)
+    if len(stages) != 1:
+        raise ConfigError(f"{len(stages)} stages on this rank are invalid for PACI: SchedulePACI runs one stage per "
+                          "rank (pipeline_parallel_layers_per_stage must give one stage per rank)")
+    if csv:
+        raise ConfigError(f"pipeline_parallel_schedule_csv={csv!r} is invalid with PACI: PACI's order is decided "
+                          "at run time by back-pressure; leave the CSV unset")
+    if not backward_requires_autograd:
+        raise ConfigError("backward_requires_autograd=False is invalid for PACI: SchedulePACI runs autograd "
+                          "backwards (Graph PP is not supported)")
+    return SchedulePACI(stages[0], n_microbatches=num_microbatches, loss_fn=paci_loss, a=a,
+                        scale_grads=scale_grads)

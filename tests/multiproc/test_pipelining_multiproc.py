@@ -2,9 +2,11 @@
 launcher) against unbubble's single-process emulator on the same stage modules and micro-batches.
 
 Starting N processes costs ≈ 7 s on 2 cores, so every scenario of one N runs in one launch (N = 2, then
-N = 4); each result is checked against an independent reference: the emulator's PACI (losses, weights and
-per-stage drift histogram, bit for bit), its 1F1B-flush, its run with a checkpoint cut, and for the
-example its PACI on the example's own model.
+4 processes, shared by the tests through module fixtures); each result is checked against an independent
+reference: the emulator's PACI (losses, weights and per-stage drift histogram, bit for bit), its 1F1B-flush,
+its run with a checkpoint cut, for the example its PACI on the example's own model, for HF Llama stages in
+``TreeStage`` the emulator's PACI on ``split_model``'s stages, and for pp = 2 × dp = 2 with DDP-wrapped or
+``fully_shard``-ed stages unbubble's own ``dp=2`` PACI run (the process engine, one more launch).
 """
 
 from __future__ import annotations
@@ -138,7 +140,135 @@ def _scenario(rank: int, n: int, sc: dict) -> dict:
     if kind == "example":
         ex = _example()
         return ex.train(ex.Config(steps=sc["steps"], a=sc.get("a"), clip=sc["clip"], log=False))
+    if kind == "eval":  # PACI (drained at the end), then one forward-only batch through eval()
+        module, opt, schedule, out = _paci_run(rank, n, sc)
+        job = _job("paci", n, sc["steps"], sc["a"])
+        x, y = next(_batches(job, sc["a"], start=1000))
+        losses: list = []
+        merged = schedule.eval(*((x,) if rank == 0 else ()), target=y if rank == n - 1 else None, losses=losses)
+        return {**out, "state": _state(module), "eval_losses": losses,
+                "eval_shape": None if merged is None else tuple(merged.shape)}
+    if kind == "hf":
+        return _hf_run(rank, n, sc)
+    if kind == "dp":
+        return _dp_run(rank, n, sc)
     raise ValueError(kind)
+
+
+def _hf_batches(padded: bool, m: int, start: int = 0):
+    """Endless dict batches of m of ``unbubble.testing.lm_batch``'s micro-batches (ids b·m … b·m + m − 1)."""
+    from unbubble.testing import lm_batch
+
+    for b in itertools.count(start):
+        mbs = [lm_batch(padded, b * m + j) for j in range(m)]
+        yield {key: torch.cat([x[key] for x, _ in mbs]) for key in mbs[0][0]}, torch.cat([y for _, y in mbs])
+
+
+def _hf_run(rank: int, n: int, sc: dict) -> dict:
+    """HF Llama split by ``split_model`` (dict boundaries) in ``TreeStage``, built by the torchtitan drop-in builder
+    with torchtitan's ``(loss, metrics)`` loss; then drained and evaluated on one more batch."""
+    from types import SimpleNamespace
+
+    from torch.distributed.pipelining import PipelineStage
+
+    from unbubble.models.split import causal_lm_loss, split_model
+    from unbubble.pipelining import TreeStage, build_pipeline_schedule
+    from unbubble.testing import hf_adamw, tiny_hf_llama
+
+    a, padded = sc["a"], sc["padded"]
+    part = split_model(tiny_hf_llama(), n)(rank)
+    opt = hf_adamw(part.parameters(), rank)
+    stage = PipelineStage(TreeStage(part), rank, n, torch.device("cpu"))
+    schedule = build_pipeline_schedule(
+        parallelism=SimpleNamespace(pipeline_parallel_schedule="PACI", pipeline_parallel_schedule_csv=None),
+        num_microbatches=a, stages=[stage], loss_fn=lambda out, y: (causal_lm_loss(out, y), {}), scale_grads=True)
+    data, losses = _hf_batches(padded, a), []
+    for _ in range(sc["steps"]):
+        opt.zero_grad()
+        got: list = []
+        schedule.step(data, losses=got)
+        opt.step()
+        if got:
+            losses.append(_mean(got))
+    schedule.drain()
+    x, y = next(_hf_batches(padded, a, start=1000))
+    eval_losses: list = []
+    logits = schedule.eval(**(x if rank == 0 else {}), target=y if rank == n - 1 else None, losses=eval_losses)
+    return {"losses": losses, "drift": dict(schedule.drift), "state": _state(part), "in_flight": schedule.in_flight,
+            "fwd_cache": len(stage.fwd_cache), "eval_losses": eval_losses,
+            "eval_shape": None if logits is None else tuple(logits.shape)}
+
+
+_MESH = {}
+
+
+def _dp_run(rank: int, world: int, sc: dict) -> dict:
+    """pp × dp processes, rank g = d·pp + r ([Note: 2-D rank layout]): SchedulePACI on a DDP-wrapped or
+    fully_shard-ed stage module, replica d reading the data ids k·dp + d (``replica_batch``)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.tensor import DTensor
+    from torch.nn.parallel import DistributedDataParallel
+
+    from unbubble.pipelining import SchedulePACI, clip_grad_norm_pp
+
+    pp = sc["pp"]
+    dp = world // pp
+    replica, prank = divmod(rank, pp)
+    if (dp, pp) not in _MESH:  # rows are pipelines, columns data-parallel groups (torchtitan's ["dp", "pp"])
+        _MESH[dp, pp] = init_device_mesh("cpu", (dp, pp), mesh_dim_names=("dp", "pp"))
+    mesh = _MESH[dp, pp]
+    a, m = sc["a"], sc["m"]
+    job = _job("paci", pp, sc["steps"], a)
+    module = job.stage_fn(prank)
+    reductions: list[int] = []  # DDP: all-reduces per bucket, counted by a comm hook doing DDP's own reduction
+    if sc["wrap"] == "ddp":
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        def counting_hook(group, bucket):
+            reductions.append(len(reductions))
+            return allreduce_hook(group, bucket)
+
+        part = DistributedDataParallel(module, process_group=mesh.get_group("dp"))
+        part.register_comm_hook(mesh.get_group("dp"), counting_hook)
+    else:
+        part = fully_shard(module, mesh=mesh["dp"])
+    opt = job.optimizer_fn(list(module.named_parameters()), prank)
+    schedule = SchedulePACI(PipelineStage(part, prank, pp, torch.device("cpu"), group=mesh.get_group("pp")), m,
+                            job.loss_fn, a=a)
+
+    def batches():
+        for b in itertools.count():
+            mbs = [job.batch_fn((b * m + j) * dp + replica) for j in range(m)]
+            yield torch.cat([x for x, _ in mbs]), torch.cat([y for _, y in mbs])
+
+    data, losses, per_step, norms = batches(), [], [], []
+    for _ in range(sc["steps"]):
+        opt.zero_grad()
+        got: list = []
+        before = len(reductions)
+        schedule.step(data, losses=got)
+        per_step.append(len(reductions) - before)
+        # the pipeline's norm of the reduced gradients; max_norm = inf scales by exactly 1.0
+        norms.append(float(clip_grad_norm_pp(module.parameters(), float("inf"), group=mesh.get_group("pp"))))
+        opt.step()
+        if got:
+            losses.append(_mean(got))
+    schedule.drain()
+    x, y = _dp_eval_batch(job, m, dp, replica)
+    eval_losses: list = []
+    schedule.eval(*((x,) if prank == 0 else ()), target=y if prank == pp - 1 else None, losses=eval_losses)
+    state = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
+             for k, v in module.state_dict().items()}
+    return {"losses": losses, "drift": dict(schedule.drift), "state": state, "in_flight": schedule.in_flight,
+            "reductions": per_step, "norms": norms, "eval_losses": eval_losses}
+
+
+def _dp_eval_batch(job: PipelineJob, m: int, dp: int, replica: int):
+    """Replica ``replica``'s evaluation batch: m micro-batches of data ids far past training."""
+    mbs = [job.batch_fn((1000 * m + j) * dp + replica) for j in range(m)]
+    return torch.cat([x for x, _ in mbs]), torch.cat([y for _, y in mbs])
 
 
 def _worker(rank: int, n: int, port: int, scenarios: list[dict], q) -> None:
@@ -216,12 +346,29 @@ PACI_4 = [{"kind": "paci", "a": 1, "steps": 8}, {"kind": "paci", "a": 2, "steps"
           {"kind": "paci", "a": 3, "m": 2, "steps": 4}]
 
 
-def test_two_processes_paci_flush_resume_and_the_example_equal_the_emulator():
+EXTRA_2 = [{"kind": "paci", "a": 4, "steps": 3, "flush": True}, {"kind": "torch-1f1b", "a": 4, "steps": 3},
+           {"kind": "resume", "a": 2, "m": 2, "steps": 6, "t1": 3},
+           {"kind": "example", "steps": 5, "clip": "none"}, {"kind": "example", "steps": 4, "clip": "global"}]
+TREE_2 = [{"kind": "hf", "a": 2, "steps": 4, "padded": True}, {"kind": "eval", "a": 2, "steps": 3}]
+DP_4 = [{"kind": "dp", "wrap": "ddp", "pp": 2, "a": 2, "m": 3, "steps": 5},
+        {"kind": "dp", "wrap": "fsdp", "pp": 2, "a": 2, "m": 3, "steps": 5}]
+
+
+@pytest.fixture(scope="module")
+def two_processes() -> list[list[dict]]:
+    """One launch of 2 gloo processes for every N = 2 scenario (``[rank][scenario]``)."""
+    return _launch(2, PACI_2 + EXTRA_2 + TREE_2)
+
+
+@pytest.fixture(scope="module")
+def four_processes() -> list[list[dict]]:
+    """One launch of 4 gloo processes: N = 4 PACI, then pp = 2 × dp = 2 with DDP and FSDP2 stages."""
+    return _launch(4, PACI_4 + DP_4)
+
+
+def test_two_processes_paci_flush_resume_and_the_example_equal_the_emulator(two_processes):
     n = 2
-    extra = [{"kind": "paci", "a": 4, "steps": 3, "flush": True}, {"kind": "torch-1f1b", "a": 4, "steps": 3},
-             {"kind": "resume", "a": 2, "m": 2, "steps": 6, "t1": 3},
-             {"kind": "example", "steps": 5, "clip": "none"}, {"kind": "example", "steps": 4, "clip": "global"}]
-    results = _launch(n, PACI_2 + extra)
+    results = two_processes
     by = lambda i: [results[r][i] for r in range(n)]  # noqa: E731
     for i, sc in enumerate(PACI_2):
         emu = run_emulator(_job("paci", n, sc["steps"], sc["a"]))
@@ -269,11 +416,104 @@ def test_two_processes_paci_flush_resume_and_the_example_equal_the_emulator():
     assert clipped[n - 1]["losses"][0] == example[n - 1]["losses"][0]  # the first forward precedes any update
 
 
-def test_four_processes_paci_equals_the_emulator_bit_for_bit():
+def test_four_processes_paci_equals_the_emulator_bit_for_bit(four_processes):
     n = 4
-    results = _launch(n, PACI_4)
+    results = four_processes
     for i, sc in enumerate(PACI_4):
         emu = run_emulator(_job("paci", n, sc["steps"], sc["a"]))
         _assert_equals_emulator([results[r][i] for r in range(n)], emu, f"paci a={sc['a']} m={sc.get('m', sc['a'])}")
         assert emu.max_drift() == [-(-(n - 1 - s) // sc["a"]) for s in range(n)]
         assert [results[r][i]["in_flight_before"] for r in range(n)] == [n - 1 - s for s in range(n)]
+
+
+def _chained(stages: list, x, y: torch.Tensor, m: int, loss_fn) -> list[torch.Tensor]:
+    """Independent reference for eval(): each of m micro-batches through the stage modules in turn, no pipeline."""
+    from unbubble.pipelining import _chunk
+
+    out = []
+    with torch.no_grad():
+        for xj, yj in zip(_chunk(x, m, "x"), _chunk(y, m, "y")):
+            h = xj
+            for module in stages:
+                h = module(h)
+            out.append(loss_fn(h, yj))
+    return out
+
+
+def test_two_processes_hf_llama_in_tree_stages_and_eval_equal_the_emulator(two_processes):
+    """``split_model``'s HF Llama stages (dict boundaries: hidden states, a padding mask, position ids) in
+    ``TreeStage``, built by the torchtitan drop-in ``build_pipeline_schedule`` with a ``(loss, metrics)`` loss:
+    losses, weights and drift equal the emulator's PACI on the same split, bit for bit. ``eval()`` after
+    ``drain()``: its losses equal the final weights' stages chained by hand on the same batch, bit for bit."""
+    from unbubble.models.split import causal_lm_loss, split_model
+    from unbubble.testing import HF_SEQ, HF_VOCAB, hf_job, tiny_hf_llama
+
+    n, first = 2, len(PACI_2) + len(EXTRA_2)
+    hf, plain = ([two_processes[r][first + j] for r in range(n)] for j in range(2))
+    sc = TREE_2[0]
+    emu = run_emulator(hf_job(tiny_hf_llama(), "paci", n, padded=sc["padded"], steps=sc["steps"], m=sc["a"]))
+    _assert_equals_emulator(hf, emu, "HF Llama in TreeStage")
+    assert len(emu.step_losses) == sc["steps"] and emu.max_drift() == [1, 0]
+    split = split_model(tiny_hf_llama(), n)
+    stages = [split(s) for s in range(n)]
+    for s, module in enumerate(stages):
+        module.load_state_dict(emu.final_states[s])
+    x, y = next(_hf_batches(sc["padded"], sc["a"], start=1000))
+    want = _chained(stages, x, y, sc["a"], causal_lm_loss)
+    assert len(hf[n - 1]["eval_losses"]) == sc["a"]
+    assert all(torch.equal(g, w) for g, w in zip(hf[n - 1]["eval_losses"], want))
+    assert hf[n - 1]["eval_shape"] == (2 * sc["a"], HF_SEQ, HF_VOCAB) and hf[0]["eval_losses"] == []
+    # the same for a tensor boundary (tiny GPT), the eval continuing no run
+    sc = TREE_2[1]
+    job = _job("paci", n, sc["steps"], sc["a"])
+    emu = run_emulator(job)
+    _assert_equals_emulator(plain, emu, "paci before eval")
+    stages = [job.stage_fn(s) for s in range(n)]
+    for s, module in enumerate(stages):
+        module.load_state_dict(emu.final_states[s])
+    x, y = next(_batches(job, sc["a"], start=1000))
+    want = _chained(stages, x, y, sc["a"], job.loss_fn)
+    assert all(torch.equal(g, w) for g, w in zip(plain[n - 1]["eval_losses"], want)) and len(want) == sc["a"]
+    assert plain[n - 1]["eval_shape"] == (2 * sc["a"], 16, 64) and plain[0]["eval_shape"] is None  # merged logits
+
+
+def test_pp2_dp2_ddp_and_fsdp_stages_equal_unbubbles_own_dp_run_bit_for_bit(four_processes):
+    """4 gloo processes, pp = 2 × dp = 2 (rank d·2 + r): SchedulePACI with each stage module wrapped in
+    DistributedDataParallel, then sharded by fully_shard (FSDP2), over its column of the ["dp", "pp"] mesh, replica d
+    reading data ids k·2 + d; unbubble's own PACI with ``job.dp = 2`` (the process engine, GradientAverager at each U)
+    is the reference: the replicas' mean step loss, every replica's final weights and each stage's drift histogram
+    equal it bit for bit, so gradients were reduced exactly once per update, over all a micro-batches (DDP: one
+    all-reduce per step, counted); ``eval()`` after ``drain()`` equals the reference's weights chained by hand."""
+    from unbubble.runtime.launch import run_processes
+
+    sc = DP_4[0]
+    job = _job("paci", sc["pp"], sc["steps"], sc["a"])
+    job.dp = 2
+    ref = run_processes(job)
+    hist = ref.trace.drift_histogram()
+    assert len(ref.step_losses) == sc["steps"]
+    stages = [job.stage_fn(s) for s in range(sc["pp"])]
+    for s, module in enumerate(stages):
+        module.load_state_dict(ref.final_states[s])
+    norms = {}
+    for i, sc in enumerate(DP_4, start=len(PACI_4)):
+        per = [four_processes[g][i] for g in range(4)]
+        last = [per[d * 2 + 1]["losses"] for d in range(2)]
+        assert last[0] != last[1], "the replicas read the same data"
+        assert [(x0 + x1) / 2 for x0, x1 in zip(*last)] == ref.step_losses, sc["wrap"]
+        assert len({tuple(res["norms"]) for res in per}) == 1, f"{sc['wrap']}: ranks clipped by different norms"
+        for d in range(2):  # eval() after drain(): each replica's batch through the final weights, chained by hand
+            x, y = _dp_eval_batch(job, sc["m"], 2, d)
+            want = _chained(stages, x, y, sc["m"], job.loss_fn)
+            got = per[d * 2 + 1]["eval_losses"]
+            assert len(got) == sc["m"] and all(torch.equal(g, w) for g, w in zip(got, want)), f"{sc['wrap']} eval"
+        norms[sc["wrap"]] = per[0]["norms"]
+        for g, res in enumerate(per):
+            for name, want in ref.final_states[g % 2].items():
+                assert torch.equal(res["state"][name], want), f"{sc['wrap']}: rank {g} {name}"
+            assert res["drift"] == hist[g % 2] and res["in_flight"] == 0, f"{sc['wrap']}: rank {g}"
+            if sc["wrap"] == "ddp":  # the tiny stage is one bucket: one all-reduce per update, in the a-th backward
+                assert res["reductions"] == [1] * sc["steps"], f"rank {g}: all-reduces per step {res['reductions']}"
+    # clip_grad_norm_pp over the pipeline sees the same update under both: FSDP2's norm is gathered from shards
+    # (another summation order, hence approx)
+    assert norms["fsdp"] == pytest.approx(norms["ddp"], rel=1e-6) and all(x > 0 for x in norms["ddp"])

@@ -1,7 +1,8 @@
-"""``unbubble.pipelining`` in one process: validation messages, the torchtitan-layout split and factory, a
-one-stage PACI run against the emulator, and the private torch seams the module relies on (these fail
-loudly when a torch upgrade changes them). The multi-process runs are in
-``tests/multiproc/test_pipelining_multiproc.py``."""
+"""``unbubble.pipelining`` in one process: validation messages, the torch version check, the refusal of stage
+modules the schedule cannot sync, the torchtitan-layout split, factory and schedule builder, one-stage PACI runs
+against the emulator (``scale_grads``, tree outputs through ``TreeStage``, ``eval``), and the private torch seams
+the module relies on (these fail loudly when a torch upgrade changes them). The multi-process runs (DDP and FSDP2
+inside stages, HF stages in ``TreeStage``) are in ``tests/multiproc/test_pipelining_multiproc.py``."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 
 from unbubble.errors import ConfigError
-from unbubble.pipelining import SchedulePACI, _SavedByReference, _torch_private, clip_grad_norm_pp, pipeline_paci, \
+from unbubble.pipelining import SchedulePACI, TreeStage, _check_data_parallel, _check_torch_version, _SavedByReference, \
+    _torch_private, build_pipeline_schedule, clip_grad_norm_pp, get_schedule_class, pipeline_paci, \
     split_torchtitan_model
 from unbubble.runtime.emulator import run_emulator
 from unbubble.schedules import get_schedule
@@ -275,7 +277,40 @@ def test_private_torch_seams_are_as_this_module_expects(world_of_one):
     internal the module uses; update ``_torch_private`` (one place) before anything else."""
     params = list(inspect.signature(PipelineScheduleSingle._initialize_stage).parameters)
     assert params[:4] == ["self", "args", "kwargs", "target"], params
-    assert SchedulePACI(_stage(), 2, _loss)._loss_fn is _loss  # swapped around _initialize_stage for tree targets
+    signatures = {  # the per-micro-batch actions and the inference's metadata messages, as _torch_private calls them
+        "forward_one_chunk": ["self", "fwd_chunk_id", "args", "kwargs", "save_forward_output"],
+        "backward_one_chunk": ["self", "bwd_chunk_id", "loss", "full_backward", "last_backward"],
+        "perform_reduce_grad": ["self", "grad_scale_factor"],
+        "_send_meta": ["self", "meta", "dst_stage"], "_recv_meta": ["self", "src_stage"],
+        "get_fwd_recv_ops": ["self", "fwd_chunk_id"], "get_bwd_recv_ops": ["self", "bwd_chunk_id"],
+        "get_fwd_send_ops": ["self", "fwd_chunk_id"], "get_bwd_send_ops": ["self", "bwd_chunk_id"]}
+    for name, want in signatures.items():
+        assert list(inspect.signature(getattr(PipelineStage, name)).parameters) == want, name
+    # slot reuse: stage_backward reads a receive buffer's .grad and resets it, so the buffer reused by micro-batch
+    # k + N starts from no gradient (else the second backward would send the sum of both)
+    from torch.distributed.pipelining._backward import stage_backward
+
+    buffer = torch.randn(3, requires_grad=True)
+    for scale in (2.0, 3.0):
+        out = buffer * scale
+        (grad,) = stage_backward((out,), (torch.ones(3),), [buffer])
+        assert torch.equal(grad, torch.full((3,), scale)) and buffer.grad is None
+    # the layouts ride on the inference's forward metadata (wrapped on the stage object only)
+    from torch.distributed.pipelining.stage import _StageForwardMeta
+
+    sent, stage, tree = [], _stage(), TreeStage(nn.Identity())
+    stage._send_meta, stage._recv_meta = (lambda meta, dst: sent.append(meta)), (lambda src: sent[-1])
+    _torch_private.carry_layouts(stage, tree)
+    tree.out_layout = ("a layout",)
+    meta = _StageForwardMeta(forward_metas=())
+    stage._send_meta(meta, 1)
+    assert stage._recv_meta(0) is meta and tree.in_layout == ("a layout",)
+    stage._send_meta("backward metadata", 0)
+    assert sent[-1] == "backward metadata" and stage._recv_meta(1) == "backward metadata"
+    assert _torch_private.composable_ddp() and all(isinstance(c, type) for c in _torch_private.composable_ddp())
+    stage = _stage()
+    sched = SchedulePACI(stage, 2, _loss)
+    assert sched._loss_fn is _loss and sched._stage is stage  # swapped around / read in _initialize_stage
     stage = _stage()
     assert isinstance(stage.fwd_cache, dict)
     _torch_private.drop_forward(stage, 0)  # absent slot: no error
@@ -309,3 +344,226 @@ def test_private_torch_seams_are_as_this_module_expects(world_of_one):
     with pytest.raises(RuntimeError, match=r"^a tensor of shape \(3,\) saved by the stage's forward was modified in place"):
         w.backward()
     assert z.requires_grad
+
+
+@pytest.mark.parametrize("version,ok", [("2.13.0+cpu", True), ("2.13.1", True), ("2.12.1", False), ("2.14.0", False),
+                                        ("3.0.0", False), ("nightly", False)])
+def test_torch_versions_outside_the_tested_range_are_refused_in_one_line(version, ok):
+    if ok:
+        _check_torch_version(version)
+        return
+    with pytest.raises(ConfigError, match=f"^torch {re.escape(version)} is not supported by unbubble.pipelining: it "
+                                          r"drives torch\.distributed\.pipelining internals tested with torch 2\.13 only "
+                                          r"\(>= 2\.13, < 2\.14\); install torch 2\.13\.x, or train with unbubble's own "
+                                          r"runtime$"):
+        _check_torch_version(version)
+
+
+def test_the_schedule_checks_the_installed_torch_at_construction(world_of_one, monkeypatch):
+    _check_torch_version()  # the installed torch is the tested one
+    monkeypatch.setattr(torch, "__version__", "2.12.0")
+    with pytest.raises(ConfigError, match=r"^torch 2\.12\.0 is not supported by unbubble\.pipelining"):
+        SchedulePACI(_stage(), 2, _loss)
+
+
+class _FakeFSDP1(torch.distributed.fsdp.FullyShardedDataParallel):
+    """An FSDP1 instance without FSDP1's set-up (which needs an accelerator): only its type matters here."""
+
+    def __init__(self, inner: nn.Module):
+        nn.Module.__init__(self)
+        self.inner = inner
+
+
+def test_stage_modules_the_schedule_cannot_sync_once_per_update_are_refused_in_one_line(world_of_one):
+    """[Note: data parallelism inside a stage]: DDP at the root and fully_shard at the root (blocks sharded too)
+    are accepted; FSDP1, composable replicate, and DDP or fully_shard below an unwrapped root are refused."""
+    from torch.distributed._composable.replicate import replicate
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+    from torch.nn.parallel import DistributedDataParallel
+
+    supported = ("; supported: DistributedDataParallel(stage module), or fully_shard (FSDP2) applied to the stage "
+                 "module itself (its submodules may be sharded too)")
+    mesh = init_device_mesh("cpu", (1,))
+    two = lambda: nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))  # noqa: E731
+    cases = [
+        (_FakeFSDP1(nn.Linear(4, 4)), "stage module _FakeFSDP1 is a FullyShardedDataParallel (FSDP1), which "
+                                      "SchedulePACI cannot sync once per update"),
+        (nn.Sequential(_FakeFSDP1(nn.Linear(4, 4))), "stage module Sequential at '0' is a FullyShardedDataParallel "
+                                                     "(FSDP1), which SchedulePACI cannot sync once per update"),
+        (replicate(nn.Linear(4, 4)), "stage module DDPLinear is replicated by torch.distributed._composable.replicate, "
+                                     "which all-reduces on every backward"),
+        (nn.Sequential(DistributedDataParallel(nn.Linear(4, 4))), "stage module Sequential at '0' is a "
+         "DistributedDataParallel inside the stage module, which torch's stage cannot hold in no_sync()"),
+    ]
+    sub = two()
+    fully_shard(sub[1], mesh=mesh)
+    cases.append((sub, "stage module Sequential at '1' is sharded by fully_shard but the stage module Sequential is "
+                       "not, so its gradients would be reduced on every backward"))
+    for module, message in cases:
+        with pytest.raises(ConfigError, match=f"^{re.escape(message + supported)}$"):
+            _check_data_parallel(module)
+    with pytest.raises(ConfigError, match=r"^stage module Sequential at '0' is a DistributedDataParallel inside"):
+        SchedulePACI(PipelineStage(nn.Sequential(DistributedDataParallel(nn.Linear(4, 4))), 0, 1,
+                                   torch.device("cpu")), 2, _loss)
+    ddp = DistributedDataParallel(nn.Linear(4, 4))
+    sharded = two()
+    fully_shard(sharded[0], mesh=mesh)
+    fully_shard(sharded, mesh=mesh)
+    assert isinstance(sharded, FSDPModule)
+    for module in (ddp, sharded, nn.Linear(4, 4)):
+        SchedulePACI(PipelineStage(module, 0, 1, torch.device("cpu")), 2, _loss)
+
+
+def _gpt_batches(job, m: int):
+    for b in itertools.count():
+        mbs = [job.batch_fn(b * m + j) for j in range(m)]
+        yield torch.cat([x for x, _ in mbs]), torch.cat([y for _, y in mbs])
+
+
+def _train(sched: SchedulePACI, opt, data, steps: int) -> list[torch.Tensor]:
+    got = []
+    for _ in range(steps):
+        opt.zero_grad()
+        losses: list = []
+        sched.step(data, losses=losses)
+        opt.step()
+        got += losses
+    return got
+
+
+def test_scale_grads_false_backpropagates_the_loss_as_given(world_of_one):
+    """``scale_grads=False`` with a loss already divided by a equals the emulator's PACI (which scales by 1/a)
+    bit for bit for a = 2 (a power of two: x/2 and x·(1/2) are one number); ``losses`` holds loss_fn's values."""
+    torch.set_num_threads(1)
+    a, steps = 2, 4
+    job = tiny_gpt_job(get_schedule("paci", 1, steps, a=a))
+    emu = run_emulator(job)
+    module = job.stage_fn(0)
+    sched = SchedulePACI(PipelineStage(module, 0, 1, torch.device("cpu")), a, lambda out, y: job.loss_fn(out, y) / a,
+                         scale_grads=False)
+    assert sched.scale_grads is False
+    got = _train(sched, job.optimizer_fn(list(module.named_parameters()), 0), _gpt_batches(job, a), steps)
+    assert all(torch.equal(module.state_dict()[k], v) for k, v in emu.final_states[0].items())
+    means = [sum(x * a for x in torch.stack(got[t * a:(t + 1) * a]).tolist()) / a for t in range(steps)]
+    assert means == emu.step_losses
+    with pytest.raises(ConfigError, match=r"^scale_grads=1 is invalid: True \(each loss × 1/a: the update's mean "
+                                          r"gradient\) or False \(the loss as given: the update's summed gradient\)$"):
+        SchedulePACI(_stage(), 2, _loss, scale_grads=1)
+
+
+class _DictOut(nn.Module):
+    """A one-stage model whose output is a tree: ``{"logits": ..., "note": None}``."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return {"logits": self.inner(x), "note": None}
+
+
+def test_tree_stage_output_reaches_the_loss_rebuilt_and_equals_the_tensor_run(world_of_one):
+    """A dict output through ``TreeStage`` (flattened for torch, rebuilt for ``loss_fn``) trains bit for bit as the
+    same module returning the tensor; ``eval()`` gives the rebuilt outputs' losses. A TreeStage whose layout was
+    never set, or whose output layout changes, is refused in one line."""
+    torch.set_num_threads(1)
+    a, steps = 2, 3
+    job = tiny_gpt_job(get_schedule("paci", 1, steps, a=a))
+    plain = job.stage_fn(0)
+    want = _train(SchedulePACI(PipelineStage(plain, 0, 1, torch.device("cpu")), a, job.loss_fn),
+                  job.optimizer_fn(list(plain.named_parameters()), 0), _gpt_batches(job, a), steps)
+    keyed = _DictOut(job.stage_fn(0))
+    sched = SchedulePACI(PipelineStage(TreeStage(keyed), 0, 1, torch.device("cpu")), a,
+                         lambda out, y: job.loss_fn(out["logits"], y))
+    got = _train(sched, job.optimizer_fn(list(keyed.inner.named_parameters()), 0), _gpt_batches(job, a), steps)
+    assert len(got) == steps * a and all(torch.equal(g, w) for g, w in zip(got, want))
+    assert all(torch.equal(keyed.inner.state_dict()[k], v) for k, v in plain.state_dict().items())
+    x, y = next(_gpt_batches(job, a))
+    losses: list = []
+    merged = sched.eval(x, target=y, losses=losses)
+    with torch.no_grad():
+        direct = [job.loss_fn(plain(xj), yj) for xj, yj in zip(x.chunk(a), y.chunk(a))]
+    assert all(torch.equal(g, w) for g, w in zip(losses, direct)) and len(losses) == a
+    assert set(merged) == {"logits", "note"} and merged["note"] is None and merged["logits"].shape[0] == x.shape[0]
+    assert sched.steps == steps and sched.in_flight == 0  # eval changes nothing
+    with pytest.raises(ConfigError, match=r"^TreeStage\(_DictOut\) has no input layout yet: SchedulePACI sets it at "
+                                          r"its first step\(\) \(torch's own schedules cannot carry a tree boundary\)$"):
+        TreeStage(_DictOut(nn.Linear(4, 4)))(torch.zeros(2, 4))
+    flip = TreeStage(nn.Identity())
+    flip.in_layout = None
+    flip({"a": torch.zeros(1)})
+    with pytest.raises(ConfigError, match=r"^the output layout of TreeStage\(Identity\) changed from .* to .*: torch's "
+                                          r"PipelineStage fixes a boundary's tensors at the first step\(\), so every "
+                                          r"micro-batch's output must have the same structure$"):
+        flip({"a": torch.zeros(1), "b": None})
+
+
+def test_eval_needs_a_started_and_drained_schedule(world_of_one):
+    sched = SchedulePACI(_stage(), 2, _loss)
+    with pytest.raises(RuntimeError, match=r"^SchedulePACI\.eval\(\) on stage 0 before the first step\(\): torch's "
+                                           r"stage buffers are made there; until then evaluate the model parts directly$"):
+        sched.eval(torch.zeros(4, 4), target=torch.zeros(4, 4))
+    sched.step(_data(2))
+    sched._n_fwd += 1  # as a stage with a forward read ahead (N ≥ 2) is between step() and drain()
+    with pytest.raises(RuntimeError, match=r"^SchedulePACI\.eval\(\) on stage 0 with 1 micro-batches in flight: call "
+                                           r"drain\(\) on every rank first \(eval uses the same receive buffers\)$"):
+        sched.eval(torch.zeros(4, 4), target=torch.zeros(4, 4))
+    sched._n_fwd -= 1
+    with pytest.raises(ConfigError, match=r"^arg_mbs, target_mbs= is invalid for SchedulePACI\.eval: it takes torch "
+                                          r"2\.13's eval\(\*args, target=, losses=\) with the whole batch"):
+        sched.eval(arg_mbs=[(torch.zeros(2, 4),)] * 2, target_mbs=[torch.zeros(2, 4)] * 2)  # torchtitan's call
+    losses: list = []
+    out = sched.eval(torch.ones(4, 4), target=torch.zeros(4, 4), losses=losses)
+    assert out.shape == (4, 4) and len(losses) == 2 and not any(x.requires_grad for x in losses)
+
+
+def test_the_torchtitan_schedule_builder_and_schedule_class_lookup(world_of_one):
+    """``build_pipeline_schedule`` takes torchtitan's ``_build_pipeline_schedule`` keywords: "PACI" builds
+    SchedulePACI (a = m, scale_grads=False, torchtitan's ``(loss, metrics)`` loss reduced to the loss); another
+    name goes to ``fallback`` or is built as torchtitan builds torch's schedules."""
+    from types import SimpleNamespace
+
+    from torch.distributed.pipelining import Schedule1F1B
+
+    cfg = lambda name, csv=None: SimpleNamespace(pipeline_parallel_schedule=name,  # noqa: E731
+                                                 pipeline_parallel_schedule_csv=csv)
+    titan_loss = lambda out, y: (_loss(out, y), {"metric": 1})  # noqa: E731
+    sched = build_pipeline_schedule(parallelism=cfg("paci"), num_microbatches=2, stages=[_stage()], loss_fn=titan_loss)
+    assert isinstance(sched, SchedulePACI) and sched.a == 2 and sched.m == 2 and sched.scale_grads is False
+    out, y = torch.ones(2, 4), torch.zeros(2, 4)
+    assert torch.equal(sched._user_loss(out, y), _loss(out, y))
+    assert build_pipeline_schedule(parallelism=cfg("PACI"), num_microbatches=4, stages=[_stage()], loss_fn=_loss, a=2,
+                                   scale_grads=True).a == 2
+    normalised = build_pipeline_schedule(  # torchtitan's sum loss over a fixed token count per update
+        parallelism=cfg("PACI"), num_microbatches=2, stages=[_stage()], loss_fn=lambda o, y, global_valid_tokens:
+        ((o - y).pow(2).sum() / global_valid_tokens, {}), loss_kwargs={"global_valid_tokens": torch.tensor(16.0)})
+    assert torch.equal(normalised._user_loss(out, y), (out - y).pow(2).sum() / 16.0)
+    torch_1f1b = build_pipeline_schedule(parallelism=cfg("1F1B"), num_microbatches=2, stages=[_stage()],
+                                         loss_fn=titan_loss)
+    assert isinstance(torch_1f1b, Schedule1F1B) and torch_1f1b.scale_grads is False
+    calls = []
+    build_pipeline_schedule(parallelism=cfg("GPipe", "s.csv"), num_microbatches=2, stages=["stage"], loss_fn=_loss,
+                            fallback=lambda **kw: calls.append(kw))
+    assert calls == [{"parallelism": cfg("GPipe", "s.csv"), "num_microbatches": 2, "stages": ["stage"],
+                      "loss_fn": _loss, "backward_requires_autograd": True}]
+    assert get_schedule_class("Paci") is SchedulePACI and get_schedule_class("1f1b") is Schedule1F1B
+    for call, message in [
+        (lambda: get_schedule_class("PACO"), "pipeline_parallel_schedule='PACO' is invalid: 'PACI' (unbubble) or one "
+                                             "of torch's (Unknown schedule name 'PACO'. The valid options are "),
+        (lambda: build_pipeline_schedule(parallelism=cfg("PACI", "s.csv"), num_microbatches=2, stages=[_stage()],
+                                         loss_fn=_loss), "pipeline_parallel_schedule_csv='s.csv' is invalid with PACI: "
+                                                         "PACI's order is decided at run time by back-pressure; leave "
+                                                         "the CSV unset"),
+        (lambda: build_pipeline_schedule(parallelism=cfg("PACI"), num_microbatches=2, stages=[_stage(), _stage()],
+                                         loss_fn=_loss), "2 stages on this rank are invalid for PACI: SchedulePACI runs "
+                                                         "one stage per rank"),
+        (lambda: build_pipeline_schedule(parallelism=cfg("PACI"), num_microbatches=2, stages=[_stage()], loss_fn=_loss,
+                                         backward_requires_autograd=False), "backward_requires_autograd=False is "
+                                                                            "invalid for PACI"),
+        (lambda: build_pipeline_schedule(parallelism=cfg("1F1B", "s.csv"), num_microbatches=2, stages=[_stage()],
+                                         loss_fn=_loss), "pipeline_parallel_schedule_csv='s.csv' needs torchtitan's "
+                                                         "builder: pass fallback=torchtitan's _build_pipeline_schedule"),
+    ]:
+        with pytest.raises(ConfigError, match=f"^{re.escape(message)}"):
+            call()
