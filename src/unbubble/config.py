@@ -26,6 +26,11 @@ PREDICT_SCHEDULES = ("paci", "async-1f1b")
 DEFAULT_ERROR_FEEDBACK = 1.0
 
 ERROR_FEEDBACK_SCHEDULES = ("paci", "async-1f1b", "paci-stashed", "pipedream", "pipedream-2bw", "pipemare")
+#: Fields whose default depends on the schedule. A configuration file holds ``auto`` for such a field
+#: when its value is the schedule's default (:func:`config_to_yaml`), and ``auto`` reads back as the
+#: default of whatever schedule the run has, so ``--print-config`` output for one schedule runs with
+#: ``--schedule`` of another; a value other than the default is written as it is.
+AUTO_FIELDS = ("error_feedback",)
 OPTIMIZERS = ("adamw", "basis-rotation", "nesterov", "nadam", "pipedream-lr", "staleness-lr", "muon")
 
 
@@ -99,13 +104,13 @@ class TrainConfig:
     weight_decay: float = field(default=0.1, metadata={"help": 'AdamW decoupled weight decay, applied to matrices only (β and wd as in the PACI paper).'})
     muon_momentum: float = field(default=0.95, metadata={"help": "Muon's momentum μ on hidden matrices (Nesterov form, torch.optim.Muon; 0.95 as in Jordan et al. 2024). Higher momentum is a delay remedy (Zmushko et al. 2026, arXiv 2606.30634)."})
     predict_weights: Literal["none", "bound", "measured"] = field(default="none", metadata={"help": "Weight prediction for paci and async-1f1b (SpecTrain arXiv 1809.02839, PipeOptim arXiv 2312.00839): each forward on stage i runs on W + s_i·(W − W_prev), the last applied update extrapolated s_i updates ahead; s_i = the stage's drift bound ⌈(N−i)/a⌉ (bound) or its mean measured drift so far (measured). The backward keeps the current weights; one weight-sized buffer per stage."})
-    error_feedback: float | None = field(default=None, metadata={"help": "Error feedback for delayed gradients, coefficient c: every update applies x_{t+1} = x_t − u_t − c·(u_t − u_{t−1}), u_t the optimizer's full step (lr and weight decay included), the first update plain (Zmushko et al., arXiv 2606.30634, as implemented in lodestone-rock/RamTorch). Default: 1 on the asynchronous schedules, the best remedy measured (horizon-study, docs/results.md), 0 on the synchronous ones; 0 turns it off. Any optimizer, with or without --predict-weights; two fp32 weight-sized buffers per stage."})
+    error_feedback: float | None = field(default=None, metadata={"help": "Error feedback for delayed gradients, coefficient c: each update applies x_{t+1} = x_t − u_t − c·(u_t − u_{t−1}), u_t the optimizer's full step (Zmushko et al., arXiv 2606.30634). Default (auto in a config file): 1 on the asynchronous schedules, the best remedy measured (horizon-study, docs/results.md), 0 on the synchronous ones; 0 turns it off. Two fp32 weight-sized buffers per stage."})
     optimizer: Literal["adamw", "basis-rotation", "nesterov", "nadam", "pipedream-lr", "staleness-lr", "muon"] = field(
-        default="muon", metadata={"help": "muon (the default: the optimizer overhead-study supports for PACI, docs/results.md#overhead-study; torch.optim.Muon on hidden matrices, AdamW on embeddings, head, norms and biases, arXiv 2502.16982); adamw; basis-rotation (Adam in a rotated eigenbasis, arXiv 2602.03515); "
-                                           "nesterov (PipeNAG delay correction); nadam; pipedream-lr (AdamW with the "
-                                           "stage's lr ÷ τ_s^(1−min(t/K,1)), K = steps/10: it equals adamw where τ_s ≤ 1, "
-                                           "e.g. PACI with a ≥ N−1, or when K ≤ 1); staleness-lr (AdamW with the stage's lr ÷ "
-                                           "(1 + τ_s), staleness-aware SGD, arXiv 1511.05950)."})
+        default="muon", metadata={"help": "muon (the default: torch.optim.Muon on hidden matrices, AdamW on embeddings, head, norms and biases, arXiv 2502.16982; the optimizer overhead-study supports for PACI); "
+                                           "adamw; basis-rotation (Adam in a rotated eigenbasis, arXiv 2602.03515); "
+                                           "nesterov (PipeNAG); nadam; pipedream-lr (AdamW, the stage's lr ÷ "
+                                           "τ_s^(1−min(t/K,1)), K = steps/10); staleness-lr (AdamW, the stage's lr ÷ "
+                                           "(1 + τ_s), arXiv 1511.05950)."})
     br_source: Literal["2nd", "1st"] = field(default="2nd", metadata={"help": "Basis Rotation: eigenbasis from EMA(GGᵀ), EMA(GᵀG) (2nd) or from the momentum (1st)."})
     br_geometry: Literal["bilateral", "unilateral"] = field(default="bilateral", metadata={"help": "Basis Rotation: rotate both sides of each matrix, or only the smaller one."})
     br_freq: int = field(default=10, metadata={"help": "Basis Rotation: refresh the bases every k steps (one power-iteration step + QR)."})
@@ -113,13 +118,13 @@ class TrainConfig:
     br_allocation: Literal["uniform", "stage-aware", "inverse"] = field(default="uniform", metadata={"help": "Basis Rotation: how a fixed refresh budget is split across stages (stage-aware: staler stages refresh more often)."})
     stage_aware: bool = field(default=False, metadata={"help": "Shorthand for --br-allocation stage-aware."})
     clip_grad_norm: float | None = field(default=None, metadata={"help": "Clip each update's gradients to this norm (torchtitan, Megatron and nanoGPT use 1.0); which norm: --clip-scope. Off by default."})
-    clip_scope: str | None = field(default=None, metadata={"help": "Which norm --clip-grad-norm clips by (default sync). sync: the exact norm of this update over all stages (and --dp replicas), as torchtitan: one all-gather per update, a barrier that makes every stage wait for the slowest (PACI's staggered stages stall). stale: the global norm of update t−s, s = ⌈N/a⌉ for the asynchronous schedules (the tightest lag that provably never waits; 1 for the flushed ones), collected by a non-blocking all-gather that has always arrived: no stage waits; updates t < s clip like stage. stage: each stage's own norm against X·√(P_i/P) (its share of the parameters: the clipped global norm stays ≤ X). A non-finite norm skips the update (sync: on every stage; logged, counted in summary.json's clip). post-validate (Zero Bubble's eager step with rollback) is refused: not exact under PACI. One of: sync, stale, stage."})
+    clip_scope: str | None = field(default=None, metadata={"help": "Which norm --clip-grad-norm clips by (default sync). sync: this update's exact norm over all stages (and --dp replicas), as torchtitan: one all-gather per update, a barrier (PACI's staggered stages stall). stale: the global norm of update t−s, s = ⌈N/a⌉ for the asynchronous schedules, 1 for the flushed ones: no stage waits; updates t < s clip like stage. stage: each stage's own norm against X·√(P_i/P). A non-finite norm skips the update (logged; summary.json's clip). See docs/concepts.md, gradient clipping over the pipeline."})
     model: str = field(default="tiny", metadata={"help": 'Model preset: GPT-2 (tiny, small-cpu, deep-cpu, deep32-cpu, wide-cpu, gpt2, gpt2-medium, gpt2-large, gpt2-xl), Llama-style (llama-tiny, llama-deep-cpu, llama-1b, llama-8b) or mixture of experts (moe-tiny, moe-deep-cpu, mixtral-8x7b); or your own: hf:PATH (a local Hugging Face config.json or model folder; random init without weights; needs the [hf] extra) or module:function (a function of an importable module returning the model), split by unbubble.models.split.'})
     untie: bool = field(default=False, metadata={"help": "With an hf: or module: model whose weights are tied across two stages (GPT-2's embedding and head): give each stage its own copy (warns) instead of refusing the model."})
     corpus: str = field(default="kjv", metadata={"help": 'kjv, shakespeare, a text file, a folder of .txt files, or a folder with train.bin and val.bin (pre-tokenised uint16 ids of --tokenizer, nanoGPT format).'})
     tokenizer: Literal["byte", "gpt2"] = field(default="byte", metadata={"help": 'byte (vocabulary 257, fast on CPU) or gpt2 (offline GPT-2 BPE, vocabulary 50257).'})
     engine: Literal["emulator", "processes"] = field(default="processes", metadata={"help": 'processes: one torch.distributed process per stage; emulator: all stages in this process.'})
-    order: Literal["deterministic", "dynamic"] = field(default="deterministic", metadata={"help": "Action order of asynchronous schedules (paci, async-1f1b, pipedream, …): deterministic (each stage follows a fixed 1F1B order: warm-up forwards up to its in-flight cap N+1−i, then one forward per backward; the same losses run to run, on the processes engine as in the emulator) or dynamic (a backward runs first whenever its gradient has arrived: on the processes engine the order follows arrival times, so losses differ run to run). Both keep the back-pressure and the drift bound ⌈(N−i)/a⌉; synchronous schedules ignore it."})
+    order: Literal["deterministic", "dynamic"] = field(default="deterministic", metadata={"help": "Action order of the asynchronous schedules: deterministic (a fixed 1F1B order per stage: the same losses every run, on both engines) or dynamic (a backward runs as soon as its gradient has arrived: on the processes engine the losses differ from run to run). Both keep the drift bound ⌈(N−i)/a⌉; synchronous schedules ignore it."})
     seed: int = field(default=0, metadata={"help": "Seed of the initial weights and of the data order."})
     eval_interval: int = field(default=50, metadata={"help": 'Evaluate the version-v weights every this many steps (and at the end).'})
     eval_batches: int = field(default=8, metadata={"help": 'Validation micro-batches per evaluation.'})
@@ -130,7 +135,7 @@ class TrainConfig:
     nan_lr_factor: float = field(default=0.5, metadata={"help": "Learning-rate factor per dropped micro-batch with --nan-policy lower-lr, in (0, 1]."})
     precision: Literal["fp32", "bf16-autocast", "bf16"] = field(default="fp32", metadata={"help": "fp32; bf16-autocast (fp32 weights, forwards under torch.autocast: an in-flight micro-batch's input gradient uses its forward-time bf16 weights and holds a bf16 copy of them); bf16 (bf16 weights updated in place from fp32 master copies and fp32 moments, gradients summed in fp32: the backward uses the current weights, as in fp32)."})
     recompute: Literal["none", "full"] = field(default="none", metadata={"help": "full: each stage keeps only its input per in-flight micro-batch and re-runs its forward, on the weights the backward uses (v_B) and with the forward's RNG state, right before the backward (one more forward per backward)."})
-    compile: bool = field(default=False, metadata={"help": "torch.compile each stage's module (the loss stays eager) with --compile-backend. The compiled backward reads the current weights as the eager one does, so every schedule keeps its weight-version semantics (tested against the eager runtime), except zb-h1, zb-h2, interleaved-zb, zbv and dualpipev, which are refused (a compiled backward cannot be split into I and W). Compiles during the first micro-batches (inductor: seconds to minutes per stage; with the processes engine raise --timeout-s above that)."})
+    compile: bool = field(default=False, metadata={"help": "torch.compile each stage's module (the loss stays eager) with --compile-backend; every schedule keeps its weight-version semantics, except zb-h1, zb-h2, interleaved-zb, zbv and dualpipev, which are refused (a compiled backward cannot be split into I and W). Compiling takes seconds to minutes per stage: with the processes engine raise --timeout-s above that."})
     compile_backend: Literal["inductor", "aot_eager"] = field(default="inductor", metadata={"help": "torch.compile backend of --compile: inductor (generated kernels) or aot_eager (AOTAutograd graphs run op by op: compiles in well under a second; for checking that a model traces)."})
     timeout_s: float = field(default=60.0, metadata={"help": "Seconds a stage process waits for a neighbour before the run fails (processes engine, torchrun)."})
     threads_per_stage: int = field(default=1, metadata={"help": 'torch threads in each stage process (processes engine), and in the emulator.'})
@@ -220,6 +225,10 @@ class TrainConfig:
             check_external(self.model)
         else:
             check_preset(self.model)  # before the corpus is read or a line is printed
+            if self.untie:
+                raise ConfigError(f"untie=True has no effect on model={self.model!r}: a preset's head is untied from "
+                                  "its embedding whenever the two sit on different stages; --untie is for hf:PATH and "
+                                  "module:function models (drop --untie)")
         if self.predict_weights not in PREDICT_MODES:
             raise ConfigError(f"predict_weights={self.predict_weights!r} is invalid{did_you_mean(self.predict_weights, PREDICT_MODES)}: must be one of "
                               f"{', '.join(PREDICT_MODES)} (set --predict-weights)")
@@ -312,6 +321,8 @@ def check_field(name: str, value: object, where: str = "config") -> object:
     hint = _field_types()[name]
     args = typing.get_args(hint)
     optional = type(None) in args
+    if name in AUTO_FIELDS and value == "auto":  # the schedule's default (None until validate())
+        return None
     if value is None:
         if optional:
             return None
@@ -451,17 +462,30 @@ def read_yaml(text: str, where: str) -> Any:
         raise ConfigError(f"{where}: not valid YAML{at}: {problem}") from None
 
 
+def schedule_default(name: str, schedule: str) -> object:
+    """The value ``auto`` stands for in field ``name`` (one of :data:`AUTO_FIELDS`) under ``schedule``."""
+    if name == "error_feedback":
+        return DEFAULT_ERROR_FEEDBACK if schedule in ERROR_FEEDBACK_SCHEDULES else 0.0
+    raise KeyError(name)
+
+
 def config_to_yaml(cfg: TrainConfig) -> str:
     """The configuration as YAML, every field with its help as a comment; :func:`load_config`
-    reads it back to an equal configuration."""
+    reads it back to an equal configuration. A field of :data:`AUTO_FIELDS` that holds its
+    schedule's default is written ``auto``, so the file also runs with another ``--schedule``."""
     import yaml
 
     lines = ["# unbubble train configuration: unbubble train --config THIS_FILE [--flag value ...]",
-             "# (flags given on the command line win over this file; a repeated run needs a new --run-dir)"]
+             "# (flags given on the command line win over this file; a repeated run needs a new --run-dir;",
+             "# auto: the default of the run's schedule, so the file runs with any --schedule)"]
     for f in dataclasses.fields(TrainConfig):
         helptext = f.metadata.get("help")
         if helptext:
             lines.append(f"# {helptext}")
-        lines.append(yaml.safe_dump({f.name: getattr(cfg, f.name)}, allow_unicode=True, default_flow_style=False,
+        value = getattr(cfg, f.name)
+        if f.name in AUTO_FIELDS and value == schedule_default(f.name, cfg.schedule):
+            lines.append(f"{f.name}: auto")
+            continue
+        lines.append(yaml.safe_dump({f.name: value}, allow_unicode=True, default_flow_style=False,
                                     width=1000).rstrip("\n"))
     return "\n".join(lines) + "\n"

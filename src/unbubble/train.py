@@ -38,7 +38,7 @@ from unbubble.runtime.launch import (choose_backend, install_stop_handlers, pass
                                      run_torchrun, under_torchrun)
 from unbubble.runtime.precision import cpu_has_native_bf16, slow_bf16_warning
 from unbubble.runtime.telemetry import Listener, RunResult
-from unbubble.schedules.registry import get_schedule
+from unbubble.schedules.registry import V_SHAPED, get_schedule
 
 log = logging.getLogger(__name__)
 
@@ -101,12 +101,13 @@ def external_stages(cfg: TrainConfig, tokens: TokenData, n_stages: int, model: t
     from unbubble.models.external import PYTHON_MODEL, ModelShape, load_external
     from unbubble.models.split import split_model
 
+    given_in_python = model is not None  # train_model(model, untie=True); else --model hf:/module:, --untie
     if model is None:
         if cfg.model == PYTHON_MODEL:
             raise ConfigError("model='python': this run's model was given in Python; give it again "
                               "(unbubble.train_model(model, resume=RUN_DIR))")
         model = load_external(cfg.model, cfg.seed)
-    split = split_model(model, n_stages, untie=cfg.untie)
+    split = split_model(model, n_stages, untie=cfg.untie, untie_option="untie=True" if given_in_python else "--untie")
     shape = ModelShape.of(model, sum(len(layers) for layers in split.plan.layers))
     if shape.vocab_size is not None and shape.vocab_size < tokens.vocab_size:
         raise ConfigError(f"model={cfg.model!r} has vocab_size={shape.vocab_size}, fewer than the {cfg.tokenizer} "
@@ -151,6 +152,10 @@ def build_job(cfg: TrainConfig, tokens: TokenData, model_object: torch.nn.Module
         raise ConfigError(f"seq_len={cfg.seq_len} is invalid: model {cfg.model!r} has block_size={model.block_size}, "
                           f"so seq_len must be ≤ {model.block_size} (set --seq-len)")
     if not external and schedule.virtual > 1 and schedule.n_stages > model.n_layer:
+        if cfg.schedule in V_SHAPED:  # two chunks per device, always: --v is no way out
+            raise ConfigError(f"stages={cfg.stages} is invalid: {cfg.schedule} holds 2 chunks per device in a V, so it "
+                              f"needs stages × 2 = {schedule.n_stages} model chunks but model {cfg.model!r} has "
+                              f"{model.n_layer} layers (set --stages ≤ {model.n_layer // 2}, or pick a deeper --model)")
         raise ConfigError(f"stages={cfg.stages} with v={cfg.v} is invalid: {cfg.schedule} needs stages × v = "
                           f"{schedule.n_stages} model chunks but model {cfg.model!r} has {model.n_layer} layers "
                           "(lower --v or --stages, or pick a deeper --model)")

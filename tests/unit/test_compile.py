@@ -317,7 +317,7 @@ def test_cli_compile_flag_trains_and_records_it(tmp_path):
     cfg = load_config(run / "config.yaml")
     assert (cfg.compile, cfg.compile_backend) == (True, "aot_eager")
     assert json.loads((run / "summary.json").read_text())["compile_backend"] == "aot_eager"
-    sim = CliRunner().invoke(cli, ["simulate", "--costs-from", str(run)])  # medians: compiling is not a cost
+    sim = CliRunner().invoke(cli, ["simulate", "--costs-from", str(run), "--out", str(tmp_path / "sim")])  # medians
     assert sim.exit_code == 0, sim.output
     assert "compiled with aot_eager: median durations" in sim.output
     help_text = CliRunner().invoke(cli, ["train", "--help"]).output

@@ -205,3 +205,22 @@ def test_wandb_offline_run_gets_the_metrics(tmp_path, cache_dir, monkeypatch):
     assert logged[-1]["drift/stage_0"] == ("histogram", [4, 2])  # 6 micro-batches, Δ ≤ ⌈(N−1)/a⌉ = 1
     assert calls[-1] == ("finish",) and FakeRun.summary["schedule"] == "paci"
     assert not list(run_dir.glob("events.out.tfevents*"))
+
+
+def test_print_config_of_one_schedule_runs_with_another(tmp_path):
+    """Issue 37 (tutorial §4): --print-config of paci wrote error_feedback: 1.0, which
+    `--config paci.yaml --schedule 1f1b-flush` refused. A schedule-dependent default is written
+    `auto` and reads back as the default of the run's schedule; another value stays as given."""
+    res = CliRunner().invoke(cli, ["train", "--steps", "100", "--print-config"])
+    assert res.exit_code == 0, res.output
+    assert "\nerror_feedback: auto\n" in res.stdout
+    path = tmp_path / "paci.yaml"
+    path.write_text(res.stdout)
+    for schedule, want in (("paci", 1.0), ("1f1b-flush", 0.0), ("zbv", 0.0), ("pipedream", 1.0)):
+        assert load_config(path, overrides={"schedule": schedule}).error_feedback == want
+    flush = CliRunner().invoke(cli, ["train", "--config", str(path), "--schedule", "1f1b-flush", "--print-config"])
+    assert flush.exit_code == 0, flush.output
+    assert "\nschedule: 1f1b-flush\n" in flush.stdout and "\nerror_feedback: auto\n" in flush.stdout
+    assert "\nerror_feedback: 0.5\n" in config_to_yaml(TrainConfig(error_feedback=0.5))
+    assert "\nerror_feedback: 0.0\n" in config_to_yaml(TrainConfig(error_feedback=0.0))  # off on paci: kept off
+    assert load_config(path, overrides={"error_feedback": 0.0}).error_feedback == 0.0

@@ -472,3 +472,69 @@ def test_bad_hf_model_inputs_are_one_line_each(tmp_path, cache_dir):
     for spec, message in cases.items():
         assert _error([*run, spec]) == message
     assert not (tmp_path / "run").exists()
+
+
+# issue 37, item 5: messages that pointed the wrong way ---------------------------------------------------------
+
+def test_zbv_with_too_many_stages_does_not_advise_lowering_v(cache_dir):
+    """Was: "... (lower --v or --stages, or pick a deeper --model)", and zbv refuses --v."""
+    assert _error(["train", "--engine", "emulator", "--cache-dir", cache_dir, "--schedule", "zbv", "--stages", "3",
+                   "--m", "2", "--seq-len", "16"]) == (
+        "stages=3 is invalid: zbv holds 2 chunks per device in a V, so it needs stages × 2 = 6 model chunks but model "
+        "'tiny' has 4 layers (set --stages ≤ 2, or pick a deeper --model)")
+
+
+def test_tied_weights_on_the_command_line_name_the_flag(tmp_path, cache_dir):
+    """Was: "... pass untie=True to train two copies ..." (train_model's argument, not a flag)."""
+    tied = _hf_folder(tmp_path / "tied")
+    assert _error(["train", "--engine", "emulator", "--steps", "1", "--stages", "2", "--seq-len", "12",
+                   "--eval-interval", "0", "--cache-dir", cache_dir, "--run-dir", str(tmp_path / "run"),
+                   "--model", f"hf:{tied}"]) == (
+        "transformer.wte.weight (stage 0) and lm_head.weight (stage 1) are one tied tensor on two stages, which "
+        "asynchronous stages cannot share: pass --untie to train two copies (with a warning), or untie them in the "
+        "model (e.g. tie_word_embeddings=False)")
+
+
+def test_plan_seq_len_zero_names_the_option():
+    """Was: "block_size=0 is invalid: must be an integer >= 1" (the model's internal name)."""
+    assert _error(["plan", "--seq-len", "0"]) == "seq_len=0 is invalid: must be an integer ≥ 1 (set --seq-len)"
+    assert _error(["simulate", "--model", "zb-1.5b", "--seq-len", "0"]) == \
+        "seq_len=0 is invalid: must be an integer ≥ 1 (set --seq-len)"  # was taken as the default
+
+
+def test_untie_with_a_preset_is_refused(cache_dir):
+    """Was: silently ignored."""
+    assert _error(["train", "--engine", "emulator", "--cache-dir", cache_dir, "--untie"]) == (
+        "untie=True has no effect on model='tiny': a preset's head is untied from its embedding whenever the two "
+        "sit on different stages; --untie is for hf:PATH and module:function models (drop --untie)")
+
+
+def test_a_model_module_in_the_current_folder_is_found(tmp_path, cache_dir, monkeypatch):
+    """Was: "model='mymods:build' is invalid: ModuleNotFoundError: No module named 'mymods'" (the console
+    script's path starts with its own folder; python -m starts with the current one)."""
+    import sys
+
+    (tmp_path / "mymods.py").write_text(
+        "import transformers\n\n\ndef build():\n"
+        "    return transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=2, n_head=2, n_embd=16, "
+        "n_positions=32, vocab_size=257, bos_token_id=0, eos_token_id=0, tie_word_embeddings=False))\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    monkeypatch.delitem(sys.modules, "mymods", raising=False)
+    res = CliRunner().invoke(cli, ["-q", "train", "--model", "mymods:build", "--engine", "emulator", "--steps", "1",
+                                   "--stages", "2", "--seq-len", "12", "--eval-interval", "0", "--eval-batches", "1",
+                                   "--cache-dir", cache_dir, "--run-dir", str(tmp_path / "run"), "--no-tensorboard"])
+    sys.modules.pop("mymods", None)
+    assert res.exit_code == 0, res.output
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["steps_done"] == 1
+
+
+def test_simulate_dualpipev_runs_on_its_default_m(tmp_path):
+    """Was: "m=8 is invalid for dualpipev with stages=8: it needs m ≥ 2N = 16 ..." with no --m given."""
+    res = CliRunner().invoke(cli, ["-q", "simulate", "--schedule", "dualpipev", "--micro-batches", "32", "--format",
+                                   "csv", "--out", str(tmp_path / "sim")])
+    assert res.exit_code == 0, res.output
+    assert "dualpipev (m=16)" in (tmp_path / "sim" / "summary.csv").read_text()
+    assert _error(["simulate", "--schedule", "dualpipev", "--m", "8", "--out", str(tmp_path / "sim2")]) == (
+        "m=8 is invalid for dualpipev with stages=8: it needs m ≥ 2N = 16 micro-batches per step (2 chunks per rank, "
+        "as torch requires; set --m)")

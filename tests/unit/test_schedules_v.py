@@ -209,3 +209,52 @@ def test_chunks_balance_the_devices_not_the_chunks():
         assert max(device) <= bound + blocks[0], (name, [len(r) for r in parts])
     with pytest.raises(ConfigError, match="stages=16 with 32 chunks is invalid: the model has 24 layers"):
         partition_for_devices(cfg, get_schedule("zbv", 16, steps=1, m=32).ranks)
+
+
+def test_zbv_holds_2n_chunk_activations_and_its_gb_follow_the_blocks_each_device_holds():
+    """Issue 37: the docs said zbv holds 1F1B's activations per device, while `unbubble simulate`
+    showed 62 GB for zbv against 48 GB for 1f1b-flush (gpt2-medium, N = 8, m = 16). Hand count from
+    the action lists: every zbv device r peaks at 2N = 16 chunk activations, 2N − 1 − r micro-batches
+    of its first chunk (r) and r + 1 of its second (2N − 1 − r); 1F1B-flush's device 0 at N = 8
+    stage activations. So in micro-batches × blocks the two are equal only where a device's two chunks hold 1/N of the
+    blocks. The device-balanced split gives zbv's chunks 0,2,2,2,2,2,2,2,1,1,1,1,2,2,2,0 blocks
+    (chunk 0 the embedding alone, chunk 15 the head alone): device 1 holds 14 micro-batches of
+    chunk 1 (2 blocks) and 2 of chunk 14 (2 blocks), 32 block activations, against 1F1B-flush's
+    device 0 with 8 of 3 blocks, 24: 4/3 the activation bytes, which is the simulator's figure."""
+    from collections import Counter
+
+    from unbubble.models.partition import partition_for_devices, partition_layers
+    from unbubble.sim.analytic import analytic_model, make_model
+    from unbubble.sim.hardware import HARDWARE
+    from unbubble.sim.result import simulate
+
+    n, m = 8, 16
+
+    def peak_in_flight(sched):  # per rank: the largest {stage: forwards not yet through their W (or B)}
+        peaks = []
+        for acts in sched.static_order():
+            live, best = Counter(), Counter()
+            for a in acts:
+                live[a.stage] += {"F": 1, "W": -1, "B": -1}.get(a.kind.value, 0)
+                if sum(live.values()) > sum(best.values()):
+                    best = live.copy()
+            peaks.append(+best)
+        return peaks
+
+    zbv, flush = get_schedule("zbv", n, steps=1, m=m), get_schedule("1f1b-flush", n, steps=1, m=m)
+    zbv_peaks, flush_peaks = peak_in_flight(zbv), peak_in_flight(flush)
+    assert [sum(p.values()) for p in zbv_peaks] == [2 * n] * n
+    assert [dict(p) for p in zbv_peaks] == [{r: 2 * n - 1 - r, 2 * n - 1 - r: r + 1} for r in range(n)]
+    assert [dict(p) for p in flush_peaks] == [{r: n - r} for r in range(n)]
+    cfg = make_model("gpt2-medium")
+    zbv_blocks = [len(r) for r in partition_for_devices(cfg, zbv.ranks)]
+    flush_blocks = [len(r) for r in partition_layers(cfg, n, cfg.block_size)]
+    assert zbv_blocks == [0, 2, 2, 2, 2, 2, 2, 2, 1, 1, 1, 1, 2, 2, 2, 0] and flush_blocks[0] == 3
+    block_acts = [sum(k * zbv_blocks[s] for s, k in p.items()) for p in zbv_peaks]
+    assert block_acts[1] == 32 and n * flush_blocks[0] == 24
+    hw = HARDWARE["h200"]
+    acts = {}
+    for name, sched in (("zbv", zbv), ("1f1b-flush", flush)):
+        am = analytic_model(cfg, n, hw, 16, cfg.block_size, virtual=sched.virtual, placement=sched.placement)
+        acts[name] = simulate(sched, am.costs, am.memory).memory
+    assert acts["zbv"][1].activations / acts["1f1b-flush"][0].activations == pytest.approx(32 / 24, rel=0.01)

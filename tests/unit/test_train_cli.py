@@ -376,3 +376,30 @@ def test_br_max_precond_dim_reaches_every_stages_basis_rotation(tmp_path):
         opt.step()
         state = opt.state[qkv]
         assert (K.BASIS_LEFT in state) is want_left and state[K.BASIS_RIGHT].shape == (128, 128)
+
+
+def test_train_help_is_grouped_with_the_most_used_options_first():
+    """Issue 37, item 3: the sections of `unbubble train --help`, each TrainConfig field in exactly one."""
+    import dataclasses
+
+    from unbubble.cli.train import HELP_SECTIONS
+
+    text = CliRunner().invoke(cli, ["train", "--help"], terminal_width=100).output
+    titles = [line[:-1] for line in text.splitlines() if line and not line.startswith(" ") and line.endswith(":")]
+    assert titles == ["Schedule", "Model", "Data", "Optimizer and remedies", "Precision and speed",
+                      "Run folder and logging", "Reliability", "Other options"]
+    placed = [name for names in HELP_SECTIONS.values() for name in names]
+    assert sorted(placed) == sorted([f.name for f in dataclasses.fields(TrainConfig)]
+                                    + ["config", "print_config", "resume"])
+    schedule = text.split("\nSchedule:\n", 1)[1].split("\n\n", 1)[0]
+    assert [line.split()[0] for line in schedule.splitlines() if line.startswith("  --")][:3] == \
+        ["--schedule", "--stages", "--a"]
+    assert max(len(line) for line in text.splitlines()) <= 100
+
+
+def test_schedules_list_fits_100_columns():
+    from unbubble.schedules.registry import SCHEDULES
+
+    lines = CliRunner().invoke(cli, ["schedules"]).output.splitlines()
+    assert max(len(line) for line in lines) <= 100
+    assert [line.split()[0] for line in lines if not line.startswith(" ")] == list(SCHEDULES)

@@ -27,6 +27,30 @@ def _ints(text: str | None, name: str) -> list[int] | None:
                           f"(set --{name.replace('_', '-')})") from None
 
 
+def _overhead_note(rows, given: float | None, error_feedback: bool, predict_weights: bool) -> str:
+    """Which token overhead each delayed schedule got: given, measured (with its source), or none."""
+    from unbubble.sim import plan as planner
+
+    delayed = list(dict.fromkeys(r.schedule for r in rows if r.max_delay > 0))
+    if not delayed:
+        return "No searched configuration is delayed (max τ = 0): every row computes 1F1B-flush's updates, overhead 1."
+    if given is not None:
+        return (f"Token overhead {given:g} (given with --token-overhead) applied to every delayed row "
+                f"({', '.join(delayed)}); the others compute 1F1B-flush's updates: overhead 1.")
+    parts = []
+    for name in delayed:
+        found = planner.measured_overhead(name, error_feedback, predict_weights)
+        if found:
+            parts.append(f"{name} {found[1]}")
+    missing = [n for n in delayed if planner.measured_overhead(n, error_feedback, predict_weights) is None]
+    line = "Token overhead applied, as measured with Muon (" + planner.MEASURED_SETTING + "): " + (
+        "; ".join(parts) if parts else "none of the searched schedules") + "."
+    if missing:
+        line += (f" Not measured for {', '.join(missing)}: left out of the time-to-target table (give "
+                 "--token-overhead X to rank them).")
+    return line + " Rows without delay (synchronous, or N = 1) compute 1F1B-flush's updates: overhead 1."
+
+
 def _columns(time_to_target: bool, barrier: bool = False):
     from unbubble.sim.report import Column, _gb, _num, _pct
 
@@ -35,6 +59,7 @@ def _columns(time_to_target: bool, barrier: bool = False):
             Column("micro_batch_size", "b", hide=3), Column("recompute", "recompute", yes, hide=4)]
     if time_to_target:
         cols += [Column("effective_tokens_per_s", "tokens/s ÷ overhead", _num(0)),
+                 Column("token_overhead", "overhead", _num(2), hide=3),
                  Column("vs_sync", "× fastest sync", _num(3)),
                  Column("tokens_per_s", "tokens/s", _num(0), hide=2)]
     else:
@@ -81,13 +106,17 @@ def _print(obj, fmt: str, width: int | None) -> None:
 @click.option("--max-micro-batches", default=None, type=int,
               help="Largest m (or a) tried [default: every divisor of the sequences per replica].")
 @click.option("--token-overhead", default=None, type=float,
-              help="Tokens an asynchronous run needs to reach the synchronous loss ÷ the synchronous run's "
-                   "[default: 1.33, measured in horizon-study for PACI a=4 + Muon + --error-feedback 1, 600 updates].")
+              help="Tokens an asynchronous run needs to reach the synchronous loss ÷ the synchronous run's, for "
+                   "every asynchronous schedule [default: the one measured for the schedule and its remedies with "
+                   "Muon: paci 1.33 with error feedback, 1.41 with --predict-weights alone, 1.79 with neither "
+                   "(deep-cpu, N=8, a=4, 600 updates); the other asynchronous schedules were not measured and are "
+                   "ranked by time to target only with this option].")
 @click.option("--error-feedback/--no-error-feedback", default=True,
-              help="Count error feedback's buffers in the asynchronous schedules' memory (unbubble train's default; the "
-                   "default overhead was measured with it).")
+              help="Error feedback on the asynchronous schedules (unbubble train's default): its buffers in their "
+                   "memory, and the token overhead measured with it.")
 @click.option("--predict-weights/--no-predict-weights", default=False,
-              help="Count weight prediction's buffers in paci's and async-1f1b's memory.")
+              help="Weight prediction on paci and async-1f1b: its buffers in their memory, and the token overhead "
+                   "measured with it.")
 @click.option("--flash-attention/--no-flash-attention", default=False, help="Attention scores are not stored.")
 @click.option("--clip-scope", default="none", type=click.Choice(["none", "stage", "sync", "stale"]),
               help="Per-update global operation of every configuration, as `unbubble train --clip-scope` (global "
@@ -115,7 +144,7 @@ def plan(model: str, gpus: str, global_batch_tokens: int, seq_len: int | None, m
     `unbubble simulate`; data-parallel gradient all-reduce added to each update), keeps the
     configurations whose fullest device fits in memory, and prints them by predicted tokens/s,
     then by predicted time to the synchronous run's loss: an asynchronous schedule's tokens/s ÷
-    the token overhead (default 1.33, PACI + Muon + error feedback, horizon-study).
+    its token overhead (measured for PACI with Muon and each remedy, or --token-overhead).
     """
     from unbubble.sim import plan as planner
     from unbubble.sim.analytic import make_model
@@ -125,7 +154,7 @@ def plan(model: str, gpus: str, global_batch_tokens: int, seq_len: int | None, m
     cluster = planner.parse_gpus(gpus, memory_gb=memory_gb, link_gb_s=link_gb_s, inter_node_gb_s=inter_node_gb_s,
                                  achievable=achievable)
     config = make_model(model, vocab_size, seq_len)
-    overhead = planner.DEFAULT_TOKEN_OVERHEAD if token_overhead is None else token_overhead
+    overhead = "measured" if token_overhead is None else token_overhead
     names = [s.strip() for s in schedules.split(",") if s.strip()] if schedules else None
     rc = {"auto": (False, True), "none": (False,), "full": (True,)}[recompute]
     t0 = time.perf_counter()
@@ -156,8 +185,9 @@ def plan(model: str, gpus: str, global_batch_tokens: int, seq_len: int | None, m
     title1 = f"by predicted tokens/s ({what})"
     against = (f"; × fastest sync: against {best_sync.label}, N={best_sync.stages}, dp={best_sync.dp}, "
                f"{best_sync.tokens_per_s:,.0f} tokens/s (> 1: asynchrony pays)" if best_sync else "")
-    title2 = (f"asynchronous schedules (max τ > 0) by predicted time to the synchronous loss: tokens/s ÷ token overhead "
-              f"{overhead:g} ({what}{against})")
+    divisor = f"token overhead {token_overhead:g}" if token_overhead is not None else "its measured token overhead"
+    title2 = (f"asynchronous schedules (max τ > 0) by predicted time to the synchronous loss: tokens/s ÷ {divisor} "
+              f"({what}{against})")
     if fmt == "csv":
         from unbubble.sim.report import to_csv
 
@@ -176,9 +206,7 @@ def plan(model: str, gpus: str, global_batch_tokens: int, seq_len: int | None, m
     _print(render(t1, _columns(False, barrier), fmt, title=title1, width=width), fmt, width)
     if t2:
         _print(render(t2, _columns(True, barrier), fmt, title=title2, width=width), fmt, width)
-    source = (planner.TOKEN_OVERHEAD_SOURCE if token_overhead is None else "given with --token-overhead")
-    notes = [f"Token overhead {overhead:g}: {source}; applied to every delayed row "
-             "(asynchronous, N > 1; the others compute 1F1B-flush's updates: overhead 1).",
+    notes = [_overhead_note(rows, token_overhead, error_feedback, predict_weights),
              "Predicted on the analytic cost model (unbubble.sim.analytic) and the simulator's memory model; "
              "data-parallel all-reduce added to each update, not overlapped."]
     if barrier:

@@ -2,11 +2,15 @@
 synchronous schedule as a CSV torch.distributed.pipelining loads (``--export NAME``)."""
 
 import os
+import textwrap
 
 import click
 
 from unbubble.errors import ConfigError, did_you_mean
 from unbubble.schedules.registry import ASYNC, SCHEDULES
+
+#: Columns of the list: each schedule's line wraps under its description column to fit them.
+WIDTH = 100
 
 
 @click.command()
@@ -24,8 +28,10 @@ def schedules(export_name: str | None, stages: int | None, m: int | None, v: int
             raise ConfigError("--stages, --m, --v and OUT are options of --export NAME: add --export, "
                               "e.g. unbubble schedules --export 1f1b-flush --stages 4 --m 8 out.csv")
         width = max(map(len, SCHEDULES))
-        for name, line in SCHEDULES.items():
-            click.echo(f"{name:<{width}}  {line}")
+        for name, line in SCHEDULES.items():  # wrapped under its column: every line fits WIDTH
+            click.echo(textwrap.fill(line, WIDTH, initial_indent=f"{name:<{width}}  ",
+                                     subsequent_indent=" " * (width + 2), break_on_hyphens=False,
+                                     break_long_words=False))
         return
     from unbubble.schedules.actions import export_torch_csv
     from unbubble.schedules.registry import get_schedule

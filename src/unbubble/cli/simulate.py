@@ -216,7 +216,9 @@ class CostSource:
 @click.option("--stages", default=None, type=int,
               help="Pipeline depth N (devices) [default: 8, or the calibration run's with --costs-from].")
 @click.option("--a", default=8, type=int, help="PACI accumulation factor (backward passes per local update).")
-@click.option("--m", default=8, type=int, help="Micro-batches per step of synchronous schedules and pipedream-2bw.")
+@click.option("--m", default=None, type=int,
+              help="Micro-batches per step of synchronous schedules and pipedream-2bw [default: 8; 2N where "
+                   "dualpipev is simulated, which needs m ≥ 2N].")
 @click.option("--v", default=2, type=int, help="Virtual stages (model chunks) per device of interleaved-1f1b, looped-bfs and interleaved-zb.")
 @click.option("--micro-batches", default=None, type=int,
               help="Micro-batches each schedule processes [default: 16 steps of the first schedule].")
@@ -294,7 +296,7 @@ def simulate(**o) -> None:
             raise ConfigError(f"schedule={name!r} is unknown{did_you_mean(name, SCHEDULES)}: valid schedules are {', '.join(SCHEDULES)} "
                               "(set --schedule / --compare)")
     for opt in ("a", "m", "v"):  # before any division by them
-        if o[opt] < 1:
+        if o[opt] is not None and o[opt] < 1:
             raise ConfigError(f"{opt}={o[opt]} is invalid: must be an integer ≥ 1 (set --{opt})")
     from click.core import ParameterSource
 
@@ -303,15 +305,6 @@ def simulate(**o) -> None:
     ctx = click.get_current_context()
     check_schedule_options(names, {k: o[k] for k in ("a", "m", "v")
                                    if ctx.get_parameter_source(k) not in (ParameterSource.DEFAULT, ParameterSource.DEFAULT_MAP, None)})
-    if o["micro_batches"] is not None:  # 0 is not "the default"
-        if o["micro_batches"] < 1:
-            raise ConfigError(f"micro_batches={o['micro_batches']} is invalid: must be ≥ 1 (set --micro-batches)")
-        for opt in ("a", "m"):  # fewer micro-batches than one update takes: the run would apply none
-            takers = [n for n in names if n in SCHEDULE_OPTIONS[opt][0]]
-            if takers and o[opt] > o["micro_batches"]:
-                raise ConfigError(f"{opt}={o[opt]} exceeds micro_batches={o['micro_batches']}: {takers[0]} updates "
-                                  f"after {o[opt]} micro-batches, so the run would apply no update (give "
-                                  f"--micro-batches {o[opt]} or more, or --{opt} {o['micro_batches']} or less)")
     if o["uniform"] and o["costs_from"]:
         raise ConfigError("--uniform and --costs-from are exclusive: pick one cost model")
     if o["checkpoint_every"] < 0:
@@ -325,6 +318,17 @@ def simulate(**o) -> None:
         o["stages"] = 8
     if o["stages"] < 1:
         raise ConfigError(f"stages={o['stages']} is invalid: must be an integer ≥ 1 (set --stages)")
+    if o["m"] is None:  # dualpipev runs only from m = 2N: its default, for every schedule compared with it
+        o["m"] = max(8, 2 * o["stages"]) if "dualpipev" in names else 8
+    if o["micro_batches"] is not None:  # 0 is not "the default"
+        if o["micro_batches"] < 1:
+            raise ConfigError(f"micro_batches={o['micro_batches']} is invalid: must be ≥ 1 (set --micro-batches)")
+        for opt in ("a", "m"):  # fewer micro-batches than one update takes: the run would apply none
+            takers = [n for n in names if n in SCHEDULE_OPTIONS[opt][0]]
+            if takers and o[opt] > o["micro_batches"]:
+                raise ConfigError(f"{opt}={o[opt]} exceeds micro_batches={o['micro_batches']}: {takers[0]} updates "
+                                  f"after {o[opt]} micro-batches, so the run would apply no update (give "
+                                  f"--micro-batches {o[opt]} or more, or --{opt} {o['micro_batches']} or less)")
     first = _schedule(names[0], o["stages"], 1, o["a"], o["m"], o["v"])
     if o["layers_per_stage"] is not None and source.kind == "analytic":
         chunks = {name: _schedule(name, o["stages"], 1, o["a"], o["m"], o["v"]).n_stages for name in names}

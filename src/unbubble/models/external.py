@@ -61,6 +61,18 @@ def _hf_config(spec: str) -> dict:
     return config
 
 
+def _current_folder_on_path() -> None:
+    """Puts the current folder first on ``sys.path`` (once), as ``python -m`` does, so ``--model
+    mymods:build`` finds ``mymods.py`` beside the command: the ``unbubble`` console script's path
+    starts with its own folder instead. Stage processes started by spawn inherit the path."""
+    import os
+    import sys
+
+    here = os.getcwd()
+    if "" not in sys.path and here not in sys.path:
+        sys.path.insert(0, here)
+
+
 def check_external(spec: str) -> None:
     """Checks ``spec`` without building the model (one line per problem).
 
@@ -75,6 +87,7 @@ def check_external(spec: str) -> None:
         _hf_config(spec)
         return
     module, _, name = spec.partition(":")
+    _current_folder_on_path()
     try:
         fn = getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError) as exc:

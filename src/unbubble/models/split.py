@@ -603,7 +603,7 @@ def _diverged(s: int, plan: Plan, d: float, what: str) -> str:
 
 def split_model(model: nn.Module, n_stages: int | None = None, *, cuts: Sequence[int] | None = None,
                 module_names_per_stage: Sequence[Sequence[str]] | None = None, untie: bool = False,
-                verify: bool = True) -> SplitModel:
+                verify: bool = True, untie_option: str = "untie=True") -> SplitModel:
     """Splits a decoder-only causal LM into pipeline stages ([Note: stages keep the model's names]).
 
     Args:
@@ -617,6 +617,8 @@ def split_model(model: nn.Module, n_stages: int | None = None, *, cuts: Sequence
             with a warning; without it such a model is refused.
         verify: check the split before training (:func:`verify_split`: one probe batch through the
             whole model and the chained stages; one forward of each); its result is ``split.probe``.
+        untie_option: how the refusal and the warning name ``untie`` (``unbubble train`` passes
+            ``--untie``).
 
     Returns:
         A :class:`SplitModel`: ``split(s)`` builds stage s, usable as ``PipelineJob.stage_fn``.
@@ -633,9 +635,9 @@ def split_model(model: nn.Module, n_stages: int | None = None, *, cuts: Sequence
     for a, b, sa, sb in tied_across_stages(model, plan):
         if not untie:
             raise ConfigError(f"{a} (stage {sa}) and {b} (stage {sb}) are one tied tensor on two stages, which "
-                              "asynchronous stages cannot share: pass untie=True to train two copies (with a warning), "
+                              f"asynchronous stages cannot share: pass {untie_option} to train two copies (with a warning), "
                               "or untie them in the model (e.g. tie_word_embeddings=False)")
-        warnings.warn(f"untie=True: {a} (stage {sa}) and {b} (stage {sb}) were one tied tensor; each stage now trains "
+        warnings.warn(f"{untie_option}: {a} (stage {sa}) and {b} (stage {sb}) were one tied tensor; each stage now trains "
                       "its own copy, so they drift apart", stacklevel=2)
     split = SplitModel(model, plan, untie)
     split.probe = verify_split(model, split) if verify else None

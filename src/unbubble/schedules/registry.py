@@ -24,7 +24,7 @@ SCHEDULES: dict[str, str] = {
     "interleaved-zb": "v stages per rank, interleaved 1F1B with B split into I and W (ZB1P, torch's order), flush; Δ=0; 1F1B's N activations per device; bubble (N−1)/(3·v·m+N−1) at F=I=W, N | m  [arXiv 2401.10241]",
     "zb-h1": "B split into I and W, W fills bubbles, flush; Δ=0; 1F1B memory; critical-path bubble 1/3 of 1F1B's at F=I=W  [arXiv 2401.10241]",
     "zb-h2": "as zb-h1 with 2N activations; one step's bubble is zb-h1's, later steps' max(0, 2N−1−m) at F=I=W (still flushed)  [arXiv 2401.10241]",
-    "zbv": "zero-bubble V: 2 chunks per rank in a V (rank r holds stages r and 2N−1−r), B split into I and W, torch's order, flush; Δ=0; 1F1B's activations per device  [arXiv 2401.10241 §6]",
+    "zbv": "zero-bubble V: 2 chunks per rank in a V (rank r holds stages r and 2N−1−r), B split into I and W, torch's order, flush; Δ=0; 2N chunk activations per device (1F1B-flush's N when a device's two chunks hold 1/N of the blocks)  [arXiv 2401.10241 §6]",
     "dualpipev": "DualPipeV: 2 chunks per rank in a V, F of one chunk overlapped with B of the other as one compound action, torch's order, flush; m ≥ 2N; Δ=0; 2N+1 chunk activations per device  [arXiv 2412.19437]",
     "async-1f1b": "naive async 1F1B (= paci, a=1): U after every B on current weights; Δ_i ≤ N−i; no extra weights",
     "paci": "async 1F1B never flushed; U after every a-th local B; B on current weights; Δ_i ≤ ⌈(N−i)/a⌉; no weight copies  [arXiv 2606.07881]",

@@ -81,6 +81,9 @@ def make_model(name: str, vocab_size: int | None = None, seq_len: int | None = N
     from unbubble.models.gpt2 import GPTConfig
     from unbubble.models.registry import PRESETS, make_config
 
+    for option, value in (("seq_len", seq_len), ("vocab_size", vocab_size)):  # named as the user typed them
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ConfigError(f"{option}={value!r} is invalid: must be an integer ≥ 1 (set --{option.replace('_', '-')})")
     if name in ZB_MODELS:
         z = ZB_MODELS[name]
         return GPTConfig(n_layer=z["n_layer"], n_head=z["n_head"], n_embd=z["n_embd"],

@@ -45,12 +45,15 @@ Model of one configuration (all SI units: seconds, bytes, tokens):
   inside U, after the barrier's wait rather than before the local norm: the same time per update
   where every stage's data-parallel all-reduce takes as long.
 
-The default token overhead, :data:`DEFAULT_TOKEN_OVERHEAD` = 1.33, is a measurement, not a
-property of asynchrony: PACI a = 4 with Muon and ``--error-feedback 1`` (the default remedy of
-``unbubble train``) against 1F1B-flush with Muon, deep-cpu on 8 stages, 600 updates, 2 seeds
-(docs/results.md, horizon-study: 1.33 ± 0.02; it falls with longer training). It is
-applied to every delayed row (any asynchronous schedule, N > 1) unless another is given: the other
-asynchronous schedules' overheads were not measured at that setting.
+Token overheads: by default (``token_overhead="measured"``) each delayed row (max τ > 0) takes the
+overhead measured for its schedule and remedies, :data:`MEASURED_TOKEN_OVERHEADS`: only PACI was
+measured (with Muon, deep-cpu on 8 stages, a = 4, 600 updates, 2 seeds; docs/results.md,
+overhead-study and horizon-study): 1.33 with error feedback (``unbubble train``'s default), 1.41
+with weight prediction alone, 1.79 with neither. The other asynchronous schedules' overheads were
+not measured with Muon, so their rows get ``token_overhead=None`` and are left out of the
+time-to-target ranking (give a number to rank them). A number applies to every delayed row; ``None``
+counts none (1). These are measurements at one setting, applied at every N, a and horizon: the
+overhead falls with longer training (horizon-study: 1.41 → 1.09 from 600 to 2,400 updates).
 """
 
 from __future__ import annotations
@@ -74,6 +77,27 @@ if TYPE_CHECKING:
 DEFAULT_TOKEN_OVERHEAD = 1.33
 TOKEN_OVERHEAD_SOURCE = ("PACI a=4 + Muon + --error-feedback 1 vs 1F1B-flush + Muon, deep-cpu, N=8, 600 updates, "
                          "2 seeds: 1.33 ± 0.02 (docs/results.md, horizon-study)")
+#: Token overheads measured per (schedule, error feedback, weight prediction), with Muon against
+#: 1F1B-flush + Muon at each one's tuned lr (deep-cpu, byte-level KJV, N = 8, a = m = 4, 600
+#: updates, 2 seeds; docs/results.md, overhead-study and horizon-study): the value and its words.
+MEASURED_TOKEN_OVERHEADS: dict[tuple[str, bool, bool], tuple[float, str]] = {
+    ("paci", True, False): (1.33, "1.33 ± 0.02 with error feedback (horizon-study)"),
+    ("paci", True, True): (1.33, "1.33 ± 0.03 with error feedback and prediction (horizon-study)"),
+    ("paci", False, True): (1.41, "1.41 ± 0.01 with prediction (overhead-study)"),
+    ("paci", False, False): (1.79, "1.79 ± 0.02 without a remedy (overhead-study)"),
+}
+MEASURED_SETTING = "deep-cpu, N=8, a=4, 600 updates, 2 seeds, docs/results.md"
+
+
+def measured_overhead(schedule: str, error_feedback: bool, predict_weights: bool) -> tuple[float, str] | None:
+    """The token overhead measured for ``schedule`` with these remedies (each only where the schedule
+    takes it: error feedback on :data:`~unbubble.config.ERROR_FEEDBACK_SCHEDULES`, prediction on
+    :data:`~unbubble.config.PREDICT_SCHEDULES`), and its words; ``None`` where none was measured."""
+    from unbubble.config import ERROR_FEEDBACK_SCHEDULES, PREDICT_SCHEDULES
+
+    key = (schedule, error_feedback and schedule in ERROR_FEEDBACK_SCHEDULES,
+           predict_weights and schedule in PREDICT_SCHEDULES)
+    return MEASURED_TOKEN_OVERHEADS.get(key)
 
 #: Chunks per rank tried for the schedules in ``VIRTUAL`` (v = 1 would repeat their one-chunk
 #: counterparts: interleaved-1f1b v=1 is 1f1b-flush, looped-bfs v=1 gpipe).
@@ -172,7 +196,8 @@ class PlanRow:
         capacity_bytes: device memory (bytes).
         bubble: mean idle fraction of the devices in steady state, in [0, 1).
         max_delay: largest staleness τ of any stage (0 for flushed schedules).
-        token_overhead: tokens to the synchronous run's loss ÷ its tokens (1 for rows without delay).
+        token_overhead: tokens to the synchronous run's loss ÷ its tokens (1 for rows without delay;
+            ``None`` where none was measured for the schedule and none given).
         clip_scope: the per-update global operation simulated (``none``, ``stage``, ``sync``, ``stale``).
         no_barrier_tokens_per_s: tokens/s of the same configuration without it (``None`` when
             ``clip_scope`` is ``none``).
@@ -192,7 +217,7 @@ class PlanRow:
     capacity_bytes: float
     bubble: float
     max_delay: int
-    token_overhead: float = 1.0
+    token_overhead: float | None = 1.0
     clip_scope: str = "none"
     no_barrier_tokens_per_s: float | None = None
 
@@ -202,10 +227,10 @@ class PlanRow:
         return self.peak_memory_bytes <= self.capacity_bytes
 
     @property
-    def effective_tokens_per_s(self) -> float:
+    def effective_tokens_per_s(self) -> float | None:
         """Tokens/s ÷ the token overhead: the rate at which the run approaches the synchronous
-        run's loss (time-to-target ∝ 1 / this)."""
-        return self.tokens_per_s / self.token_overhead
+        run's loss (time-to-target ∝ 1 / this); ``None`` without a token overhead."""
+        return None if self.token_overhead is None else self.tokens_per_s / self.token_overhead
 
     @property
     def global_batch_tokens(self) -> int:
@@ -284,7 +309,7 @@ def candidates(model: "str | ModelConfig", cluster: Cluster, global_batch_tokens
                v_values: Sequence[int] = DEFAULT_V, recompute: Sequence[bool] = (False, True),
                precision: str = "bf16", vocab_size: int | None = None, flash_attention: bool = False,
                predict_weights: bool = False, error_feedback: bool = True,
-               token_overhead: float | None = DEFAULT_TOKEN_OVERHEAD,
+               token_overhead: float | str | None = "measured",
                max_micro_batches: int | None = None, clip_scope: str = "none",
                clip_lag: int | None = None) -> list[PlanRow]:
     """Every configuration of the search, simulated, whether it fits in memory or not (see the
@@ -327,8 +352,9 @@ def candidates(model: "str | ModelConfig", cluster: Cluster, global_batch_tokens
         _check_positive_int("v", v, "v")
     if max_micro_batches is not None:
         _check_positive_int("max_micro_batches", max_micro_batches, "max-micro-batches")
-    if token_overhead is not None and (isinstance(token_overhead, bool) or not isinstance(token_overhead, (int, float))
-                                       or not 0 < token_overhead < math.inf):
+    if token_overhead not in (None, "measured") and (
+            isinstance(token_overhead, bool) or not isinstance(token_overhead, (int, float))
+            or not 0 < token_overhead < math.inf):
         raise ConfigError(f"token_overhead={token_overhead!r} is invalid: must be a finite number > 0, the tokens an "
                           "asynchronous run needs ÷ the synchronous run's (set --token-overhead)")
     if not any(sequences % (gpus // n) == 0 for n in depths):
@@ -390,11 +416,18 @@ def candidates(model: "str | ModelConfig", cluster: Cluster, global_batch_tokens
                         rate_mb = res.steady_samples_per_s / b  # micro-batches per second, one replica
                         util = [x / sched.total_mb * rate_mb for x in res.trace.busy_per_rank()]
                         delay = max(sched.delay_bound(s) for s in range(sched.n_stages))
+                        if delay == 0 or token_overhead is None:
+                            overhead = 1.0
+                        elif token_overhead == "measured":
+                            found = measured_overhead(name, error_feedback, predict_weights)
+                            overhead = found[0] if found else None
+                        else:
+                            overhead = token_overhead
                         row = PlanRow(
                             name, n, dp, sched.virtual, mb, b, s_len, rc, sched.asynchronous,
                             res.steady_tokens_per_s * dp, max(r.peak for r in res.memory), hw.memory_bytes,
                             max(0.0, 1.0 - sum(util) / len(util)), delay,
-                            token_overhead if delay > 0 and token_overhead is not None else 1.0, clip_scope, plain)
+                            overhead, clip_scope, plain)
                         rows.append(row)
                         fitted = row.fits
     if not rows:
@@ -408,7 +441,7 @@ def plan(model: "str | ModelConfig", cluster: Cluster, global_batch_tokens: int,
          schedules: Sequence[str] | None = None, stages: Sequence[int] | None = None,
          v_values: Sequence[int] = DEFAULT_V, recompute: Sequence[bool] = (False, True), precision: str = "bf16",
          vocab_size: int | None = None, flash_attention: bool = False, predict_weights: bool = False,
-         error_feedback: bool = True, token_overhead: float | None = DEFAULT_TOKEN_OVERHEAD,
+         error_feedback: bool = True, token_overhead: float | str | None = "measured",
          max_micro_batches: int | None = None, clip_scope: str = "none", clip_lag: int | None = None) -> list[PlanRow]:
     """The configurations that fit in memory, fastest first.
 
@@ -429,7 +462,9 @@ def plan(model: "str | ModelConfig", cluster: Cluster, global_batch_tokens: int,
         error_feedback: count error feedback's buffers for the asynchronous schedules (the default,
             as ``unbubble train``'s, and as the default overhead was measured).
         token_overhead: tokens an asynchronous run needs to reach the synchronous loss ÷ the
-            synchronous run's (default :data:`DEFAULT_TOKEN_OVERHEAD`, a measurement; ``None``: 1).
+            synchronous run's: ``"measured"`` (the default) takes each schedule's and remedy's
+            measurement (:func:`measured_overhead`; ``None`` in a row where there is none), a number
+            applies to every delayed row, ``None`` counts 1.
         max_micro_batches: largest m (or a) tried (default: every divisor of the sequences per replica).
         clip_scope: the per-update global operation of every configuration (``none``; ``stage``, ``sync``
             or ``stale`` as ``unbubble train --clip-scope``; see the module docstring).
@@ -474,8 +509,9 @@ def rank(rows: Sequence[PlanRow]) -> list[PlanRow]:
 def by_time_to_target(rows: Sequence[PlanRow]) -> list[PlanRow]:
     """``rows`` by predicted time to the synchronous run's loss, soonest first: by
     :attr:`PlanRow.effective_tokens_per_s` (tokens/s ÷ token overhead; synchronous rows keep
-    their tokens/s)."""
-    return sorted(rows, key=lambda r: (-_sig(r.effective_tokens_per_s), r.stages, r.peak_memory_bytes))
+    their tokens/s). Rows without a token overhead are left out."""
+    return sorted((r for r in rows if r.token_overhead is not None),
+                  key=lambda r: (-_sig(r.effective_tokens_per_s), r.stages, r.peak_memory_bytes))
 
 
 def best_per_schedule(rows: Sequence[PlanRow]) -> list[PlanRow]:
