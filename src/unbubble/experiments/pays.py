@@ -63,22 +63,94 @@ def part_rows(data: SweepData, spec: dict[str, Any], part: str) -> tuple[list[di
     return overhead_rows(study, spec, n, same_horizon=True, clock=Clock(study, n, pool=own))
 
 
+#: The map's grid: depth N and micro-batches per update m (= PACI's a).
+MAP_NS, MAP_MS = (8, 16), (1, 2, 4, 8)
+
+
+def _ratio(cell: str) -> float:
+    return float(cell.split()[0])
+
+
+def map_rows(measured: list[dict[str, Any]], facts: dict[str, dict]) -> list[dict[str, Any]]:
+    """The map a user decides by, one row per (N, m): the simulated throughput of PACI (a = m) over
+    the fastest synchronous schedule (gpt2-medium on H200, :func:`break_even_barrier_rows`:
+    without a barrier, and PACI ``stale`` against the synchronous schedules with an exact ``sync``
+    clip) is the token overhead asynchrony can afford; where this study measured a token overhead
+    (``measured``: its rows, ``facts``: overhead_rows' facts by label) the time-to-target ratio is
+    throughput ÷ overhead (> 1: PACI reaches the loss sooner)."""
+    from unbubble.experiments.overhead import break_even_barrier_rows
+
+    sim = {(r["N"], r["m"]): r for r in break_even_barrier_rows(MAP_NS, MAP_MS) if r["setup"].startswith("gpt2")}
+    rows = []
+    for n in MAP_NS:
+        for m in MAP_MS:
+            cell = sim[(n, m)]
+            here = [r for r in measured if r["N"] == n and r["a = m"] == m]
+            base = {"N": n, "m = a": m, "throughput ÷ fastest sync": cell["none"],
+                    "with clip (stale vs sync)": cell["stale vs sync"]}
+            if not here:
+                rows.append({**base, "cell": "simulated", "model, horizon": "—", "token overhead": "—",
+                             "time-to-target ÷ fastest sync": f"≥ 1 while overhead < {_ratio(cell['none']):.2f}",
+                             "with clip": f"≥ 1 while overhead < {_ratio(cell['stale vs sync']):.2f}"})
+            for r in here:
+                f = facts[r["method"]]
+                over = f["overhead"]
+                bound = ">" if f["relation"] == ">" else ""
+                rows.append({**base, "cell": "measured",
+                             "model, horizon": f"{r['model']}, {r['method'].rsplit('@', 1)[-1]}",
+                             "token overhead": r["token overhead ÷ flush"],
+                             "time-to-target ÷ fastest sync": ("< " if bound else "")
+                             + f"{_ratio(cell['none']) / over:.2f}",
+                             "with clip": ("< " if bound else "") + f"{_ratio(cell['stale vs sync']) / over:.2f}"})
+    return rows
+
+
+def map_figure(rows: list[dict[str, Any]], out: Path) -> Path:
+    """Break-even lines (simulated throughput ratio against m, per N, with and without the clip's
+    barrier) and the measured token overheads as points: a point under its line pays."""
+    from unbubble.experiments.common import figure, save_figure
+
+    plt = figure()
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for i, n in enumerate(MAP_NS):
+        cells = {r["m = a"]: r for r in rows if r["N"] == n}
+        ms = sorted(cells)
+        color = f"C{i}"
+        ax.plot(ms, [_ratio(cells[m]["throughput ÷ fastest sync"]) for m in ms], "-", color=color,
+                label=f"N={n}: break-even (simulated, no barrier)")
+        ax.plot(ms, [_ratio(cells[m]["with clip (stale vs sync)"]) for m in ms], ":", color=color,
+                label=f"N={n}: break-even with clip (stale vs sync)")
+        pts = [(r["m = a"], float(r["token overhead"].lstrip("<>≤ ").split()[0])) for r in rows
+               if r["N"] == n and r["cell"] == "measured"]
+        if pts:
+            ax.plot([m for m, _ in pts], [v for _, v in pts], "o", color=color, label=f"N={n}: measured token overhead")
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set(xscale="log", yscale="log", xlabel="micro-batches per update m (= PACI's a)",
+           ylabel="token overhead PACI can afford / measured", title="Where asynchrony pays (below the line)")
+    ax.set_xticks(list(MAP_MS), [str(m) for m in MAP_MS])
+    return save_figure(fig, ax, out / "pays_study_map.png")
+
+
 def analyse(out: Path, size: str) -> tuple[str, list[Path], list[dict[str, Any]]]:
     """The map's measured rows (one per PACI method with its twin), the re-run row and text."""
     from unbubble.experiments.common import md_table, write_csv
 
-    rows, runs = [], []
+    rows, runs, facts = [], [], {}
     for part in PAYS_PARTS:
         if not (out / part / "runs.csv").is_file():
             continue
         spec = pays_study_spec(size, part)
         data = read_tables(out / part)
         runs += data.runs
-        table, facts = part_rows(data, spec, part)
+        table, part_facts = part_rows(data, spec, part)
+        facts.update(part_facts)
         for row in table:
             m = next(x for x in spec["methods"] if x["label"] == row["method"])
+            per_seed = part_facts[row["method"]]["per_seed"]  # (overhead, "=" | "≤" | ">") per seed
             rows.append({"part": part, "N": max(spec["stages"]), "model": spec["base"]["model"],
-                         "a = m": m.get("a"), **row})
+                         "a = m": m.get("a"), **row,
+                         "overhead per seed": ", ".join(f"{'' if rel == '=' else rel + ' '}{v:.2f}"
+                                                        for v, rel in sorted(per_seed))})
     rerun = [r for r in runs if r["method"].endswith("(re-run)")]
     text = ""
     if rerun:
@@ -88,6 +160,15 @@ def analyse(out: Path, size: str) -> tuple[str, list[Path], list[dict[str, Any]]
                 f"loss {r['final_val_loss']:.4f}.")
     files = [write_csv(out / "pays_study.csv", rows)] if rows else []
     md = (md_table(rows) if rows else "No part has finished a pair yet.") + ("\n\n" + text if text else "")
+    if size != "tiny":  # the map's simulated side is gpt2-medium at N = 8 and 16
+        grid = map_rows([r for r in rows if r["method"].startswith("paci") and "error feedback" in r["method"]],
+                        facts)
+        files += [write_csv(out / "pays_study_map.csv", grid), map_figure(grid, out)]
+        md += ("\n\n**The map.** PACI + Muon + error feedback (a = m) against the fastest synchronous schedule, "
+               "gpt2-medium on 8 (N = 8) or 16 (N = 16) H200 by the simulator; measured cells are this study's "
+               "(deep-cpu or llama-deep-cpu on the CPU, token overhead against flush + Muon at the same m), the "
+               "others simulated only: there the time-to-target ratio is ≥ 1 exactly while the token overhead stays "
+               "below the throughput ratio.\n\n" + md_table(grid) + "\n\n![map](pays_study_map.png)")
     return md, files, runs
 
 
