@@ -107,3 +107,127 @@ def test_bench_startup_reports_medians_and_ratios_of_alternating_runs(tmp_path, 
     assert report["baseline"]["startup_s"] == 5.5
     with pytest.raises(SystemExit, match="no src/unbubble there"):
         mod.main(["--baseline", str(tmp_path), "--out", str(tmp_path / "x.json")])
+
+
+def test_model_systems_put_each_clipped_row_beside_its_unclipped_one():
+    """Part 1's order (each repeat rotates it): paci, then its stale, sync and stage clips; 1f1b-flush, then
+    its sync clip; torch's PipelineStage rows (clip sync, clip stale, none) just before our paci. --no-clip
+    drops every clipped row, --no-torch-stage the PipelineStage rows, --no-compile the compiled ones."""
+    mod = load_bench_module()
+    cfg = mod.BenchConfig()
+    names = [f"{engine} {name}" for engine, name in mod.model_systems(cfg)]
+    assert names == ["unbubble 1f1b-flush", "unbubble 1f1b-flush + clip sync", "unbubble gpipe",
+                     "unbubble paci dynamic",
+                     "unbubble 1f1b-flush compiled", "unbubble paci compiled", "torch ScheduleGPipe",
+                     "torch Schedule1F1B", "paci on torch PipelineStage + clip sync",
+                     "paci on torch PipelineStage + clip stale", "paci on torch PipelineStage", "unbubble paci",
+                     "unbubble paci + clip stale", "unbubble paci + clip sync", "unbubble paci + clip stage"]
+    assert set(mod.CLIPPED) == {n for n in names if " + clip " in n}
+    cfg.clip = False
+    assert [f"{e} {n}" for e, n in mod.model_systems(cfg)] == [n for n in names if n not in mod.CLIPPED]
+    cfg.clip, cfg.torch_stage, cfg.compile = True, False, False
+    assert [f"{e} {n}" for e, n in mod.model_systems(cfg)] == [
+        n for n in names if "PipelineStage" not in n and "compiled" not in n]
+
+
+def test_variant_names_the_schedule_order_and_clip_scope():
+    mod = load_bench_module()
+    assert mod._variant("paci") == ("paci", "deterministic", None)
+    assert mod._variant("paci dynamic") == ("paci", "dynamic", None)
+    assert mod._variant("paci + clip stale") == ("paci", "deterministic", "stale")
+    assert mod._variant("1f1b-flush + clip sync") == ("1f1b-flush", "deterministic", "sync")
+    assert mod._variant("PipelineStage + clip sync")[2] == "sync" and mod._variant("PipelineStage")[2] is None
+    cfg = mod.BenchConfig()
+    job = mod._model_job(cfg, "paci + clip stage", 2)
+    assert (job.clip_grad_norm, job.clip_scope, job.schedule.name) == (1.0, "stage", "paci")
+    assert mod._model_job(cfg, "1f1b-flush", 2).clip_grad_norm is None
+
+
+def _fake_model_results(mod, cfg, speed):
+    """What ``_spawn(_model_worker, …)`` returns, per rank: one row per repeat and system, rank 0's wall
+    = tokens ÷ speed[system] ÷ load[repeat] (a repeat-wide slowdown the per-repeat ratios cancel)."""
+    tokens = cfg.steps * cfg.m * cfg.micro_batch_size * cfg.seq_len
+    load = [1.0, 2.0, 0.5]
+    per_rank = [[], []]
+    for rep in range(-1, cfg.repeats):
+        for engine, name in mod.model_systems(cfg):
+            wall = tokens / speed[f"{engine} {name}"] * load[max(rep, 0)]
+            for r in range(cfg.n):
+                row = {"repeat": rep, "engine": engine, "schedule": name, "wall_s": wall, "busy_s": 0.5 * wall}
+                if engine == "unbubble":
+                    row["update_s"] = 0.01 * cfg.steps * (r + 1)
+                if engine == mod.TORCH_STAGE_ENGINE and " + clip " in name:
+                    row["clip_s"] = 0.002 * cfg.steps * (r + 1)
+                per_rank[r].append(row)
+    return per_rank
+
+
+def test_bench_model_reports_the_clip_ratios_and_targets_without_processes(monkeypatch):
+    """bench_model's arithmetic on fake runs: each clipped row ÷ its unclipped one and the issue-34 targets
+    (PACI + stale ≥ 0.97 × PACI, PACI on torch's PipelineStage ≥ 0.95 × ours), medians of per-repeat ratios
+    that a repeat-wide slowdown does not move; the report prints them with the ms inside the clips."""
+    mod = load_bench_module()
+    cfg = mod.BenchConfig(repeats=3, steps=2, compile=False)
+    speed = {f"{e} {n}": 1000.0 for e, n in mod.model_systems(cfg)}
+    speed.update({"unbubble paci": 1200.0, "unbubble paci + clip stale": 1176.0, "unbubble paci + clip sync": 900.0,
+                  "unbubble paci + clip stage": 1188.0, "unbubble 1f1b-flush + clip sync": 980.0,
+                  "paci on torch PipelineStage": 1080.0, "paci on torch PipelineStage + clip sync": 972.0,
+                  "paci on torch PipelineStage + clip stale": 1069.2})
+    monkeypatch.setattr(mod, "_spawn", lambda target, world, cfg: _fake_model_results(mod, cfg, speed))
+    res = mod.bench_model(cfg)
+    r = res["ratios"]
+    assert r["paci + clip stale / paci"] == pytest.approx(0.98)
+    assert r["paci + clip sync / paci"] == pytest.approx(0.75)
+    assert r["paci + clip stage / paci"] == pytest.approx(0.99)
+    assert r["1f1b-flush + clip sync / 1f1b-flush"] == pytest.approx(0.98)
+    assert r["paci + clip stale / 1f1b-flush + clip sync"] == pytest.approx(1.2)
+    assert r["paci on torch PipelineStage / unbubble paci"] == pytest.approx(0.9)
+    assert r["paci on torch PipelineStage + clip sync / PipelineStage"] == pytest.approx(0.9)
+    assert r["paci on torch PipelineStage + clip stale / PipelineStage"] == pytest.approx(0.99)
+    t = res["targets"]
+    assert t["paci + clip stale >= 0.97 x paci"] == {"value": pytest.approx(0.98), "target": 0.97, "met": True}
+    assert t["paci on torch PipelineStage >= 0.95 x unbubble paci"]["met"] is False
+    assert res["systems"]["unbubble paci + clip sync"]["update_ms_per_step"] == pytest.approx([10.0, 20.0])
+    assert res["systems"]["paci on torch PipelineStage + clip stale"]["clip_ms_per_step"] == pytest.approx([2.0, 4.0])
+    text = mod.format_report({"config": {**vars(cfg)}, "machine": {"cpus": 2, "torch": "x", "load_avg_1min_before": 3.0,
+                                                                   "load_avg_1min_after": 4.0}, "model": res})
+    assert "target paci + clip stale >= 0.97 x paci: 0.980 vs 0.970 -> met" in text
+    assert "target paci on torch PipelineStage >= 0.95 x unbubble paci: 0.900 vs 0.950 -> NOT met" in text
+    assert "paci on torch PipelineStage + clip stale: ms per step inside PipelineClip, per stage 2.00 4.00" in text
+    assert "paci + clip sync 10.00 20.00" in text and "(other work shares the cores: expect noise)" in text
+
+    cfg = mod.BenchConfig(repeats=1, steps=2, compile=False, clip=False)  # --no-clip: no clip rows, ratios or targets
+    res = mod.bench_model(cfg)
+    assert not [k for k in res["ratios"] if "clip" in k] and "paci + clip stale >= 0.97 x paci" not in res["targets"]
+    assert "paci on torch PipelineStage >= 0.95 x unbubble paci" in res["targets"]
+
+
+def test_bench_command_passes_no_clip(monkeypatch, tmp_path):
+    mod = load_bench_module()
+    seen = []
+    monkeypatch.setattr(mod, "run", lambda cfg: seen.append(cfg) or {"config": {}, "machine": {}})
+    monkeypatch.setattr(mod, "format_report", lambda res: "report")
+    out = CliRunner().invoke(bench, ["--no-clip", "--no-compile", "--only", "model", "--out", str(tmp_path / "b.json")])
+    assert out.exit_code == 0, out.output
+    assert seen[0].clip is False and seen[0].compile is False and seen[0].parts == ("model",)
+    out = CliRunner().invoke(bench, ["--quick", "--out", str(tmp_path / "b.json")])
+    assert out.exit_code == 0 and seen[1].clip is True and seen[1].repeats == 1
+
+
+def test_a_subset_of_systems_reports_only_the_ratios_it_can(monkeypatch):
+    """``--systems``: a pair timed alone (more repeats for the same time on a loaded machine) gets its ratio
+    and target, nothing that needs a system that did not run; an unknown name is refused before any spawn."""
+    mod = load_bench_module()
+    cfg = mod.BenchConfig(repeats=3, steps=2, systems=("unbubble paci + clip stale", "unbubble paci"))
+    assert mod.model_systems(cfg) == [("unbubble", "paci"), ("unbubble", "paci + clip stale")]
+    speed = {"unbubble paci": 1000.0, "unbubble paci + clip stale": 960.0}
+    monkeypatch.setattr(mod, "_spawn", lambda target, world, cfg: _fake_model_results(mod, cfg, speed))
+    res = mod.bench_model(cfg)
+    assert res["ratios"] == {"paci + clip stale / paci": pytest.approx(0.96)}
+    assert res["targets"] == {"paci + clip stale >= 0.97 x paci": {"value": pytest.approx(0.96), "target": 0.97,
+                                                                   "met": False}}
+    assert "target paci + clip stale >= 0.97 x paci: 0.960 vs 0.970 -> NOT met" in mod.format_report(
+        {"config": vars(cfg), "machine": {"cpus": 2, "torch": "x", "load_avg_1min_before": 0.5,
+                                          "load_avg_1min_after": 0.5}, "model": res})
+    with pytest.raises(SystemExit):
+        mod.main(["--systems", "unbubble paci,unbubble pacy"])
