@@ -81,29 +81,44 @@ def break_even_line(cfg: TrainConfig, result) -> str | None:
     (:data:`unbubble.sim.extrapolate.SYNCHRONOUS`) at m = its micro-batches per update, simulated with
     this run's measured per-stage costs (the break-even its token overhead must stay below), and over
     the fastest within 1F1B-flush's activation memory where that is another schedule; None for
-    synchronous runs or tiny traces."""
+    synchronous runs or tiny traces.
+
+    A run trained with a global clip (``--clip-grad-norm`` with ``--clip-scope sync`` or ``stale``)
+    is simulated with its per-update all-reduce ([Note: the barrier] in ``sim/barrier.py``), as
+    ``unbubble simulate --clip-scope`` does on measured costs (no local-norm time; zero latency, the
+    emulator measures none): ``sync`` on every schedule; ``stale`` on this run against the
+    synchronous schedules on ``sync``, the exact clip they can afford (the comparison of
+    docs/results.md's barrier table). ``stage`` needs no all-reduce: no barrier."""
     from unbubble.errors import ConfigError
     from unbubble.schedules.registry import get_schedule
 
     if not get_schedule(cfg.schedule, cfg.stages, 1, a=cfg.a, m=cfg.m, v=cfg.v).asynchronous or cfg.dp > 1:
         return None
+    from unbubble.sim.barrier import GlobalOp
     from unbubble.sim.costs import PipelineCosts, StageCosts
     from unbubble.sim.extrapolate import async_over_sync
     from unbubble.sim.measured import kind_medians
 
     m = cfg.mb_per_step
+    scope = (cfg.clip_scope or "sync") if cfg.clip_grad_norm is not None else None
+    ops = {"sync": (GlobalOp("sync"), GlobalOp("sync")), "stale": (GlobalOp("stale"), GlobalOp("sync"))}
+    paci_op, sync_op = ops.get(scope, (None, None))
     try:  # compute only (median F, B, U per stage): the emulator's wall-clock gaps are not link times
         med = kind_medians(result.trace)
         costs = PipelineCosts(tuple(StageCosts.from_fb(d["F"], d["B"], d.get("U", 0.0)) for d in med))
-        ratio, name = async_over_sync(costs, cfg.stages, m, a=m)
-        ratio_mem, name_mem = async_over_sync(costs, cfg.stages, m, a=m, memory="1f1b")
+        ratio, name = async_over_sync(costs, cfg.stages, m, a=m, paci_op=paci_op, sync_op=sync_op)
+        ratio_mem, name_mem = async_over_sync(costs, cfg.stages, m, a=m, memory="1f1b", paci_op=paci_op,
+                                              sync_op=sync_op)
     except (ConfigError, KeyError, ValueError, ZeroDivisionError):  # a stage that ran no F or B
         return None
     same = "" if name_mem == name else (f" ({ratio_mem:.2f}× against {name_mem}, the fastest within 1F1B-flush's "
                                         "activation memory)")
-    return (f"break-even: on these stages' measured costs this schedule is {ratio:.2f}× as fast as the fastest "
-            f"synchronous one at m = {m} ({name}){same}; asynchrony pays while it needs fewer than {ratio:.2f}× their "
-            "tokens (docs/faq.md#when-does-asynchrony-pay)")
+    barrier = {"sync": " with --clip-scope sync's per-update all-reduce on every schedule (a barrier),",
+               "stale": " with --clip-scope stale's all-reduce here (no wait) and sync's on the synchronous "
+                        "schedules (a barrier),"}.get(scope, "")
+    return (f"break-even: on these stages' measured costs{barrier} this schedule is {ratio:.2f}× as fast as the "
+            f"fastest synchronous one at m = {m} ({name}){same}; asynchrony pays while it needs fewer than "
+            f"{ratio:.2f}× their tokens (docs/faq.md#when-does-asynchrony-pay)")
 
 
 def validation_line(summary: dict, eval_interval: int) -> str:

@@ -323,6 +323,48 @@ def test_train_prints_the_break_even_of_an_asynchronous_run():
     assert _break_even_line(TrainConfig(schedule="1f1b-flush"), SimpleNamespace(trace=trace)) is None
 
 
+def test_the_break_even_line_of_a_clipped_run_counts_the_barrier():
+    """A run trained with --clip-scope sync is simulated with the all-reduce on every schedule, one with
+    stale against the synchronous schedules on sync (docs/results.md's barrier table on unit costs,
+    F = 1, B = 2, N = 4: 0.75 and 1.12 at m = 4; 0.92 and 1.03 at m = 16, where the line without a
+    barrier says 1.00 against zb-h2); stage, or no clip, has no barrier: the plain line."""
+    from types import SimpleNamespace
+
+    from unbubble.progress import break_even_line as _break_even_line
+    from unbubble.schedules.registry import get_schedule
+    from unbubble.sim.barrier import GlobalOp
+    from unbubble.sim.costs import UniformCosts
+    from unbubble.sim.engine import run_policies
+    from unbubble.sim.extrapolate import async_over_sync
+
+    unit = UniformCosts(f=1.0, b=2.0)
+    lines = {}
+    for a in (4, 16):
+        run = SimpleNamespace(trace=run_policies(get_schedule("paci", 4, 8, a=a), unit))
+        for scope in (None, "sync", "stale", "stage"):
+            clip = {} if scope is None else {"clip_grad_norm": 1.0, "clip_scope": scope}
+            lines[a, scope] = _break_even_line(TrainConfig(stages=4, a=a, **clip), run)
+    sync, stale = (GlobalOp("sync"), GlobalOp("sync")), (GlobalOp("stale"), GlobalOp("sync"))
+    assert async_over_sync(unit, 4, 4, paci_op=sync[0], sync_op=sync[1]) == (pytest.approx(0.75), "interleaved-zb v=2")
+    assert async_over_sync(unit, 4, 4, paci_op=stale[0], sync_op=stale[1])[0] == pytest.approx(1.125)
+    assert async_over_sync(unit, 4, 16, paci_op=sync[0], sync_op=sync[1])[0] == pytest.approx(0.9167, abs=1e-4)
+    assert async_over_sync(unit, 4, 16, paci_op=stale[0], sync_op=stale[1])[0] == pytest.approx(1.0312, abs=1e-4)
+
+    assert lines[4, "sync"] == ("break-even: on these stages' measured costs with --clip-scope sync's per-update "
+                                "all-reduce on every schedule (a barrier), this schedule is 0.75× as fast as the "
+                                "fastest synchronous one at m = 4 (interleaved-zb v=2); asynchrony pays while it needs "
+                                "fewer than 0.75× their tokens (docs/faq.md#when-does-asynchrony-pay)")
+    assert lines[4, "stale"].startswith("break-even: on these stages' measured costs with --clip-scope stale's "
+                                        "all-reduce here (no wait) and sync's on the synchronous schedules (a "
+                                        "barrier), this schedule is 1.12× as fast as the fastest synchronous one "
+                                        "at m = 4 (interleaved-zb v=2);")
+    assert "is 0.92× as fast as the fastest synchronous one at m = 16 (interleaved-zb v=2)" in lines[16, "sync"]
+    assert "is 1.03× as fast as the fastest synchronous one at m = 16 (interleaved-zb v=2)" in lines[16, "stale"]
+    assert "is 1.00× as fast as the fastest synchronous one at m = 16 (zb-h2)" in lines[16, None]
+    for a in (4, 16):  # a stage-local clip needs no all-reduce: the line without a barrier
+        assert lines[a, "stage"] == lines[a, None] and "clip-scope" not in lines[a, None]
+
+
 def test_a_longer_horizon_and_a_budget_scale_the_micro_batches():
     from pathlib import Path
 
