@@ -24,6 +24,8 @@ from unbubble.experiments.sweep import SweepData, SweepSpec, read_tables, reuse_
 
 #: horizon-study's published runs: its 4× rows are reused where the settings are identical.
 PUBLISHED = Path(__file__).resolve().parents[3] / "docs" / "data" / "horizon-study"
+#: This study's own published runs, one folder per part: a study that spans sessions resumes from them.
+OWN = PUBLISHED.parent / "pays-study"
 
 
 def train_parts(out: Path, size: str, seeds: list[int] | None, workers: int, parts: tuple[str, ...] = PAYS_PARTS,
@@ -35,11 +37,15 @@ def train_parts(out: Path, size: str, seeds: list[int] | None, workers: int, par
         if seeds:
             d = {**d, "seeds": list(seeds)}
         spec = SweepSpec.from_dict(d)
+        sources = []
         if part == "default" and published is not None and (published / "runs.csv").is_file():
-            source = SweepSpec.from_dict(horizon_study_spec(size, "main"))
-            reused = reuse_runs(spec, out / part, published, source)
+            sources.append((published, SweepSpec.from_dict(horizon_study_spec(size, "main"))))
+        if published is not None and size != "tiny" and (OWN / part / "runs.csv").is_file():
+            sources.append((OWN / part, SweepSpec.from_dict(pays_study_spec(size, part))))
+        for folder, source in sources:
+            reused = reuse_runs(spec, out / part, folder, source)
             if reused:
-                say(f"{spec.name}: {len(reused)} run(s) of identical settings reused from {published}")
+                say(f"{spec.name}: {len(reused)} run(s) of identical settings reused from {folder}")
         records += run_sweep(spec, out / part, workers=workers, progress=say)
     return records
 
