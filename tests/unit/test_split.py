@@ -363,14 +363,6 @@ def test_train_model_gives_a_model_object_the_run_folder_checkpoints_resume_and_
     assert report.exit_code == 0, report.output
 
 
-def _tutorial_code(heading: str, block: int = 0) -> str:
-    from pathlib import Path
-
-    text = (Path(__file__).resolve().parents[2] / "docs" / "tutorial.md").read_text()
-    section = text.split(heading, 1)[1].split("\n## ", 1)[0]
-    return section.split("```python\n")[1 + block].split("```", 1)[0]
-
-
 def _user_lines(code: str) -> int:
     return sum(1 for line in code.splitlines() if line.strip() and not line.strip().startswith("#"))
 
@@ -378,10 +370,11 @@ def _user_lines(code: str) -> int:
 @pytest.mark.parametrize("heading,block,limit", [("## 8. Your Hugging Face model on 4 stages with PACI", 0, 15),
                                                  ("## 8. Your Hugging Face model on 4 stages with PACI", 1, 15),
                                                  ("## 9. A torchtitan-layout model", 0, None)])
-def test_the_tutorials_own_model_sections_run(heading, block, limit, tmp_path, cache_dir, monkeypatch):
+def test_the_tutorials_own_model_sections_run(heading, block, limit, tmp_path, cache_dir, monkeypatch, doc_blocks):
+    """The tutorial's Python blocks (§8, §9) run as written (its shell blocks: tests/unit/test_docs.py)."""
     import json
 
-    code = _tutorial_code(heading, block)
+    code = [b for b in doc_blocks("docs/tutorial.md") if b.section == heading and b.lang == "python"][block].code
     if limit is not None:
         print(f"{heading}, block {block}: {_user_lines(code)} lines of user code")
         assert _user_lines(code) <= limit
