@@ -19,7 +19,7 @@ from unbubble.runtime.checkpoint import Checkpointing
 from unbubble.runtime.emulator import run_emulator
 from unbubble.runtime.job import PipelineJob
 from unbubble.schedules import get_schedule
-from unbubble.testing import tiny_gpt_config, tiny_gpt_job
+from helpers import tiny_gpt_config, tiny_gpt_job
 
 pytestmark = pytest.mark.multiproc
 torch.set_num_threads(1)  # as in each stage process, so the emulator's arithmetic matches bit for bit

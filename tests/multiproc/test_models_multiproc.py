@@ -7,6 +7,7 @@ import importlib.util
 import math
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,8 +18,9 @@ from unbubble.runtime.checkpoint import Checkpointing
 from unbubble.runtime.emulator import run_emulator
 from unbubble.runtime.launch import run_processes
 from unbubble.schedules import get_schedule
-from unbubble.testing import hf_job, lm_batch, max_difference, plain_hf_loop, tiny_gpt_job, tiny_hf_gpt2, tiny_hf_llama, \
-    train_without_pipeline, tree_job
+from unbubble.testing import train_without_pipeline
+from helpers import hf_job, lm_batch, max_difference, plain_hf_loop, tiny_gpt_job, tiny_hf_gpt2, tiny_hf_llama, \
+    tree_job
 
 pytestmark = pytest.mark.multiproc
 torch.set_num_threads(1)
@@ -84,8 +86,9 @@ def test_pytree_boundaries_and_split_hf_models_across_processes(tmp_path):
 
 _TORCHRUN_SCRIPT = """
 import sys, torch
+sys.path.insert(0, sys.argv[2])  # tests/: the fixtures' module
 from unbubble.runtime.launch import run_torchrun
-from unbubble.testing import tree_job
+from helpers import tree_job
 torch.set_num_threads(1)
 result = run_torchrun(tree_job("paci", a=2))
 if result is not None:
@@ -97,7 +100,8 @@ def test_pytree_boundaries_under_torchrun_equal_the_emulator_bit_for_bit(tmp_pat
     script, out = tmp_path / "run.py", tmp_path / "result.pt"
     script.write_text(_TORCHRUN_SCRIPT)
     subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3",
-                    str(script), str(out)], check=True, timeout=240, capture_output=True)
+                    str(script), str(out), str(Path(__file__).resolve().parents[1])], check=True, timeout=240,
+                   capture_output=True)
     got = torch.load(out, weights_only=True)
     emu = run_emulator(tree_job("paci", a=2))
     assert got["losses"] == emu.step_losses

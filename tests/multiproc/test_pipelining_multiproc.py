@@ -29,7 +29,7 @@ from unbubble.runtime.emulator import run_emulator
 from unbubble.runtime.job import PipelineJob
 from unbubble.schedules import get_schedule
 from unbubble.schedules.policy import Cuts
-from unbubble.testing import tiny_gpt_job
+from helpers import tiny_gpt_job
 
 pytestmark = pytest.mark.multiproc
 torch.set_num_threads(1)  # as in each process, so the emulator's arithmetic matches bit for bit
@@ -156,8 +156,8 @@ def _scenario(rank: int, n: int, sc: dict) -> dict:
 
 
 def _hf_batches(padded: bool, m: int, start: int = 0):
-    """Endless dict batches of m of ``unbubble.testing.lm_batch``'s micro-batches (ids b·m … b·m + m − 1)."""
-    from unbubble.testing import lm_batch
+    """Endless dict batches of m of ``helpers.lm_batch``'s micro-batches (ids b·m … b·m + m − 1)."""
+    from helpers import lm_batch
 
     for b in itertools.count(start):
         mbs = [lm_batch(padded, b * m + j) for j in range(m)]
@@ -173,7 +173,7 @@ def _hf_run(rank: int, n: int, sc: dict) -> dict:
 
     from unbubble.models.split import causal_lm_loss, split_model
     from unbubble.pipelining import TreeStage, build_pipeline_schedule
-    from unbubble.testing import hf_adamw, tiny_hf_llama
+    from helpers import hf_adamw, tiny_hf_llama
 
     a, padded = sc["a"], sc["padded"]
     part = split_model(tiny_hf_llama(), n)(rank)
@@ -446,7 +446,7 @@ def test_two_processes_hf_llama_in_tree_stages_and_eval_equal_the_emulator(two_p
     losses, weights and drift equal the emulator's PACI on the same split, bit for bit. ``eval()`` after
     ``drain()``: its losses equal the final weights' stages chained by hand on the same batch, bit for bit."""
     from unbubble.models.split import causal_lm_loss, split_model
-    from unbubble.testing import HF_SEQ, HF_VOCAB, hf_job, tiny_hf_llama
+    from helpers import HF_SEQ, HF_VOCAB, hf_job, tiny_hf_llama
 
     n, first = 2, len(PACI_2) + len(EXTRA_2)
     hf, plain = ([two_processes[r][first + j] for r in range(n)] for j in range(2))

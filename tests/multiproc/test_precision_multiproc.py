@@ -15,7 +15,7 @@ import pytest
 from unbubble.runtime.emulator import run_emulator
 from unbubble.runtime.launch import run_processes
 from unbubble.schedules import get_schedule
-from unbubble.testing import tiny_gpt_job
+from helpers import tiny_gpt_job
 
 pytestmark = pytest.mark.multiproc
 torch.set_num_threads(1)  # as in each stage process, so the emulator's arithmetic matches bit for bit

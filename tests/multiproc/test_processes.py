@@ -14,7 +14,8 @@ import torch
 from unbubble.runtime.emulator import run_emulator
 from unbubble.runtime.launch import PipelineFailure, run_processes
 from unbubble.schedules import ActionKind, get_schedule
-from unbubble.testing import tiny_gpt_config, tiny_gpt_job, train_without_pipeline
+from unbubble.testing import train_without_pipeline
+from helpers import tiny_gpt_config, tiny_gpt_job
 
 pytestmark = pytest.mark.multiproc
 torch.set_num_threads(1)  # as in each stage process, so the emulator's arithmetic matches bit for bit

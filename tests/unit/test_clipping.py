@@ -21,7 +21,8 @@ from unbubble.schedules import get_schedule
 from unbubble.schedules.registry import ASYNC, SCHEDULES
 from unbubble.sim.costs import PipelineCosts, StageCosts
 from unbubble.sim.engine import run_policies
-from unbubble.testing import assert_resume_is_bit_identical, tiny_gpt_job
+from unbubble.testing import assert_resume_is_bit_identical
+from helpers import tiny_gpt_job
 
 torch.set_num_threads(1)
 

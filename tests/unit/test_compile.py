@@ -26,7 +26,8 @@ from unbubble.runtime.executor import StageExecutor
 from unbubble.runtime.job import PipelineJob
 from unbubble.runtime.precision import to_bf16
 from unbubble.schedules import get_schedule
-from unbubble.testing import random_tokens, tiny_gpt_config, tiny_gpt_job
+from unbubble.testing import random_tokens
+from helpers import tiny_gpt_config, tiny_gpt_job
 
 torch.set_num_threads(1)
 BF16 = torch.bfloat16

@@ -12,7 +12,7 @@ from unbubble.runtime.emulator import run_emulator
 from unbubble.runtime.transport import (TensorMeta, decode_header, encode_header, frame_bytes, frame_header,
                                        frame_payload, pack_frame)
 from unbubble.schedules import get_schedule
-from unbubble.testing import tiny_gpt_job
+from helpers import tiny_gpt_job
 
 
 def test_layout_puts_one_replica_on_contiguous_ranks():

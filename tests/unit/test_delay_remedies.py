@@ -12,7 +12,7 @@ from unbubble.errors import ConfigError
 from unbubble.lr import warmup_cosine
 from unbubble.optim import MuonAdamW, StalenessLR, build_optimizer
 from unbubble.schedules.registry import get_schedule
-from unbubble.testing import tiny_gpt_job
+from helpers import tiny_gpt_job
 
 
 def _params(seed=0):

@@ -18,7 +18,8 @@ from unbubble.runtime.emulator import run_emulator
 from unbubble.runtime.executor import StageExecutor
 from unbubble.runtime.precision import to_bf16
 from unbubble.schedules import get_schedule
-from unbubble.testing import assert_resume_is_bit_identical, tiny_gpt_job
+from unbubble.testing import assert_resume_is_bit_identical
+from helpers import tiny_gpt_job
 
 torch.set_num_threads(1)
 

@@ -18,7 +18,7 @@ from unbubble.export import export, load_export, merged_state_dict
 from unbubble.runtime.checkpoint import Checkpointing, load_stage
 from unbubble.runtime.emulator import run_emulator
 from unbubble.schedules import get_schedule
-from unbubble.testing import tiny_gpt_job
+from helpers import tiny_gpt_job
 
 torch.set_num_threads(1)
 
@@ -162,7 +162,7 @@ def test_an_untied_export_is_refused_by_a_tied_model_and_loads_into_an_untied_on
     """Regression: the untied GPT-2 .pt loaded with strict=True into the tied class and kept only the
     head copy. The folder export's config is untied; the .pt records the untied names."""
     pytest.importorskip("transformers")
-    from unbubble.testing import hf_job, lm_batch, tiny_hf_gpt2
+    from helpers import hf_job, lm_batch, tiny_hf_gpt2
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # untie=True warns (tested in test_split)

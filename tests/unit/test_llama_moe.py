@@ -31,7 +31,8 @@ from unbubble.models.moe import MoEFeedForward, capacity, load_balancing_loss
 from unbubble.runtime.checkpoint import Checkpointing
 from unbubble.runtime.emulator import run_emulator
 from unbubble.schedules import get_schedule
-from unbubble.testing import random_tokens, tiny_gpt_job, train_without_pipeline
+from unbubble.testing import random_tokens, train_without_pipeline
+from helpers import tiny_gpt_job
 
 torch.set_num_threads(1)
 

@@ -234,7 +234,7 @@ def test_overlapping_validation_windows_are_warned_once_per_run_with_the_remedy(
 def test_a_lambda_given_to_the_process_engine():
     from unbubble.runtime.launch import run_processes
     from unbubble.schedules.registry import get_schedule
-    from unbubble.testing import tiny_gpt_job
+    from helpers import tiny_gpt_job
 
     job = dataclasses.replace(tiny_gpt_job(get_schedule("paci", 2, steps=1, a=1)), loss_fn=lambda out, y: out.sum())
     with pytest.raises(ConfigError) as exc:

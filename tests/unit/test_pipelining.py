@@ -24,7 +24,7 @@ from unbubble.pipelining import SchedulePACI, TreeStage, _check_data_parallel, _
     split_torchtitan_model
 from unbubble.runtime.emulator import run_emulator
 from unbubble.schedules import get_schedule
-from unbubble.testing import tiny_gpt_job
+from helpers import tiny_gpt_job
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,8 @@ from unbubble.runtime.executor import StageExecutor
 from unbubble.runtime.job import PipelineJob
 from unbubble.runtime.precision import check_modes, to_bf16
 from unbubble.schedules import ActionKind, get_schedule
-from unbubble.testing import assert_resume_is_bit_identical, tiny_gpt_config, tiny_gpt_job
+from unbubble.testing import assert_resume_is_bit_identical
+from helpers import tiny_gpt_config, tiny_gpt_job
 
 torch.set_num_threads(1)
 BF16 = torch.bfloat16

@@ -12,7 +12,8 @@ from unbubble.errors import ConfigError
 from unbubble.runtime import pytree
 from unbubble.runtime.emulator import run_emulator
 from unbubble.runtime.transport import TreeFrame, frame_bytes, frame_header, read_trailer, unpack_tree
-from unbubble.testing import tree_batch, tree_job, tree_loss, tree_stage, train_without_pipeline
+from unbubble.testing import train_without_pipeline
+from helpers import tree_batch, tree_job, tree_loss, tree_stage
 
 Pair = collections.namedtuple("Pair", "left right")
 

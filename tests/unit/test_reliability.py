@@ -17,7 +17,7 @@ from unbubble.schedules import ActionKind, get_schedule
 from unbubble.schedules.policy import CutPolicy, Cuts, resume_position
 from unbubble.sim.costs import UniformCosts
 from unbubble.sim.engine import run_policies
-from unbubble.testing import tiny_gpt_config, tiny_gpt_job
+from helpers import tiny_gpt_config, tiny_gpt_job
 
 torch.set_num_threads(1)
 

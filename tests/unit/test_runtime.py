@@ -11,7 +11,8 @@ from unbubble.runtime.executor import StageExecutor
 from unbubble.runtime.job import PipelineJob
 from unbubble.runtime.versions import keep_version_counters
 from unbubble.schedules import ActionKind, get_schedule
-from unbubble.testing import tiny_gpt_job, train_without_pipeline
+from unbubble.testing import train_without_pipeline
+from helpers import tiny_gpt_job
 
 torch.set_num_threads(1)
 
@@ -277,7 +278,8 @@ def test_dropout_draws_depend_on_stage_and_micro_batch_only(tmp_path):
 
     from unbubble.runtime.checkpoint import Checkpointing
     from unbubble.runtime.executor import seed_forward
-    from unbubble.testing import assert_resume_is_bit_identical, tiny_gpt_config
+    from unbubble.testing import assert_resume_is_bit_identical
+    from helpers import tiny_gpt_config
 
     def draw(seed, stage, k, noise):
         torch.rand(noise)  # what other micro-batches consumed before

@@ -154,7 +154,7 @@ def test_unknown_order_is_one_clear_error():
 def test_a_job_with_an_unknown_order_is_refused_before_it_runs():
     import dataclasses
 
-    from unbubble.testing import tiny_gpt_job
+    from helpers import tiny_gpt_job
 
     job = tiny_gpt_job(get_schedule("paci", 2, 1, a=1))
     with pytest.raises(ConfigError, match=r"^order='dynamik' is invalid \(did you mean 'dynamic'\?\): must be one of "

@@ -284,7 +284,7 @@ def test_looped_bfs_with_adamw_equals_the_reference_summed_in_its_order_bit_for_
     from torch import nn
 
     from unbubble.runtime.emulator import run_emulator
-    from unbubble.testing import tiny_gpt_job
+    from helpers import tiny_gpt_job
 
     torch.set_num_threads(1)
     job = tiny_gpt_job(get_schedule("looped-bfs", 2, steps=3, m=4, v=2))

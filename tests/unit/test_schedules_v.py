@@ -137,7 +137,8 @@ def test_the_overlap_factor_shortens_exactly_the_compound_pairs():
 def test_v_schedules_compute_flushed_updates_on_the_emulator_and_resume_bit_for_bit(tmp_path):
     from unbubble.runtime.checkpoint import Checkpointing
     from unbubble.runtime.emulator import run_emulator
-    from unbubble.testing import assert_resume_is_bit_identical, tiny_gpt_job
+    from unbubble.testing import assert_resume_is_bit_identical
+    from helpers import tiny_gpt_job
 
     for name in ("zbv", "dualpipev"):
         job = dataclasses.replace(tiny_gpt_job(get_schedule(name, 2, steps=6, m=4)),

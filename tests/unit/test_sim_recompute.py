@@ -16,7 +16,7 @@ from unbubble.sim.hardware import get_hardware
 from unbubble.sim.measured import measured_memory
 from unbubble.sim.memory import MemorySpec, peak_memory
 from unbubble.sim.result import simulate
-from unbubble.testing import tiny_gpt_job
+from helpers import tiny_gpt_job
 
 torch.set_num_threads(1)
 

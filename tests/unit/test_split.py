@@ -14,8 +14,8 @@ from unbubble.models.split import causal_lm_loss, split_model
 from unbubble.runtime.emulator import run_emulator
 from unbubble.runtime.job import PipelineJob
 from unbubble.schedules import get_schedule
-from unbubble.testing import HF_VOCAB as V, hf_adamw as adamw, hf_job, lm_batch, max_difference, \
-    plain_hf_loop as plain_loop, tiny_hf_gpt2 as hf_gpt2, tiny_hf_llama as hf_llama
+from helpers import HF_VOCAB as V, hf_adamw as adamw, hf_job, lm_batch, max_difference, plain_hf_loop as plain_loop, \
+    tiny_hf_gpt2 as hf_gpt2, tiny_hf_llama as hf_llama
 
 transformers = pytest.importorskip("transformers")  # the [hf] extra; CI installs it
 
@@ -255,7 +255,7 @@ def test_export_merges_our_presets_and_refuses_clashing_names_or_no_checkpoint(t
     from unbubble.cli import cli
     from unbubble.export import merged_state_dict
     from unbubble.runtime.checkpoint import Checkpointing
-    from unbubble.testing import tiny_gpt_job
+    from helpers import tiny_gpt_job
 
     res = CliRunner().invoke(cli, ["export", str(tmp_path), str(tmp_path / "m.pt")])
     assert res.exit_code == 2 and "holds no checkpoint" in res.output

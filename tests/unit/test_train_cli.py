@@ -215,7 +215,7 @@ def test_run_job_gives_the_emulator_threads_per_stage(monkeypatch):
 
     seen = []
     from unbubble.schedules import get_schedule
-    from unbubble.testing import tiny_gpt_job
+    from helpers import tiny_gpt_job
 
     monkeypatch.setattr(train_mod, "run_emulator",
                         lambda job, listener=None, cuts=None, threads=None: seen.append(threads))
