@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import logging
 import math
 import time
@@ -270,6 +271,18 @@ def _place(root: nn.Module, fqn: str, module: nn.Module) -> None:
     node.add_module(parts[-1], module)
 
 
+@functools.lru_cache(maxsize=None)
+def _cache_argument(fn) -> str:
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(fn).parameters else "past_key_values"  # transformers < 5.2x
+
+
+def _no_cache(fn) -> dict[str, None]:
+    """``{name: None}`` for a transformers mask function's cache argument, by this version's name."""
+    return {_cache_argument(fn): None}
+
+
 class HFStage(nn.Module):
     """One stage of a Hugging Face causal LM of :data:`HF_FAMILIES` ([Note: stages keep the model's names]).
 
@@ -311,8 +324,8 @@ class HFStage(nn.Module):
         # The whole model builds a cache when config.use_cache (the default), and HF then reads no
         # packed rows from the position ids; without one it attends within each packed document.
         packed = None if getattr(self.config, "use_cache", False) else pos
-        return {kind: build[kind](config=self.config, inputs_embeds=h, attention_mask=mask, cache=None,
-                                  position_ids=packed) for kind in sorted(set(self.attention_types))}
+        return {kind: build[kind](config=self.config, inputs_embeds=h, attention_mask=mask, position_ids=packed,
+                                  **_no_cache(build[kind])) for kind in sorted(set(self.attention_types))}
 
     def forward(self, x: Any) -> Any:
         if self.first:
