@@ -22,15 +22,16 @@ its shape, torchtitan's ``train_step`` included:
 [Note: the step contract]
 * One ``step()`` on a rank runs its stage's next a backwards (micro-batches t·a … t·a + a − 1 in call t,
   0-based) and the forwards PACI's back-pressure admits in between (in-flight q_i < N + 1 − i, i = stage + 1),
-  in the fixed per-stage order of ``OrderedPaciPolicy`` ([Note: deterministic order] in
-  ``schedules/policy.py``), and returns right after the a-th backward. The gradients in ``.grad`` are then
+  in the fixed per-stage order of ``OrderedPaciPolicy``, which drives it ([Note: one PACI order]; [Note:
+  deterministic order] in ``schedules/policy.py``), and returns right after the a-th backward. The gradients in ``.grad`` are then
   exactly those of that update: the loop's ``optimizer.step()`` *is* PACI's ``U``, so clipping, the
   non-finite check, ``optimizer.step()``, ``lr_scheduler.step()`` and ``zero_grad()`` stay after ``step()``
   where torchtitan has them. Micro-batches already forwarded stay in flight across calls; nothing is
   flushed.
 * Inputs come through an **iterator** of ``(inputs, target)`` batches, every tensor leaf split along dim 0
-  into ``n_microbatches`` micro-batches (torch's default chunking; a dict of inputs becomes the first
-  stage's keyword arguments, [Note: how a batch is split]), passed on every rank (the first stage reads
+  into ``n_microbatches`` micro-batches (torch's default chunking; the first stage's module gets a
+  micro-batch's inputs as one argument, ``module(inputs)``, as in unbubble's executor: a dict or tuple of
+  inputs through :class:`TreeStage`, [Note: how a batch is split]), passed on every rank (the first stage reads
   the inputs, the last the targets, the others nothing). Not a batch per call: the first stage's a-th
   backward of update t comes after the forwards of up to N − 1 later micro-batches (the back-pressure
   admits them before the update, on the old weights: that is where PACI's drift comes from), which belong
@@ -75,6 +76,7 @@ Source: PACI, arXiv 2606.07881, §3; torch.distributed.pipelining (``PipelineSta
 from __future__ import annotations
 
 import contextlib
+import itertools
 import re
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
@@ -87,6 +89,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from unbubble.errors import ConfigError
 from unbubble.runtime.pytree import Layout, flatten, unflatten
+from unbubble.schedules.actions import ActionKind
+from unbubble.schedules.policy import OrderedPaciPolicy, StageState, resume_state
 
 #: the torch versions this module was tested with, ``[low, high)`` by (major, minor)
 TESTED_TORCH = ((2, 13), (2, 14))
@@ -253,9 +257,13 @@ def _check_int(name: str, value: Any, what: str) -> None:
 # every tensor leaf of ``inputs`` and ``target`` (tuples, named tuples, lists and dicts nest them) is split along
 # dim 0 with ``torch.tensor_split`` and every other leaf is passed unchanged to each micro-batch. Unlike torch, an
 # uneven split is refused: dim 0 must be a multiple of m, so that every micro-batch's mean loss weighs the same.
-# The first stage's module receives the inputs as torch's ``PipelineStage.forward_one_chunk(args, kwargs)`` does:
-# a dict is its keyword arguments (``module(**inputs)``), a tuple or list its positional arguments, anything else
-# its one argument; ``loss_fn`` receives the target micro-batch in the target's own structure.
+# The first stage's module receives a micro-batch's inputs as one argument, ``module(inputs)``, whatever they are (a
+# tensor, a dict, a tuple): unbubble's one convention, which its executor follows too ([Note: stage boundaries carry
+# pytrees] in ``runtime/pytree.py``; docs/pipelining.md). torch's ``PipelineStage`` passes its first stage tensors
+# only, as positional arguments, so inputs other than a tensor need :class:`TreeStage`: the schedule hands torch
+# their tensor leaves and the TreeStage rebuilds the inputs from their layout (non-tensor leaves included) before
+# calling its module; a plain stage module given anything but a tensor is refused in one line at the first batch.
+# ``loss_fn`` receives the target micro-batch in the target's own structure.
 def _chunk(tree: Any, m: int, path: str) -> list:
     """``tree`` as m micro-batches: tensor leaves split along dim 0, other leaves repeated."""
     if isinstance(tree, torch.Tensor):
@@ -356,9 +364,10 @@ class TreeStage(nn.Module):
     Wrap it first, then in ``DistributedDataParallel`` or ``fully_shard`` ([Note: data parallelism inside a
     stage]); its own ``state_dict`` prefixes ``module.``, so checkpoint and optimize the wrapped module itself.
 
-    Calls: on the first stage a dict batch (torch's keyword arguments) reaches the module as one argument,
-    ``module(batch)``, as unbubble's executor calls it, other inputs as positional arguments; on later stages
-    the module gets the previous stage's output rebuilt (a tensor stays a tensor). Returns a tensor output as it
+    Calls: the module gets one argument, as unbubble's executor calls it: on the first stage a micro-batch's inputs
+    as the data iterator gives them, ``module(inputs)`` (a dict, a tuple, a tensor; SchedulePACI hands torch their
+    tensor leaves and sets their layout, [Note: how a batch is split]), on later stages the previous stage's output
+    rebuilt (a tensor stays a tensor). Returns a tensor output as it
     is, and a tree as the tuple of its tensor leaves (the last stage's is rebuilt for ``loss_fn``).
 
     Args:
@@ -374,19 +383,17 @@ class TreeStage(nn.Module):
     def __init__(self, module: nn.Module):
         super().__init__()
         self.module = module
-        self.in_layout: Layout | None = _UNSET  #: None on the first stage (the batch as given), else the received
+        #: the layout of the tensors torch passes: the received one on a later stage (None: one tensor), the
+        #: micro-batch's inputs' on the first (set by SchedulePACI before each forward)
+        self.in_layout: Layout | None = _UNSET
         self.out_layout: Layout | None = _UNSET  #: None for a tensor output
 
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
+    def forward(self, *args: torch.Tensor) -> Any:
         if self.in_layout is _UNSET:
             raise ConfigError(f"TreeStage({type(self.module).__name__}) has no input layout yet: SchedulePACI sets it "
                               "at its first step() (torch's own schedules cannot carry a tree boundary)")
-        if self.in_layout is not None:  # a later stage: the previous stage's output, rebuilt
-            out = self.module(unflatten(list(args), self.in_layout))
-        elif kwargs and not args:  # the first stage's dict batch, one argument as in unbubble's executor
-            out = self.module(kwargs)
-        else:
-            out = self.module(*args, **kwargs)
+        # one argument, as in unbubble's executor: the inputs or the previous stage's output, rebuilt
+        out = self.module(*args) if self.in_layout is None else self.module(unflatten(list(args), self.in_layout))
         if isinstance(out, torch.Tensor):
             leaves, layout = out, None
         else:
@@ -405,6 +412,28 @@ class TreeStage(nn.Module):
         if self.out_layout is _UNSET or self.out_layout is None:
             return output
         return unflatten([output] if isinstance(output, torch.Tensor) else list(output), self.out_layout)
+
+
+# [Note: one PACI order]
+# SchedulePACI does not restate PACI's order: each ``step()`` asks unbubble's :class:`OrderedPaciPolicy` (the policy
+# the simulator, the emulator and the process engine run, ``schedules/policy.py``) for the stage's next action on a
+# :class:`StageState` of its own counts, runs the F or B it names, and returns at the U it names (the loop's
+# ``optimizer.step()``). The policy waits for an input that has not arrived; torch's receives block until it has, so
+# the state reports every input as here (:class:`_BlockingState`). Back-pressure, the update after the a-th backward
+# and the drift bound are so the policy's; ``flush=True`` is the policy with its next forward held back (the
+# ``forward=False`` a checkpoint drain uses) until the update, and ``drain()`` and ``load_state_dict()`` move the
+# state to the checkpoint cut as the engines do (``resume_state``).
+_ENDLESS = 2 ** 62  # micro-batches of the run: the data iterator decides when it ends
+
+
+class _BlockingState(StageState):
+    """A :class:`StageState` whose inputs are always here: torch's receives wait for them ([Note: one PACI order])."""
+
+    def input_ready(self, mb: int) -> bool:
+        return True
+
+    def grad_ready(self, mb: int) -> bool:
+        return True
 
 
 def _tree_stage(submod: nn.Module) -> TreeStage | None:
@@ -433,9 +462,9 @@ class SchedulePACI(PipelineScheduleSingle):
     Args:
         stage: this rank's ``torch.distributed.pipelining.PipelineStage``; ``num_stages`` must equal the
             size of its process group (one stage per rank). Its module's input on the first stage is the
-            micro-batch's inputs (a tensor, e.g. token ids ``(B, T)`` int64; a tuple or list: its positional
-            arguments; a dict: its keyword arguments, [Note: how a batch is split]), else the previous stage's
-            output; any tensor-valued output (a tree's: :class:`TreeStage`). Its module may be wrapped in
+            micro-batch's inputs as one argument (a tensor, e.g. token ids ``(B, T)`` int64; a dict or tuple
+            through :class:`TreeStage`, [Note: how a batch is split]), else the previous stage's output; any
+            tensor-valued output (a tree's: :class:`TreeStage`). Its module may be wrapped in
             ``DistributedDataParallel`` or ``fully_shard`` (FSDP2) at its root.
         n_microbatches: m, the micro-batches each batch from the data iterator splits into (dim 0).
         loss_fn: ``loss_fn(last_stage_output, target_micro_batch) -> scalar`` mean loss.
@@ -484,15 +513,17 @@ class SchedulePACI(PipelineScheduleSingle):
         # our own handles (torch's base class keeps its own private copies for _initialize_stage)
         self._pp_stage, self._slots, self._user_loss = stage, stage.num_stages, loss_fn
         self.m, self.a, self.flush, self.scale_grads = n_microbatches, a, flush, scale_grads
-        self.cap = stage.num_stages - stage.stage_index  # N + 1 − i, i = stage + 1
+        # the order: unbubble's PACI policy, the one the simulator, the emulator and the process engine run
+        # ([Note: one PACI order]); its state counts forwards, backwards and the version (= updates applied)
+        self._policy = OrderedPaciPolicy(stage.stage_index, stage.num_stages, a)
+        self._state = _BlockingState(stage.stage_index, stage.num_stages, total_mb=_ENDLESS)
+        self.cap = self._policy.cap  # N + 1 − i, i = stage + 1
         self._scale = 1.0 / a if scale_grads else None
         self._tree = _tree_stage(stage.submod)
         self._rebuild: Callable[[Any], Any] = self._tree.rebuild if self._tree is not None else (lambda out: out)
-        self._steps = 0  # step() calls finished = updates the loop has applied (the weight version)
-        self._n_fwd = self._n_bwd = 0
         self._fwd_version: dict[int, int] = {}
         self._loss: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # k -> (scaled loss, detached loss)
-        self._batches: dict[int, tuple[list[tuple], list[dict], list | None]] = {}
+        self._batches: dict[int, tuple[list, list | None]] = {}  # b -> (inputs, targets) of its m micro-batches
         self._next_batch = 0
         self._data: Iterator | None = None
         self._sends: dict[str, list] = {"fwd": [], "bwd": []}
@@ -505,12 +536,12 @@ class SchedulePACI(PipelineScheduleSingle):
     @property
     def steps(self) -> int:
         """``step()`` calls finished (the weight version, once the loop has applied each update)."""
-        return self._steps
+        return self._state.version
 
     @property
     def in_flight(self) -> int:
         """Micro-batches forwarded on this stage and not yet backwarded (q_i)."""
-        return self._n_fwd - self._n_bwd
+        return self._state.in_flight
 
     def state_dict(self) -> dict[str, Any]:
         """The schedule's position, to checkpoint beside the model and optimizer after :meth:`drain`.
@@ -525,7 +556,7 @@ class SchedulePACI(PipelineScheduleSingle):
         if self.in_flight or self._owed:
             raise RuntimeError(f"stage {self._pp_stage.stage_index} has {self.in_flight} micro-batches in flight: call "
                                "drain() before state_dict()")
-        return {"steps": self._steps, "next_micro_batch": self._n_bwd, "drift": dict(self.drift)}
+        return {"steps": self._state.version, "next_micro_batch": self._state.n_bwd, "drift": dict(self.drift)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restores :meth:`state_dict`'s position (before the first ``step()`` of the resumed run).
@@ -536,9 +567,9 @@ class SchedulePACI(PipelineScheduleSingle):
         if self.in_flight or self._owed:
             raise RuntimeError(f"stage {self._pp_stage.stage_index} has {self.in_flight} micro-batches in flight: "
                                "load_state_dict() needs a drained schedule")
-        self._steps = state["steps"]
-        self._n_fwd = self._n_bwd = state["next_micro_batch"]
-        self._next_batch = self._n_bwd // self.m
+        self._state = _BlockingState(self._state.stage, self._state.n_stages, total_mb=_ENDLESS)
+        resume_state(self._state, state["steps"], self.a)  # next_micro_batch = steps · a
+        self._next_batch = self._state.n_bwd // self.m
         self._batches.clear()
         self.drift = Counter(state.get("drift", {}))
 
@@ -547,9 +578,8 @@ class SchedulePACI(PipelineScheduleSingle):
         """Runs this stage's next a backwards and the forwards back-pressure admits ([Note: the step contract]).
 
         Args:
-            data: iterator of ``(inputs, target)`` batches: ``inputs`` a tensor, a tuple or list (the first
-                stage's positional arguments) or a dict (its keyword arguments, e.g. torchtitan's
-                ``input_dict``), ``target`` a tensor or a nest of them; every tensor leaf has m·B rows along dim 0
+            data: iterator of ``(inputs, target)`` batches: ``inputs`` a tensor, or (with :class:`TreeStage`) a
+                dict, tuple or list, the first stage's one argument per micro-batch, ``target`` a tensor or a nest of them; every tensor leaf has m·B rows along dim 0
                 (B the micro-batch size), other leaves pass through ([Note: how a batch is split]). Needed on the
                 first and last stage at the first call (later calls may pass it again or ``None``); ignored
                 elsewhere.
@@ -558,14 +588,15 @@ class SchedulePACI(PipelineScheduleSingle):
 
         Raises:
             ConfigError: ``data`` missing where it is read, not an iterator, a batch tensor whose dim 0 is not
-                a multiple of m, or extra keyword arguments.
+                a multiple of m, inputs other than a tensor on a first stage without :class:`TreeStage`, or extra
+                keyword arguments.
             RuntimeError: called under ``torch.no_grad()``, or the iterator ran out.
         """
         st = self._pp_stage
         if kwargs:
             raise ConfigError(f"{', '.join(kwargs)}= is invalid for SchedulePACI.step: it takes the data iterator "
-                              "and losses= only (targets, and the first stage's keyword arguments as a dict of inputs, "
-                              "come with the iterator's batches)")
+                              "and losses= only (targets, and the first stage's inputs, a tensor or a dict of them, come "
+                              "with the iterator's batches)")
         if data is not None:
             if not isinstance(data, Iterator):
                 raise ConfigError(f"data={type(data).__name__} is invalid: SchedulePACI.step takes an iterator of "
@@ -580,17 +611,21 @@ class SchedulePACI(PipelineScheduleSingle):
         st.has_backward = True
         if not self._initialized:
             self._initialize()
-        end = (self._steps + 1) * self.a
+        state, end = self._state, (self._state.version + 1) * self.a
         call_losses: list[torch.Tensor] = []
-        while self._n_bwd < end:
-            if self.in_flight < self.cap and not (self.flush and self._n_fwd >= end):
-                self._forward(self._n_fwd)
-            else:
-                call_losses += self._backward(self._n_bwd, last=self._n_bwd == end - 1)
+        while True:  # the policy's order until its U ([Note: one PACI order])
+            action = self._policy.next_action(state, forward=not (self.flush and state.n_fwd >= end))
+            if action.kind is ActionKind.U:
+                break
+            if action.kind is ActionKind.F:
+                self._forward(action.mb)
+            else:  # B; the update's a-th lets DDP all-reduce in it
+                call_losses += self._backward(action.mb, last=state.bwd_since_update == self.a - 1)
+            state.apply(action)
         # the update's one gradient reduction over a data-parallel group (FSDP2's reduce-scatter; DDP's
         # all-reduce ran in the a-th backward): [Note: data parallelism inside a stage]
         _torch_private.reduce_grad(st)
-        self._steps += 1
+        state.apply(action)  # U: the loop's optimizer.step() applies it after this call
         # under PACI the previous stage ends each call with exactly one forward more than this one
         # (n_fwd = a·(t+1) + N − i on stage i − 1, one less here): drain() receives it
         self._owed = not (st.is_first or self.flush)
@@ -606,15 +641,16 @@ class SchedulePACI(PipelineScheduleSingle):
         ``step()`` forwards those micro-batches again on the updated weights (unbubble's checkpoint cut).
         Every rank must call it (after the same number of ``step()`` calls). Cost: the discarded forwards.
         """
-        st = self._pp_stage
+        st, state = self._pp_stage, self._state
         if self._owed:  # the previous stage read one micro-batch further ahead than this one and sent it
-            self._recv(st.get_fwd_recv_ops(self._n_fwd % self._slots))
+            self._recv(st.get_fwd_recv_ops(state.n_fwd % self._slots))
             self._owed = False
-        for k in range(self._n_bwd, self._n_fwd):
+        for k in range(state.n_bwd, state.n_fwd):
             _torch_private.drop_forward(st, k % self._slots)
             self._fwd_version.pop(k, None)
             self._loss.pop(k, None)
-        self._n_fwd = self._n_bwd
+        state.n_fwd, state.in_flight = state.n_bwd, 0
+        state.bwd_ready.clear()
         for kind in self._sends:
             self._wait(kind)
 
@@ -629,8 +665,10 @@ class SchedulePACI(PipelineScheduleSingle):
         ``step()``).
 
         Args:
-            args, kwargs: on the first stage, the batch's inputs as positional arguments, or a dict of inputs as
-                keyword arguments (torchtitan's ``input_dict``); every tensor leaf has m·B rows along dim 0.
+            args, kwargs: on the first stage, the batch's inputs as the data iterator gives them, as one positional
+                argument, or a dict of inputs as keyword arguments (torchtitan's ``eval(**input_dict)``): either way
+                the module gets them as one argument ([Note: how a batch is split]); every tensor leaf has m·B rows
+                along dim 0.
             target: on the last stage, the batch's targets (needed for ``losses``).
             losses: on the last stage, cleared and filled with the m micro-batch losses (``loss_fn``'s values,
                 0-dim tensors, oldest first) when ``target`` is given.
@@ -642,8 +680,9 @@ class SchedulePACI(PipelineScheduleSingle):
         Raises:
             RuntimeError: before the first ``step()``, or with micro-batches in flight (call :meth:`drain` on every
                 rank first: it moves the checkpoint cut, so it is the training loop's choice).
-            ConfigError: a batch tensor whose dim 0 is not a multiple of m, or pre-split micro-batches
-                (``arg_mbs=``, ``kwarg_mbs=``, ``target_mbs=``, ``loss_kwargs=``: a later torch's ``eval``).
+            ConfigError: a batch tensor whose dim 0 is not a multiple of m, inputs given as several positional
+                arguments or as both, or pre-split micro-batches (``arg_mbs=``, ``kwarg_mbs=``, ``target_mbs=``,
+                ``loss_kwargs=``: a later torch's ``eval``).
         """
         st = self._pp_stage
         presplit = [k for k in ("arg_mbs", "kwarg_mbs", "target_mbs", "loss_kwargs") if k in kwargs]
@@ -656,16 +695,19 @@ class SchedulePACI(PipelineScheduleSingle):
         if self.in_flight or self._owed:
             raise RuntimeError(f"SchedulePACI.eval() on stage {st.stage_index} with {self.in_flight} micro-batches in "
                                "flight: call drain() on every rank first (eval uses the same receive buffers)")
-        arg_mbs = _chunk(tuple(args), self.m, "args") if st.is_first else [()] * self.m
-        kwarg_mbs = _chunk(dict(kwargs), self.m, "kwargs") if st.is_first else [{}] * self.m
-        target_mbs = _chunk(target, self.m, "target") if st.is_last and target is not None else None
+        if len(args) + bool(kwargs) > 1:
+            raise ConfigError(f"{len(args)} positional and {len(kwargs)} keyword inputs are invalid for "
+                              "SchedulePACI.eval: give the batch's inputs as one argument, as the data iterator gives "
+                              "them, or a dict of inputs as keyword arguments")
+        inputs = dict(kwargs) if kwargs else args[0] if args else None
+        input_mbs, target_mbs = self._split((inputs, target if st.is_last else None))
         outputs, values = [], []
         with torch.no_grad():
             for j in range(self.m):
                 slot = j % self._slots
                 if not st.is_first:
                     self._recv(st.get_fwd_recv_ops(slot))
-                out = _torch_private.forward(st, slot, arg_mbs[j], kwarg_mbs[j])
+                out = _torch_private.forward(st, slot, self._first_args(input_mbs[j]) if st.is_first else (), {})
                 if st.is_last:
                     outputs.append(self._rebuild(out))
                     if target_mbs is not None:
@@ -681,31 +723,28 @@ class SchedulePACI(PipelineScheduleSingle):
 
     # -- actions --------------------------------------------------------------------------------------
     def _initialize(self) -> None:
-        st = self._pp_stage
-        args, kwargs = self._inputs(self._n_fwd) if st.is_first else ((), {})
-        target = self._target(self._n_fwd) if st.is_last else None
-        if self._tree is not None and st.is_first:
-            self._tree.in_layout = None  # the batch as given
+        st, k = self._pp_stage, self._state.n_fwd
+        args = self._first_args(self._inputs(k)) if st.is_first else ()
+        target = self._target(k) if st.is_last else None
         # every stage forwards the layout of its output with torch's inference metadata (a plain stage: None)
         _torch_private.carry_layouts(st, self._tree)
-        _torch_private.initialize_stage(self, args, kwargs, target, self._rebuild)
+        _torch_private.initialize_stage(self, args, {}, target, self._rebuild)
         self._hooks = _SavedByReference(st.submod.parameters())
         self._initialized = True
 
     def _forward(self, k: int) -> None:
         st, slot = self._pp_stage, k % self._slots
-        args, kwargs = self._inputs(k) if st.is_first else ((), {})
+        args = self._first_args(self._inputs(k)) if st.is_first else ()
         if not st.is_first:
             self._recv(st.get_fwd_recv_ops(slot))
         with self._hooks():
-            out = _torch_private.forward(st, slot, args, kwargs)
+            out = _torch_private.forward(st, slot, args, {})
             if st.is_last:
                 loss = self._user_loss(self._rebuild(out), self._target(k))
                 self._loss[k] = (loss if self._scale is None else loss * self._scale, loss.detach())
         if not st.is_last:
             self._send("fwd", st.get_fwd_send_ops(slot))
-        self._fwd_version[k] = self._steps
-        self._n_fwd += 1
+        self._fwd_version[k] = self._state.version
 
     def _backward(self, k: int, last: bool) -> list[torch.Tensor]:
         """Backward of micro-batch k; ``last``: the update's a-th (DDP all-reduces in it)."""
@@ -716,9 +755,8 @@ class SchedulePACI(PipelineScheduleSingle):
         _torch_private.backward(st, slot, scaled, last)
         if not st.is_first:
             self._send("bwd", st.get_bwd_send_ops(slot))
-        self.drift[self._steps - self._fwd_version.pop(k)] += 1
-        self._n_bwd += 1
-        for b in [b for b in self._batches if (b + 1) * self.m <= self._n_bwd]:
+        self.drift[self._state.version - self._fwd_version.pop(k)] += 1
+        for b in [b for b in self._batches if (b + 1) * self.m <= k + 1]:
             del self._batches[b]  # every micro-batch of batch b is done (a drain re-forwards only later ones)
         return [] if value is None else [value]
 
@@ -743,7 +781,7 @@ class SchedulePACI(PipelineScheduleSingle):
             self._sends[kind] = []
 
     # -- data -----------------------------------------------------------------------------------------
-    def _batch(self, k: int) -> tuple[list[tuple], list[dict], list | None]:
+    def _batch(self, k: int) -> tuple[list, list | None]:
         b = k // self.m
         while self._next_batch <= b:
             try:
@@ -757,28 +795,34 @@ class SchedulePACI(PipelineScheduleSingle):
             self._next_batch += 1
         return self._batches[b]
 
-    def _split(self, item: Any) -> tuple[list[tuple], list[dict], list | None]:
-        """``(args, kwargs, targets)`` of the batch's m micro-batches ([Note: how a batch is split])."""
+    def _split(self, item: Any) -> tuple[list, list | None]:
+        """``(inputs, targets)`` of the batch's m micro-batches ([Note: how a batch is split])."""
         if not (isinstance(item, (tuple, list)) and len(item) == 2):
             raise ConfigError(f"a batch of type {type(item).__name__} is invalid: the data iterator must yield "
                               "(inputs, target) pairs")
         inputs, target = item
-        mbs = _chunk(inputs, self.m, "inputs")
-        if isinstance(inputs, dict):  # the first stage's keyword arguments, as torch's step(**kwargs) gives them
-            args, kwargs = [()] * self.m, mbs
-        elif isinstance(inputs, (tuple, list)) and not hasattr(inputs, "_fields"):  # its positional arguments
-            args, kwargs = [tuple(mb) for mb in mbs], [{} for _ in mbs]
-        else:  # its one argument (a tensor, or a named tuple taken whole)
-            args, kwargs = [(mb,) for mb in mbs], [{} for _ in mbs]
+        if self._pp_stage.is_first and self._tree is None and not isinstance(inputs, torch.Tensor):
+            raise ConfigError(f"inputs of type {type(inputs).__name__} are invalid on stage 0 without TreeStage: a first "
+                              "stage's module gets the batch's inputs as one argument, module(inputs) (docs/"
+                              "pipelining.md), and torch's PipelineStage passes it tensors only; wrap the stage module "
+                              "in TreeStage, or give the inputs as one tensor")
+        mbs = _chunk(inputs, self.m, "inputs") if self._pp_stage.is_first else [None] * self.m
         targets = None if target is None else _chunk(target, self.m, "target")
-        return args, kwargs, targets
+        return mbs, targets
 
-    def _inputs(self, k: int) -> tuple[tuple, dict]:
-        args, kwargs, _ = self._batch(k)
-        return args[k % self.m], kwargs[k % self.m]
+    def _inputs(self, k: int) -> Any:
+        return self._batch(k)[0][k % self.m]
+
+    def _first_args(self, inputs: Any) -> tuple:
+        """What torch's stage passes the first stage's module for one micro-batch's ``inputs``: the tensor, or a
+        TreeStage's tensor leaves, whose layout the TreeStage rebuilds the inputs from ([Note: how a batch is split])."""
+        if self._tree is None:
+            return (inputs,)
+        leaves, self._tree.in_layout = flatten(inputs)
+        return tuple(leaves)
 
     def _target(self, k: int) -> Any:
-        targets = self._batch(k)[2]
+        targets = self._batch(k)[1]
         if targets is None:
             raise ConfigError("target=None is invalid on the last stage: the data iterator's batches must carry "
                               "the targets the loss needs")
@@ -828,28 +872,34 @@ def clip_grad_norm_pp(parameters: Iterable[torch.Tensor], max_norm: float, group
 
 def split_torchtitan_model(model: nn.Module, stage: int, n_stages: int,
                            layers_per_stage: list[int] | None = None) -> nn.Module:
-    """Prunes a torchtitan-layout model, in place, to what ``stage`` owns (torchtitan's split by module names).
+    """Prunes a torchtitan-layout model, in place, to what ``stage`` owns in ``split_model``'s plan.
 
     The model has ``tok_embeddings``, ``layers`` (an ``nn.ModuleDict`` keyed by the original index),
     ``norm`` and ``output``, and its ``forward`` skips the parts that are ``None`` (``h =
-    self.tok_embeddings(tokens) if self.tok_embeddings else tokens``), as torchtitan's models do. Stage 0
-    keeps the embeddings, the last stage the norm and the output; the layers are cut contiguously. The
-    remaining parameters keep their fully-qualified names, so checkpoints merge into the whole model's.
+    self.tok_embeddings(tokens) if self.tok_embeddings else tokens``), as torchtitan's models do. The cuts are
+    :func:`unbubble.models.split.plan_split`'s, the ones ``split_model`` and ``train_model`` make of the same
+    model: stage 0 keeps the embeddings, the last stage the norm and the output, the layers are cut contiguously,
+    balanced by parameter count (fewer layers on earlier stages where counts tie); the pruning is
+    :func:`unbubble.models.split.prune` on the model itself (one process builds one stage; torchtitan builds it on
+    the meta device). The remaining parameters keep their fully-qualified names, so checkpoints merge into the
+    whole model's.
 
     Args:
         model: the whole model (on any device, ``meta`` included).
         stage: 0-based stage index.
         n_stages: N ≥ 1.
-        layers_per_stage: layers of each stage (sums to the model's); default as even as possible, the
-            earlier stages taking the remainder.
+        layers_per_stage: layers of each stage (each ≥ 1, summing to the model's); default ``plan_split``'s.
 
     Returns:
         ``model`` itself, pruned.
 
     Raises:
-        ConfigError: the model lacks the layout, ``stage`` is out of range, more stages than layers, or
-            ``layers_per_stage`` that does not fit.
+        ConfigError: the model lacks the layout, ``stage`` is out of range, more stages than layers,
+            ``layers_per_stage`` that does not fit, or a weight tied across two stages (each rank would train
+            its own copy; untie it in the model).
     """
+    from unbubble.models.split import plan_split, prune, tied_across_stages
+
     for name in ("tok_embeddings", "layers", "norm", "output"):
         if not hasattr(model, name):
             raise ConfigError(f"model={type(model).__name__} is invalid: a torchtitan-layout model has "
@@ -860,27 +910,22 @@ def split_torchtitan_model(model: nn.Module, stage: int, n_stages: int,
     _check_int("n_stages", n_stages, "pipeline stages")
     if isinstance(stage, bool) or not isinstance(stage, int) or not 0 <= stage < n_stages:
         raise ConfigError(f"stage={stage!r} is invalid: must be in 0 … {n_stages - 1} (n_stages={n_stages})")
-    names = list(model.layers.keys())
+    n_layers = len(model.layers)
+    cuts = None
     if layers_per_stage is None:
-        if n_stages > len(names):
-            raise ConfigError(f"n_stages={n_stages} is invalid: the model has {len(names)} layers, at most one stage "
+        if n_stages > n_layers:
+            raise ConfigError(f"n_stages={n_stages} is invalid: the model has {n_layers} layers, at most one stage "
                               "per layer")
-        q, r = divmod(len(names), n_stages)
-        layers_per_stage = [q + (s < r) for s in range(n_stages)]
-    if len(layers_per_stage) != n_stages or sum(layers_per_stage) != len(names) or min(layers_per_stage) < 0:
-        raise ConfigError(f"layers_per_stage={layers_per_stage} is invalid: {n_stages} counts ≥ 0 that sum to the "
-                          f"model's {len(names)} layers")
-    start = sum(layers_per_stage[:stage])
-    keep = set(names[start:start + layers_per_stage[stage]])
-    for name in names:
-        if name not in keep:
-            del model.layers[name]
-    if stage != 0:
-        model.tok_embeddings = None
-    if stage != n_stages - 1:
-        model.norm = None
-        model.output = None
-    return model
+    elif len(layers_per_stage) != n_stages or sum(layers_per_stage) != n_layers or min(layers_per_stage) < 1:
+        raise ConfigError(f"layers_per_stage={layers_per_stage} is invalid: {n_stages} counts ≥ 1 that sum to the "
+                          f"model's {n_layers} layers")
+    else:
+        cuts = list(itertools.accumulate(layers_per_stage))[:-1]
+    plan = plan_split(model, n_stages, cuts)
+    for a, b, sa, sb in tied_across_stages(model, plan):
+        raise ConfigError(f"{a} (stage {sa}) and {b} (stage {sb}) are one tied tensor on two stages, which "
+                          "asynchronous stages cannot share: untie them in the model")
+    return prune(model, plan.names[stage], in_place=True)
 
 
 def pipeline_paci(model: nn.Module, *, device: torch.device, loss_fn: LossFn, n_microbatches: int,
@@ -891,7 +936,8 @@ def pipeline_paci(model: nn.Module, *, device: torch.device, loss_fn: LossFn, n_
     """A torchtitan ``pipelining_fn``-style factory: this rank's stage of ``model`` under :class:`SchedulePACI`.
 
     Args:
-        model: a torchtitan-layout model (:func:`split_torchtitan_model`), pruned in place.
+        model: a torchtitan-layout model, pruned in place to this rank's stage by :func:`split_torchtitan_model`
+            (``split_model``'s cuts, as ``train_model`` makes them).
         device: where the stage runs.
         loss_fn: ``loss_fn(logits, labels) -> scalar`` mean loss.
         n_microbatches: m, micro-batches per batch of the data iterator.

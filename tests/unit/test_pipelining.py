@@ -86,8 +86,8 @@ def test_step_arguments_are_checked(world_of_one):
     with pytest.raises(ConfigError, match=r"^target= is invalid for SchedulePACI\.step: it takes the data iterator"):
         sched.step(_data(2), target=torch.zeros(4, 4))
     with pytest.raises(ConfigError, match=r"^input_batch= is invalid for SchedulePACI\.step: it takes the data iterator "
-                                          r"and losses= only \(targets, and the first stage's keyword arguments as a "
-                                          r"dict of inputs, come with the iterator's batches\)$"):
+                                          r"and losses= only \(targets, and the first stage's inputs, a tensor or a "
+                                          r"dict of them, come with the iterator's batches\)$"):
         sched.step(_data(2), input_batch=torch.zeros(4, 4))  # torchtitan's argument (docs/pipelining.md)
     with pytest.raises(ConfigError, match=r"^inputs of shape \(1, 4\) is invalid for n_microbatches=2: every tensor "
                                           r"of a batch splits along dim 0 into 2 equal micro-batches \(dim 0 is 1, "
@@ -130,23 +130,24 @@ def test_one_stage_paci_equals_the_emulator_and_runs_out_of_data_loudly(world_of
         short.step(iter(list(itertools.islice(batches(), 1))))
 
 
-class _ByKeyword(nn.Module):
-    """``module(input=x, note=...)``: the first stage of a dict-of-inputs batch (torchtitan's ``input_dict``)."""
+class _ByBatch(nn.Module):
+    """``module(batch)``: a first stage of dict batches (torchtitan's ``input_dict``), called with one argument."""
 
     def __init__(self, inner: nn.Module):
         super().__init__()
         self.inner = inner
 
-    def forward(self, input, note=None):
-        assert note == "tokens"  # a non-tensor leaf reaches the module unchanged
-        return self.inner(input)
+    def forward(self, batch):
+        assert batch["note"] == "tokens"  # a non-tensor leaf reaches the module unchanged
+        return self.inner(batch["input"])
 
 
-def test_dict_batches_split_every_tensor_leaf_and_equal_the_tensor_run_bit_for_bit(world_of_one):
+def test_dict_batches_reach_the_first_stage_as_one_argument_and_equal_the_tensor_run_bit_for_bit(world_of_one):
     """The iterator yields torchtitan's ``(input_dict, labels)`` shape, ``({"input": x, "note": str}, {"labels":
-    y, "scale": 1.0})``: each tensor leaf splits along dim 0, the dict reaches the first stage as keyword arguments
-    (torch's ``forward_one_chunk(args, kwargs)``), the target keeps its structure; the losses and weights equal the
-    same run on plain tensor batches bit for bit. Uneven or 0-dim leaves are refused naming the leaf."""
+    y, "scale": 1.0})``: each tensor leaf splits along dim 0, the dict reaches the first stage's module as one
+    argument, ``module(batch)``, as unbubble's executor calls it (through TreeStage: torch passes tensors only), the
+    target keeps its structure; the losses and weights equal the same run on plain tensor batches bit for bit.
+    A dict for a module outside TreeStage, uneven or 0-dim leaves are refused in one line."""
     torch.set_num_threads(1)
     a, m, steps = 2, 3, 4
     job = tiny_gpt_job(get_schedule("paci", 1, steps, a=a))
@@ -156,9 +157,9 @@ def test_dict_batches_split_every_tensor_leaf_and_equal_the_tensor_run_bit_for_b
             mbs = [job.batch_fn(b * m + j) for j in range(m)]
             yield torch.cat([x for x, _ in mbs]), torch.cat([y for _, y in mbs])
 
-    def run(module, data, loss_fn):
+    def run(module, data, loss_fn, wrap=lambda mod: mod):
         opt = job.optimizer_fn(list(module.named_parameters()), 0)
-        sched = SchedulePACI(PipelineStage(module, 0, 1, torch.device("cpu")), m, loss_fn, a=a)
+        sched = SchedulePACI(PipelineStage(wrap(module), 0, 1, torch.device("cpu")), m, loss_fn, a=a)
         got = []
         for _ in range(steps):
             opt.zero_grad()
@@ -170,13 +171,19 @@ def test_dict_batches_split_every_tensor_leaf_and_equal_the_tensor_run_bit_for_b
 
     plain = job.stage_fn(0)
     want = run(plain, batches(), job.loss_fn)
-    keyed = _ByKeyword(job.stage_fn(0))
+    keyed = _ByBatch(job.stage_fn(0))
     dicts = (({"input": x, "note": "tokens"}, {"labels": y, "scale": 1.0}) for x, y in batches())
-    got = run(keyed, dicts, lambda out, t: job.loss_fn(out, t["labels"]) * t["scale"])
+    got = run(keyed, dicts, lambda out, t: job.loss_fn(out, t["labels"]) * t["scale"], wrap=TreeStage)
     assert len(got) == steps * a and all(torch.equal(g, w) for g, w in zip(got, want))
     assert all(torch.equal(keyed.inner.state_dict()[k], v) for k, v in plain.state_dict().items())
 
-    sched = SchedulePACI(PipelineStage(_ByKeyword(nn.Linear(4, 4)), 0, 1, torch.device("cpu")), 2, _loss)
+    bare = SchedulePACI(PipelineStage(_ByBatch(nn.Linear(4, 4)), 0, 1, torch.device("cpu")), 2, _loss)
+    with pytest.raises(ConfigError, match=r"^inputs of type dict are invalid on stage 0 without TreeStage: a first stage's "
+                                          r"module gets the batch's inputs as one argument, module\(inputs\) \(docs/"
+                                          r"pipelining\.md\), and torch's PipelineStage passes it tensors only; wrap the "
+                                          r"stage module in TreeStage, or give the inputs as one tensor$"):
+        bare.step(iter([({"input": torch.zeros(4, 4), "note": "tokens"}, torch.zeros(4, 4))]))
+    sched = SchedulePACI(PipelineStage(TreeStage(_ByBatch(nn.Linear(4, 4))), 0, 1, torch.device("cpu")), 2, _loss)
     with pytest.raises(ConfigError, match=r"^inputs\['input'\] of shape \(5, 4\) is invalid for n_microbatches=2: "
                                           r"every tensor of a batch splits along dim 0 into 2 equal micro-batches "
                                           r"\(dim 0 is 5, not a multiple of 2\)$"):
@@ -205,7 +212,11 @@ class _Titan(nn.Module):
         return self.output(h) if self.output is not None else h
 
 
-def test_split_keeps_names_and_composes_to_the_whole_model():
+def test_split_keeps_names_composes_to_the_whole_model_and_cuts_as_split_model():
+    """The in-place pruning takes split_model's plan: the stages train_model builds from the same model hold the same
+    layers and names (one splitter, [Note: stages keep the model's names])."""
+    from unbubble.models.split import split_model
+
     torch.manual_seed(0)
     whole = _Titan(n_layers=5)
     keys = set(whole.state_dict())
@@ -214,7 +225,9 @@ def test_split_keeps_names_and_composes_to_the_whole_model():
         part = _Titan(n_layers=5)
         part.load_state_dict(whole.state_dict())
         parts.append(split_torchtitan_model(part, s, 3))
-    assert [list(p.layers) for p in parts] == [["0", "1"], ["2", "3"], ["4"]]
+    assert [list(p.layers) for p in parts] == [["0"], ["1", "2"], ["3", "4"]]  # equal layers: fewer on earlier stages
+    split = split_model(whole, 3)
+    assert [set(p.state_dict()) for p in parts] == [set(split(s).state_dict()) for s in range(3)]
     assert parts[1].tok_embeddings is None and parts[1].norm is None and parts[1].output is None
     assert parts[0].norm is None and parts[2].tok_embeddings is None
     merged = {k: v for p in parts for k, v in p.state_dict().items()}
@@ -234,11 +247,23 @@ def test_split_keeps_names_and_composes_to_the_whole_model():
      "per layer"),
     (lambda: split_torchtitan_model(_Titan(2), 2, 2), "stage=2 is invalid: must be in 0 … 1 (n_stages=2)"),
     (lambda: split_torchtitan_model(_Titan(4), 0, 2, layers_per_stage=[3, 2]), "layers_per_stage=[3, 2] is invalid: "
-     "2 counts ≥ 0 that sum to the model's 4 layers"),
+     "2 counts ≥ 1 that sum to the model's 4 layers"),
+    (lambda: split_torchtitan_model(_Titan(4), 0, 2, layers_per_stage=[4, 0]), "layers_per_stage=[4, 0] is invalid: "
+     "2 counts ≥ 1 that sum to the model's 4 layers"),
 ])
 def test_split_errors_name_the_value_and_what_is_valid(call, message):
     with pytest.raises(ConfigError, match=f"^{re.escape(message)}$"):
         call()
+
+
+def test_split_refuses_a_weight_tied_across_two_stages():
+    model = _Titan(2)
+    model.output.weight = model.tok_embeddings.weight  # (11, 8) both: one tensor, as a tied head
+    with pytest.raises(ConfigError, match=r"^tok_embeddings\.weight \(stage 0\) and output\.weight \(stage 1\) are one "
+                                          r"tied tensor on two stages, which asynchronous stages cannot share: untie "
+                                          r"them in the model$"):
+        split_torchtitan_model(model, 0, 2)
+    assert list(split_torchtitan_model(model, 0, 1).layers) == ["0", "1"]  # one stage holds both names
 
 
 def test_split_refuses_layers_that_are_not_a_module_dict():
@@ -505,14 +530,18 @@ def test_eval_needs_a_started_and_drained_schedule(world_of_one):
                                            r"stage buffers are made there; until then evaluate the model parts directly$"):
         sched.eval(torch.zeros(4, 4), target=torch.zeros(4, 4))
     sched.step(_data(2))
-    sched._n_fwd += 1  # as a stage with a forward read ahead (N ≥ 2) is between step() and drain()
+    sched._state.in_flight += 1  # as a stage with a forward read ahead (N ≥ 2) is between step() and drain()
     with pytest.raises(RuntimeError, match=r"^SchedulePACI\.eval\(\) on stage 0 with 1 micro-batches in flight: call "
                                            r"drain\(\) on every rank first \(eval uses the same receive buffers\)$"):
         sched.eval(torch.zeros(4, 4), target=torch.zeros(4, 4))
-    sched._n_fwd -= 1
+    sched._state.in_flight -= 1
     with pytest.raises(ConfigError, match=r"^arg_mbs, target_mbs= is invalid for SchedulePACI\.eval: it takes torch "
                                           r"2\.13's eval\(\*args, target=, losses=\) with the whole batch"):
         sched.eval(arg_mbs=[(torch.zeros(2, 4),)] * 2, target_mbs=[torch.zeros(2, 4)] * 2)  # torchtitan's call
+    with pytest.raises(ConfigError, match=r"^2 positional and 0 keyword inputs are invalid for SchedulePACI\.eval: give "
+                                          r"the batch's inputs as one argument, as the data iterator gives them, or a "
+                                          r"dict of inputs as keyword arguments$"):
+        sched.eval(torch.ones(4, 4), torch.ones(4, 4), target=torch.zeros(4, 4))
     losses: list = []
     out = sched.eval(torch.ones(4, 4), target=torch.zeros(4, 4), losses=losses)
     assert out.shape == (4, 4) and len(losses) == 2 and not any(x.requires_grad for x in losses)

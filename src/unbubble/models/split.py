@@ -366,16 +366,18 @@ class HFStage(nn.Module):
         return {"hidden_states": h, "attention_mask": mask, "position_ids": pos}
 
 
-def _prune(model: nn.Module, names: Sequence[str]) -> nn.Module:
-    """A deep copy of ``model`` (a :func:`skeleton`) keeping only the modules in ``names`` (and what they contain):
-    others become ``None`` at the top level, or are deleted from a ``ModuleDict`` / ``ModuleList``
-    (a ``ModuleList`` becomes a ``ModuleDict`` keyed by the original indices), as torchtitan prunes."""
+def prune(model: nn.Module, names: Sequence[str], in_place: bool = False) -> nn.Module:
+    """``model`` keeping only the modules in ``names`` (and what they contain), as torchtitan prunes: others become
+    ``None`` at the top level, or are deleted from a ``ModuleDict`` / ``ModuleList`` (a ``ModuleList`` becomes a
+    ``ModuleDict`` keyed by the original indices). A deep copy of ``model`` (a :func:`skeleton` when a stage is
+    built), or with ``in_place`` the model itself (``unbubble.pipelining.split_torchtitan_model``: one process,
+    one stage)."""
     keep = set(names)
 
     def kept_below(fqn: str) -> bool:
         return any(n == fqn or n.startswith(fqn + ".") for n in keep)
 
-    stage = copy.deepcopy(model)
+    stage = model if in_place else copy.deepcopy(model)
 
     def visit(module: nn.Module, prefix: str) -> None:
         for name, child in list(module._modules.items()):
@@ -439,7 +441,7 @@ def build_stage(model: nn.Module, plan: Plan, stage: int, untie: bool = False,
     names = plan.names[stage]
     meta = model if tensors is not None else skeleton(model)
     if plan.layout in ("names", "torchtitan"):
-        out = _prune(meta, names)
+        out = prune(meta, names)
     else:
         out = HFStage(meta.config, plan.layout, plan.layers[stage], stage == 0, stage == len(plan.names) - 1)
         memo: dict = {}  # one memo per stage: weights tied within a stage stay one tensor
