@@ -43,6 +43,7 @@ from typing import Any
 import torch
 
 from unbubble.errors import ConfigError
+from unbubble.pipeline import merge_state_dicts
 from unbubble.runtime.checkpoint import complete_steps, load_stage, stage_path
 
 #: the folder beside the ``step-*`` folders that describes the model (HF runs)
@@ -178,19 +179,10 @@ def merged_state_dict(run_dir: str | Path, step: int | None = None,
     elif step not in steps:
         raise ConfigError(f"step={step} has no complete checkpoint in {str(directory)!r}: complete steps are "
                           f"{', '.join(map(str, steps))} (set --step)")
-    merged: dict[str, torch.Tensor] = {}
-    owner: dict[str, int] = {}
-    for s in range(n):
-        executor = load_stage(directory, step, s)["executor"]
-        state = _with_masters(executor, stage_path(directory, step, s))
-        for name, t in state.items():
-            if name in merged:
-                raise ConfigError(f"{name!r} is in the checkpoints of stages {owner[name]} and {s}: the stages do not "
-                                  "use the model's names (split the model with unbubble.models.split.split_model)")
-            merged[name], owner[name] = t.clone(), s  # a copy: not a view of the memory-mapped file
-    if owners is not None:
-        owners.update(owner)
-    return merged
+    states = (_with_masters(load_stage(directory, step, s)["executor"], stage_path(directory, step, s))
+              for s in range(n))
+    merged = merge_state_dicts(states, owners, what="checkpoints")
+    return {name: t.clone() for name, t in merged.items()}  # copies: not views of the memory-mapped files
 
 
 def _with_masters(executor: dict[str, Any], path: Path) -> dict[str, torch.Tensor]:

@@ -32,7 +32,7 @@ from __future__ import annotations
 import functools
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 from torch import nn
@@ -93,26 +93,34 @@ def split_sequential(seq: nn.Sequential, cut_points: Sequence[str | int]) -> lis
     return [nn.Sequential(OrderedDict(children[lo:hi])) for lo, hi in zip(bounds, bounds[1:])]
 
 
-def merge_state_dicts(states: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """One ``state_dict`` for the whole model from the stages' ``state_dict``\\ s.
+def merge_state_dicts(states: Iterable[dict[str, torch.Tensor]], owners: dict[str, int] | None = None,
+                      what: str = "state dicts") -> dict[str, torch.Tensor]:
+    """One ``state_dict`` for the whole model from the stages' ``state_dict``\\ s: the one merge of stage states
+    (``unbubble.export.merged_state_dict`` merges a checkpoint's stage files with it).
 
     Args:
         states: per stage (0-based, in order), as in ``RunResult.final_states``; stages made by
-            :func:`split_sequential` keep the model's key names.
+            :func:`split_sequential` or ``unbubble.models.split.split_model`` keep the model's key names.
+        owners: filled with each key's stage, when given.
+        what: what ``states`` are, for the error message (``"checkpoints"``).
 
     Returns:
         The union of the dicts, for ``model.load_state_dict``.
 
     Raises:
-        ConfigError: a key appears in two stages (the stages were not cut from one model).
+        ConfigError: a key appears in two stages (the stages do not use the model's names).
     """
     merged: dict[str, torch.Tensor] = {}
+    owner: dict[str, int] = {}
     for s, state in enumerate(states):
         for key, value in state.items():
             if key in merged:
-                raise ConfigError(f"state key {key!r} of stage {s} is also in an earlier stage: the stages were not "
-                                  "cut from one nn.Sequential")
-            merged[key] = value
+                raise ConfigError(f"{key!r} is in the {what} of stages {owner[key]} and {s}: the stages do not use the "
+                                  "model's names (cut them with unbubble.pipeline.split_sequential or "
+                                  "unbubble.models.split.split_model)")
+            merged[key], owner[key] = value, s
+    if owners is not None:
+        owners.update(owner)
     return merged
 
 
