@@ -206,9 +206,8 @@ class StageExecutor:
             inp, x = None, self._on_device(self.batch_fn(k)[0])
             if self.masters is not None:  # bf16: float inputs in the weights' dtype
                 x = pytree.tree_map(lambda t: t.to(torch.bfloat16) if t.is_floating_point() else t, x)
-        else:  # inp: the input tensor, or a pytree input's leaves whose gradients go upstream
-            x, leaves = pytree.input_leaves(activation)
-            inp = x if isinstance(x, torch.Tensor) else leaves
+        else:  # inp: the input's leaves whose gradients go upstream (a tensor input: itself)
+            x, inp = pytree.input_leaves(activation)
         self.fwd_version[k] = self.version
         if self.rng_seed is not None:
             seed_forward(self.rng_seed, self.stage, k, self._device_type)
@@ -253,24 +252,19 @@ class StageExecutor:
             loss = self.loss_fn(out, self._on_device(self.batch_fn(k)[1]))
         return loss * self.loss_scale, loss.detach()
 
-    def _recompute(self, k: int) -> tuple[torch.Tensor | None, torch.Tensor]:
+    def _recompute(self, k: int) -> torch.Tensor:
         """Re-runs micro-batch ``k``'s forward with autograd, on the weights in use now (v_B, the
-        stashed v_F, or PipeMare's corrected ones) and its forward's RNG state.
+        stashed v_F, or PipeMare's corrected ones) and its forward's RNG state; its input's leaves
+        are the ones F stored (their requires_grad flags kept).
 
         Returns:
-            ``(input leaf or None on the first stage, output or scaled loss)``.
+            The output, or on the last stage the scaled loss.
         """
-        x, state = self._replay.pop(k)  # its leaves kept their requires_grad flags from F
-        if self.is_first:
-            inp = None
-        elif isinstance(x, torch.Tensor):
-            inp = x.requires_grad_(True)
-        else:
-            inp = [t for t in pytree.tensors(x) if t.requires_grad]
+        x, state = self._replay.pop(k)
         with replayed_rng(state), self._measured("recomputed", x) as sizes:
             out, _ = self._compute(k, x)
         self._hold(k, (0, sizes[1], sizes[0]), "recomputed")
-        return inp, out
+        return out
 
     @contextlib.contextmanager
     def _measured(self, what: str, x: Any):
@@ -365,7 +359,7 @@ class StageExecutor:
             return self._drop(k, inp, self._incoming_reason())
         with self._backward_weights(k):
             if self.recompute == "full":
-                inp, out = self._recompute(k)
+                out = self._recompute(k)
             if self.is_last:
                 out.backward()
             else:
@@ -375,7 +369,7 @@ class StageExecutor:
         self._finish(k)
         if inp is None:
             return None
-        gx = _input_grad(inp)
+        gx = inp.grads()
         if self.nan_policy != "off" and not _finite(pytree.tensors(gx)):  # its weight gradient is in the sum now
             self._tainted = True
             return self._poison(inp, k, "input gradient (this stage's update is dropped)")
@@ -394,7 +388,7 @@ class StageExecutor:
             return self._poison(inp, k, self._incoming_reason())
         with self._backward_weights(k):
             if self.recompute == "full":  # the graph is kept from I until W
-                inp, out = self._recompute(k)
+                out = self._recompute(k)
                 self.store[k] = (inp, out, grad)
             if inp is None:
                 return None
@@ -402,10 +396,9 @@ class StageExecutor:
                 outs, grads = [out], [None]
             else:
                 outs, grads = pytree.grad_outputs(out, grad, self.recompute == "full")
-            leaves = inp if isinstance(inp, list) else [inp]
-            gs = torch.autograd.grad(outs, leaves, grads, retain_graph=True, allow_unused=True) if outs and leaves \
-                else [None] * len(leaves)
-            gx = tuple(gs) if isinstance(inp, list) else gs[0]
+            leaves = inp.leaves
+            gx = inp.pack(torch.autograd.grad(outs, leaves, grads, retain_graph=True, allow_unused=True)
+                          if outs and leaves else [None] * len(leaves))
         if self.nan_policy != "off" and not _finite(pytree.tensors(gx)):
             self._dropped.add(k)
             return self._poison(inp, k, "input gradient")
@@ -477,9 +470,7 @@ class StageExecutor:
                         "its update" if k is None else f"micro-batch {k}", self.version, what, more)
         if inp is None:
             return None
-        if isinstance(inp, list):  # a pytree input: one poisoned gradient per gradient-carrying leaf
-            return tuple(torch.full_like(t, math.nan) for t in inp)
-        return torch.full_like(inp, math.nan)
+        return inp.pack([torch.full_like(t, math.nan) for t in inp.leaves])  # one per gradient-carrying leaf
 
     def _check_divergence(self) -> None:
         """Raises once every micro-batch of :data:`MAX_DROPPED_UPDATES` consecutive updates was
@@ -770,12 +761,6 @@ class StageExecutor:
             self.update()
             return None
         raise NotImplementedError(f"action {action}: kind {action.kind.value} is not supported by this executor")
-
-
-def _input_grad(inp: torch.Tensor | list[torch.Tensor]) -> Any:
-    """The gradient a backward sends upstream: ``inp.grad`` for a single-tensor input, or one
-    ``.grad`` (``None`` if unused) per gradient-carrying leaf of a pytree input."""
-    return tuple(t.grad for t in inp) if isinstance(inp, list) else inp.grad
 
 
 def _finite(tensors: list[torch.Tensor | None]) -> bool:

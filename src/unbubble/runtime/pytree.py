@@ -29,7 +29,7 @@ pickled between processes, its gradient lost either way. It does not use ``torch
 from __future__ import annotations
 
 import pickle
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 
@@ -210,8 +210,30 @@ def detach_output(out: Any, all_floating: bool = False) -> Any:
     return unflatten([t.detach().requires_grad_(g) for t, g in zip(leaves, grad_mask(layout))], layout)
 
 
-def input_leaves(activation: Any) -> tuple[Any, list[torch.Tensor]]:
-    """A received activation as the stage's input: ``(input tree, leaves that carry a gradient)``.
+class GradLeaves(NamedTuple):
+    """A stage input's leaves that carry a gradient upstream, and the form the gradient goes back in: the one
+    representation the executor keeps for a tensor input and a tree input alike.
+
+    Attributes:
+        leaves: the gradient-carrying leaves (a single-tensor input: that tensor).
+        tree: the input is a tree: its gradient is a tuple of ``Tensor | None``, one per leaf; else the one
+            tensor's gradient ([Note: stage boundaries carry pytrees]).
+    """
+
+    leaves: list[torch.Tensor]
+    tree: bool
+
+    def pack(self, grads: Sequence[torch.Tensor | None]) -> Any:
+        """``grads`` (one per leaf, in order) in the form the previous stage receives."""
+        return tuple(grads) if self.tree else grads[0]
+
+    def grads(self) -> Any:
+        """The leaves' accumulated ``.grad`` as the previous stage receives them."""
+        return self.pack([t.grad for t in self.leaves])
+
+
+def input_leaves(activation: Any) -> tuple[Any, GradLeaves]:
+    """A received activation as the stage's input: ``(input tree, its gradient-carrying leaves)``.
 
     A single tensor becomes one leaf requiring grad (as always); in a tree, the leaves marked by
     :func:`detach_output` (or by the transport's layout) do, the rest are constants.
@@ -221,10 +243,10 @@ def input_leaves(activation: Any) -> tuple[Any, list[torch.Tensor]]:
     """
     if isinstance(activation, torch.Tensor):
         x = activation.detach().requires_grad_(True)
-        return x, [x]
+        return x, GradLeaves([x], False)
     leaves, layout = flatten(activation, grads=True)
     new = [t.detach().requires_grad_(g) for t, g in zip(leaves, grad_mask(layout))]
-    return unflatten(new, layout), [t for t in new if t.requires_grad]
+    return unflatten(new, layout), GradLeaves([t for t in new if t.requires_grad], True)
 
 
 def grad_outputs(out: Any, grad: Any, all_floating: bool = False) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
