@@ -175,15 +175,25 @@ def test_option_checks():
 
 @pytest.mark.parametrize("name", ["zbv", "dualpipev"])
 def test_exported_v_csv_loads_in_torch_with_the_v_placement(name, tmp_path):
+    """``unbubble schedules --export``: torch's ``_load_csv`` reads the file back and its validator accepts it;
+    DualPipeV's overlapped F+B are single ``OVERLAP_F_B`` cells, which torch reads as one compound action."""
+    from click.testing import CliRunner
     from test_schedule_ir import _fake_stages, _tps
-    from unbubble.schedules.actions import export_torch_csv
+
+    from unbubble.cli import cli
 
     tps, n, m = _tps(), 4, 8
     path = tmp_path / "v.csv"
-    path.write_text(export_torch_csv(get_schedule(name, n, steps=2, m=m).static_order()))
+    res = CliRunner().invoke(cli, ["schedules", "--export", name, "--stages", str(n), "--m", str(m), str(path)])
+    assert res.exit_code == 0, res.output
     runtime = tps._PipelineScheduleRuntime(_fake_stages(n, 2), m)
     runtime._load_csv(str(path))  # torch's validator infers the placement from the rows
     assert tps._validate_schedule(runtime.pipeline_order, n, 2 * n, m) == {s: min(s, 2 * n - 1 - s) for s in range(2 * n)}
+    compound = [a for acts in runtime.pipeline_order.values() for a in acts if a.sub_actions is not None]
+    overlaps = [a for acts in get_schedule(name, n, steps=1, m=m).compound_order() for a in acts if isinstance(a, Overlap)]
+    assert len(compound) == len(overlaps) and (name == "zbv") == (not overlaps)
+    assert all(a.computation_type == tps.OVERLAP_F_B and [str(x) for x in a.sub_actions] == [str(p) for p in o.parts]
+               for a, o in zip(compound, overlaps))
 
 
 def test_chunks_balance_the_devices_not_the_chunks():

@@ -62,7 +62,7 @@ def schedules(export_name: str | None, stages: int | None, m: int | None, v: int
             raise ConfigError(f"out={out!r} is invalid: the folder {folder!r} does not exist (create it first, or "
                               "write to an existing folder; '-' or no OUT prints to stdout)")
     sched = get_schedule(export_name, stages, steps=1, m=m, v=v)
-    text = export_torch_csv(sched.static_order())
+    text = export_torch_csv(sched.compound_order())  # DualPipeV's overlapped F+B: one OVERLAP_F_B cell
     if out is None:
         click.echo(text, nl=False)
     else:

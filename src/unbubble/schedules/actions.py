@@ -256,10 +256,12 @@ def with_updates(order: list[list[Action]], m: int, steps: int) -> list[list[Act
     return out
 
 
-def export_torch_csv(order: list[list[Action]]) -> str:
+def export_torch_csv(order: list[list]) -> str:
     """CSV text that torch.distributed.pipelining's ``_load_csv`` accepts (its compute-only
     format, torch 2.13): one row per rank, cells ``{stage}{F|B|I|W}{mb}`` of one step with
-    micro-batches 0…m−1, every stage s on rank s mod N.
+    micro-batches 0…m−1, every stage s on rank s mod N (or in a V); an :class:`Overlap` (a
+    schedule's :meth:`~unbubble.schedules.registry.Schedule.compound_order`: DualPipeV) is one
+    ``({F};{B})OVERLAP_F_B`` cell, torch's compound action.
 
     Where the updates go: torch's format has no optimizer step; its lowering adds a
     ``REDUCE_GRAD`` after each stage's m-th backward and the caller steps the optimizer after
@@ -274,10 +276,12 @@ def export_torch_csv(order: list[list[Action]]) -> str:
             unbubble's full format), stages update different numbers of times, a step is not the
             first one shifted by m, or a stage has actions after its last ``U``.
     """
-    compute = [[a for a in acts if a.kind is not ActionKind.U] for acts in order]
-    if any(a.kind is ActionKind.U for acts in order for a in acts):
-        m = _check_flushed(order)
-        for r, acts in enumerate(compute):
+    flat = [flatten(acts)[0] for acts in order]  # the checks see the compound actions' parts in order
+    cells = [[a for a in acts if isinstance(a, Overlap) or a.kind is not ActionKind.U] for acts in order]
+    if any(a.kind is ActionKind.U for acts in flat for a in acts):
+        m = _check_flushed(flat)
+        for r, acts in enumerate(flat):
+            acts = [a for a in acts if a.kind is not ActionKind.U]
             first = [a for a in acts if a.mb < m]
             repeated = [Action(a.stage, a.kind, a.mb + t * m) for t in range(len(acts) // max(len(first), 1))
                         for a in first]
@@ -287,8 +291,10 @@ def export_torch_csv(order: list[list[Action]]) -> str:
                         f"rank {r}, action {pos} (U not counted) is {got or 'missing'} where step 0 repeated gives "
                         f"{want or 'nothing'}: torch's CSV is one step of m={m} micro-batches that every "
                         "optimizer step repeats")
-        compute = [[a for a in acts if a.mb < m] for acts in compute]
-    return "".join(",".join(map(str, acts)) + "\n" for acts in compute)
+        # a flushed step holds both parts of each of its compound actions
+        cells = [[c for c in acts if all(a.mb < m for a in (c.parts if isinstance(c, Overlap) else (c,)))]
+                 for acts in cells]
+    return "".join(",".join(map(str, acts)) + "\n" for acts in cells)
 
 
 def _check_flushed(order: list[list[Action]]) -> int:
