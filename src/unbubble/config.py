@@ -30,7 +30,7 @@ ERROR_FEEDBACK_SCHEDULES = ("paci", "async-1f1b", "paci-stashed", "pipedream", "
 #: when its value is the schedule's default (:func:`config_to_yaml`), and ``auto`` reads back as the
 #: default of whatever schedule the run has, so ``--print-config`` output for one schedule runs with
 #: ``--schedule`` of another; a value other than the default is written as it is.
-AUTO_FIELDS = ("error_feedback",)
+AUTO_FIELDS = ("error_feedback", "clip_scope")
 OPTIMIZERS = ("adamw", "basis-rotation", "nesterov", "nadam", "pipedream-lr", "staleness-lr", "muon")
 
 
@@ -118,7 +118,7 @@ class TrainConfig:
     br_allocation: Literal["uniform", "stage-aware", "inverse"] = field(default="uniform", metadata={"help": "Basis Rotation: how a fixed refresh budget is split across stages (stage-aware: staler stages refresh more often)."})
     stage_aware: bool = field(default=False, metadata={"help": "Shorthand for --br-allocation stage-aware."})
     clip_grad_norm: float | None = field(default=None, metadata={"help": "Clip each update's gradients to this norm (torchtitan, Megatron and nanoGPT use 1.0); which norm: --clip-scope. Off by default."})
-    clip_scope: str | None = field(default=None, metadata={"help": "Which norm --clip-grad-norm clips by (default sync). sync: this update's exact norm over all stages (and --dp replicas), as torchtitan: one all-gather per update, a barrier (PACI's staggered stages stall). stale: the global norm of update t−s, s = ⌈N/a⌉ for the asynchronous schedules, 1 for the flushed ones: no stage waits; updates t < s clip like stage. stage: each stage's own norm against X·√(P_i/P). A non-finite norm skips the update (logged; summary.json's clip). See docs/concepts.md, gradient clipping over the pipeline."})
+    clip_scope: str | None = field(default=None, metadata={"help": "Which norm --clip-grad-norm clips by. Default (auto in a config file): stale on the asynchronous schedules (clip-study, docs/results.md: the same loss as sync at clip 1.0, within the seed spread, and no barrier), sync on the synchronous ones. sync: this update's exact norm over all stages (and --dp replicas), as torchtitan: one all-gather per update, a barrier (PACI's staggered stages stall). stale: the global norm of update t−s, s = ⌈N/a⌉ for the asynchronous schedules, 1 for the flushed ones: no stage waits; updates t < s clip like stage. stage: each stage's own norm against X·√(P_i/P). A non-finite norm skips the update (logged; summary.json's clip). See docs/concepts.md, gradient clipping over the pipeline."})
     model: str = field(default="tiny", metadata={"help": 'Model preset: GPT-2 (tiny, small-cpu, deep-cpu, deep32-cpu, wide-cpu, gpt2, gpt2-medium, gpt2-large, gpt2-xl), Llama-style (llama-tiny, llama-deep-cpu, llama-1b, llama-8b) or mixture of experts (moe-tiny, moe-deep-cpu, mixtral-8x7b); or your own: hf:PATH (a local Hugging Face config.json or model folder; random init without weights; needs the [hf] extra) or module:function (a function of an importable module returning the model), split by unbubble.models.split.'})
     untie: bool = field(default=False, metadata={"help": "With an hf: or module: model whose weights are tied across two stages (GPT-2's embedding and head): give each stage its own copy (warns) instead of refusing the model."})
     corpus: str = field(default="kjv", metadata={"help": 'kjv, shakespeare, a text file, a folder of .txt files, or a folder with train.bin and val.bin (pre-tokenised uint16 ids of --tokenizer, nanoGPT format).'})
@@ -199,8 +199,8 @@ class TrainConfig:
         if self.clip_scope is not None and self.clip_grad_norm is None:
             raise ConfigError(f"clip_scope={self.clip_scope!r} has no effect without clip_grad_norm: set "
                               "--clip-grad-norm X, or drop --clip-scope")
-        if self.clip_grad_norm is not None and self.clip_scope is None:  # the default: torchtitan's exact global clip
-            self.clip_scope = "sync"
+        if self.clip_grad_norm is not None and self.clip_scope is None:  # clip-study: stale costs no loss, no barrier
+            self.clip_scope = schedule_default("clip_scope", self.schedule)
         check_clip(self.clip_grad_norm, self.clip_scope if self.clip_grad_norm is not None else "sync")
         if self.engine not in ENGINES:
             raise ConfigError(f"engine={self.engine!r} is unknown{did_you_mean(self.engine, ENGINES)}: valid engines are {', '.join(ENGINES)} (set --engine)")
@@ -466,6 +466,8 @@ def schedule_default(name: str, schedule: str) -> object:
     """The value ``auto`` stands for in field ``name`` (one of :data:`AUTO_FIELDS`) under ``schedule``."""
     if name == "error_feedback":
         return DEFAULT_ERROR_FEEDBACK if schedule in ERROR_FEEDBACK_SCHEDULES else 0.0
+    if name == "clip_scope":  # with --clip-grad-norm: the scope clip-study found free (docs/results.md)
+        return "stale" if schedule in ERROR_FEEDBACK_SCHEDULES else "sync"
     raise KeyError(name)
 
 

@@ -404,10 +404,17 @@ def test_summary_records_the_scope_and_counts(tmp_path):
                     "local": [1, 1]}  # update 0 has no global norm yet (s = ⌈2/2⌉ = 1)
 
 
-def test_train_config_defaults_to_sync_and_refuses_a_scope_without_a_threshold():
+def test_train_config_defaults_to_stale_or_sync_by_schedule_and_refuses_a_scope_without_a_threshold(tmp_path):
     from unbubble.config import TrainConfig
 
-    assert TrainConfig(clip_grad_norm=1.0).clip_scope == "sync"
+    assert TrainConfig(clip_grad_norm=1.0).clip_scope == "stale"  # paci: clip-study found stale free of loss
+    assert TrainConfig(clip_grad_norm=1.0, schedule="1f1b-flush").clip_scope == "sync"
+    from unbubble.config import config_to_yaml, load_config
+
+    path = tmp_path / "c.yaml"  # the default is written auto and follows another --schedule
+    path.write_text(config_to_yaml(TrainConfig(clip_grad_norm=1.0)))
+    assert "clip_scope: auto" in path.read_text()
+    assert load_config(path, overrides={"schedule": "zb-h2"}).clip_scope == "sync"
     assert TrainConfig().clip_scope is None
     with pytest.raises(ConfigError, match=r"^clip_scope='stale' has no effect without clip_grad_norm: set "
                                           r"--clip-grad-norm X, or drop --clip-scope$"):
