@@ -54,14 +54,12 @@ its shape, torchtitan's ``train_step`` included:
   backward, before ``step()`` returns ([Note: data parallelism inside a stage]). Stages whose boundaries
   are dicts (Hugging Face stages from ``split_model``) run wrapped in :class:`TreeStage`.
 
-[Note: backward on current weights, through a public seam]
-The graphs of in-flight micro-batches were built before the loop's in-place ``optimizer.step()``; stock
-autograd refuses their backward ("modified by an inplace operation"). Every forward (and the last stage's
-loss) runs under ``torch.autograd.graph.saved_tensors_hooks`` (public, documented): saved tensors are kept
-by reference, so a backward reads the current weights with the forward's activations, PACI's semantics,
-and never a weight copy. The hook path skips autograd's version check; the hooks put it back for
-everything that is not a parameter: a saved activation modified in place still raises at its backward.
-This replaces unbubble's own runtime's ``_unsafe_set_version_counter`` (``runtime/versions.py``).
+Backward on current weights: the graphs of in-flight micro-batches were built before the loop's in-place
+``optimizer.step()``; stock autograd refuses their backward ("modified by an inplace operation"). Every forward
+(and the last stage's loss) runs under ``unbubble.runtime.versions.SavedByReference``, the public
+``saved_tensors_hooks`` seam unbubble's own executor uses too ([Note: backward on current weights] in
+``runtime/versions.py``): a backward reads the current weights with the forward's activations, PACI's semantics,
+and never a weight copy; a saved activation modified in place still raises at its backward.
 
 Private torch APIs are used in one place only, ``_torch_private`` below; ``tests/unit/test_pipelining.py``
 fails loudly when a torch upgrade changes one of them.
@@ -89,6 +87,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from unbubble.errors import ConfigError
 from unbubble.runtime.pytree import Layout, flatten, unflatten
+from unbubble.runtime.versions import SavedByReference
 from unbubble.schedules.actions import ActionKind
 from unbubble.schedules.policy import OrderedPaciPolicy, StageState, resume_state
 
@@ -141,7 +140,6 @@ LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
 #     per boundary, which also carries a TreeStage's output layout to the next stage ([Note: tree
 #     boundaries on torch's stage]);
 #   * PipelineStage.fwd_cache: drain() and eval() drop the graphs of the forwards they discard from it;
-#   * Tensor._version (read only): the in-place check for saved activations under the hooks;
 #   * torch.distributed._composable.replicate's DDP class: refused inside a stage (it syncs on every backward).
 # tests/unit/test_pipelining.py::test_private_torch_seams_are_as_this_module_expects checks all of them, and
 # the schedule refuses any torch outside TESTED_TORCH at construction (_check_torch_version; at import when torch
@@ -206,10 +204,6 @@ class _torch_private:
         stage.fwd_cache.pop(slot, None)
 
     @staticmethod
-    def version(t: torch.Tensor) -> int:
-        return t._version
-
-    @staticmethod
     def composable_ddp() -> tuple[type, ...]:
         """``torch.distributed._composable.replicate``'s DDP class (its modules are instances), if present."""
         try:
@@ -220,30 +214,6 @@ class _torch_private:
 
 
 _LAYOUT_TAG = "unbubble.TreeStage layout"
-
-
-class _SavedByReference:
-    """``saved_tensors_hooks`` under which a backward may follow in-place updates of ``params``
-    ([Note: backward on current weights, through a public seam])."""
-
-    def __init__(self, params: Iterable[torch.Tensor]):
-        # FSDP2's sharded parameters are DTensors: the local shard is what the optimizer updates in place
-        self._storages = {(p.to_local() if isinstance(p, DTensor) else p).untyped_storage().data_ptr()
-                          for p in params}
-
-    def _pack(self, t: torch.Tensor) -> tuple[torch.Tensor, int]:
-        return t, _torch_private.version(t)
-
-    def _unpack(self, packed: tuple[torch.Tensor, int]) -> torch.Tensor:
-        t, version = packed
-        if _torch_private.version(t) != version and t.untyped_storage().data_ptr() not in self._storages:
-            raise RuntimeError(f"a tensor of shape {tuple(t.shape)} saved by the stage's forward was modified in place "
-                               f"before its backward (version {version} → {_torch_private.version(t)}); only the "
-                               "stage's parameters may change between a forward and its backward")
-        return t
-
-    def __call__(self):
-        return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
 
 def _check_int(name: str, value: Any, what: str) -> None:
@@ -527,7 +497,7 @@ class SchedulePACI(PipelineScheduleSingle):
         self._next_batch = 0
         self._data: Iterator | None = None
         self._sends: dict[str, list] = {"fwd": [], "bwd": []}
-        self._hooks: _SavedByReference | None = None
+        self._hooks: SavedByReference | None = None
         self._initialized = False
         self._owed = False  # an activation sent by the previous stage that no forward here will receive
         self.drift: Counter[int] = Counter()  #: Δ = v_B − v_F -> backwards of this stage with that drift
@@ -729,7 +699,7 @@ class SchedulePACI(PipelineScheduleSingle):
         # every stage forwards the layout of its output with torch's inference metadata (a plain stage: None)
         _torch_private.carry_layouts(st, self._tree)
         _torch_private.initialize_stage(self, args, {}, target, self._rebuild)
-        self._hooks = _SavedByReference(st.submod.parameters())
+        self._hooks = SavedByReference(st.submod.parameters())
         self._initialized = True
 
     def _forward(self, k: int) -> None:

@@ -9,7 +9,7 @@ from unbubble.errors import ConfigError
 from unbubble.runtime.emulator import run_emulator
 from unbubble.runtime.executor import StageExecutor
 from unbubble.runtime.job import PipelineJob
-from unbubble.runtime.versions import keep_version_counters
+from unbubble.runtime.versions import SavedByReference
 from unbubble.schedules import ActionKind, get_schedule
 from unbubble.testing import train_without_pipeline
 from helpers import tiny_gpt_job
@@ -154,17 +154,41 @@ def test_backward_uses_current_weights_and_forward_time_activations():
     assert ex.version == 1
 
 
-def test_stock_pytorch_refuses_without_the_version_helper():
+def test_stock_pytorch_refuses_without_the_saved_tensor_hooks():
+    """[Note: backward on current weights]: stock autograd refuses a backward after an in-place update of a saved
+    weight; under SavedByReference it runs on the current weights, and a saved activation modified in place is
+    still refused at its backward. Hooks already active outside still run (a counter sees every saved tensor)."""
     lin = nn.Linear(3, 3)
-    out = lin(torch.randn(2, 3, requires_grad=True)).sum()
+    x = torch.randn(2, 3, requires_grad=True)
+    out = lin(x).sum()
     with torch.no_grad():
         lin.weight.add_(1.0)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         out.backward()
-    out = lin(torch.randn(2, 3, requires_grad=True)).sum()
-    with keep_version_counters(list(lin.parameters())), torch.no_grad():
+    hooks = SavedByReference(lin.parameters())
+    with hooks():
+        out = lin(x).sum()
+    with torch.no_grad():
         lin.weight.add_(1.0)
-    out.backward()  # allowed: the helper restored the version counter
+    out.backward()  # the current weights: the input gradient is W_new summed over outputs
+    assert torch.equal(x.grad, lin.weight.detach().sum(0).expand(2, 3))
+    a = torch.randn(3, requires_grad=True)
+    with hooks():
+        e = a.exp()
+        w = (e * e).sum()
+    with torch.no_grad():
+        e.add_(1.0)
+    with pytest.raises(RuntimeError, match=r"^a tensor of shape \(3,\) saved by the stage's forward was modified in place "
+                                           r"before its backward \(version 0 → 1\); only the stage's parameters may "
+                                           r"change between a forward and its backward$"):
+        w.backward()
+    seen = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: seen.append(t) or t, lambda t: t), hooks():
+        out = lin(x).sum()
+    with torch.no_grad():
+        lin.weight.add_(1.0)
+    out.backward()
+    assert any(t.untyped_storage().data_ptr() == lin.weight.untyped_storage().data_ptr() for t in seen)
 
 
 def test_no_weight_copies_in_saved_activations():

@@ -11,9 +11,9 @@ Why the semantics of [Note: backward on current weights] (``versions.py``) survi
 lifts the parameters into graph inputs, and AOTAutograd saves what the backward graph needs
 through ``ctx.save_for_backward`` of one autograd function. A saved graph input is the live
 parameter itself (the tests find both Linear weights of a stage saved with the parameters'
-storage, and no copy), so after the in-place update (version counters kept by
-``keep_version_counters``) the compiled backward reads the current weights, as the eager one
-does. What could break it: a saved tensor *derived* from a weight (a contiguous transposed copy,
+storage, and no copy), so after the in-place update (the forward ran under ``SavedByReference``,
+which also sees what ``save_for_backward`` saves) the compiled backward reads the current weights,
+as the eager one does. What could break it: a saved tensor *derived* from a weight (a contiguous transposed copy,
 a dtype cast), which would freeze the forward-time weights into the backward, or an activation
 the partitioner rematerialises in the backward from a parameter (the weight gradient would then
 see the current weights instead of the forward-time activations). Neither is assumed away:

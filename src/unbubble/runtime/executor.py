@@ -17,7 +17,7 @@ from unbubble.runtime import pytree
 from unbubble.runtime.compiled import COMPILED_PREFIX, compile_stage
 from unbubble.runtime.precision import SavedBytes, check_modes, compute_context, copy_masters, device_type, \
     fold_grads, replayed_rng, rng_state, tensor_bytes
-from unbubble.runtime.versions import keep_version_counters
+from unbubble.runtime.versions import SavedByReference
 from unbubble.schedules.actions import Action, ActionKind
 
 log = logging.getLogger(__name__)
@@ -130,6 +130,9 @@ class StageExecutor:
         self.optimizer, self.lr_scheduler = optimizer, lr_scheduler
         self.loss_scale, self.clip_grad_norm = loss_scale, clip_grad_norm
         self.params = [p for p in module.parameters() if p.requires_grad]
+        #: every forward with autograd runs under these: its backward may follow in-place updates of the
+        #: parameters ([Note: backward on current weights] in ``versions.py``)
+        self._by_reference = SavedByReference(self.params)
         self.precision, self.recompute, self.masters = precision, recompute, masters
         #: where gradients accumulate and what the optimizer steps: the fp32 masters under bf16
         self.grad_params = self.params if masters is None else list(masters)
@@ -221,7 +224,7 @@ class StageExecutor:
             self.store[k] = (inp, None)
             self._hold(k, (pytree.storage_bytes(x), 0, 0), "input")  # a view keeps its whole storage
         else:
-            with self._measured("forward", x) as sizes, self._predicted():
+            with self._by_reference(), self._measured("forward", x) as sizes, self._predicted():
                 out, loss = self._compute(k, x)
             self.store[k] = (inp, out)
             self._hold(k, (sizes[0], sizes[1], 0), "forward")
@@ -261,7 +264,7 @@ class StageExecutor:
             The output, or on the last stage the scaled loss.
         """
         x, state = self._replay.pop(k)
-        with replayed_rng(state), self._measured("recomputed", x) as sizes:
+        with replayed_rng(state), self._by_reference(), self._measured("recomputed", x) as sizes:
             out, _ = self._compute(k, x)
         self._hold(k, (0, sizes[1], sizes[0]), "recomputed")
         return out
@@ -558,16 +561,17 @@ class StageExecutor:
 
     @contextlib.contextmanager
     def _moved(self, deltas: list[torch.Tensor], alpha: float, saved: list[torch.Tensor]):
-        """Runs the block on the live weights moved by ``alpha · deltas`` (in place, versions kept),
-        then restores them exactly from ``saved`` (filled here; never a parameter swap, see versions.py)."""
-        with keep_version_counters(self.params), torch.no_grad():
+        """Runs the block on the live weights moved by ``alpha · deltas`` (in place: graphs built under
+        ``SavedByReference`` follow them), then restores them exactly from ``saved`` (filled here; never a
+        parameter swap, see versions.py)."""
+        with torch.no_grad():
             for p, d, c in zip(self.params, deltas, saved):
                 c.copy_(p)
                 p.add_(d, alpha=alpha)
         try:
             yield
         finally:
-            with keep_version_counters(self.params), torch.no_grad():
+            with torch.no_grad():
                 for p, c in zip(self.params, saved):
                     p.copy_(c)
 
@@ -720,12 +724,12 @@ class StageExecutor:
         if self.error_feedback is not None and apply:
             self.error_feedback.snapshot()
         if apply:  # a skipped update moves nothing: weights, moments and error feedback stay
-            with keep_version_counters(self.params):
-                self.optimizer.step()
-                if self.error_feedback is not None:  # on the stepped tensors, before the bf16 copy
-                    self.error_feedback.correct()
-                if self.masters is not None:  # bf16 parameters ← rounded fp32 masters, in place
-                    copy_masters(self.params, self.masters)
+            # in place: in-flight graphs (built under SavedByReference) read the new weights at their backward
+            self.optimizer.step()
+            if self.error_feedback is not None:  # on the stepped tensors, before the bf16 copy
+                self.error_feedback.correct()
+            if self.masters is not None:  # bf16 parameters ← rounded fp32 masters, in place
+                copy_masters(self.params, self.masters)
         # the applied update W − W_prev, as the weights hold it (error feedback's correction included)
         if self.last_update is not None:
             with torch.no_grad():

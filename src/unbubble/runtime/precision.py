@@ -9,7 +9,8 @@ Which weights a backward uses is the one semantic every mode states (DESIGN §8)
 * ``bf16``: the stage's parameters are bf16 tensors, updated in place from an fp32 master copy
   (the "main parameters" of Megatron-LM, arXiv 1909.08053, and mixed-precision training, arXiv
   1710.03740, §3.1): the optimizer steps the fp32 masters with fp32 moments, then the bf16
-  parameters are overwritten in place with the rounded masters (version counters kept). Autograd
+  parameters are overwritten in place with the rounded masters (the graphs in flight follow them:
+  [Note: backward on current weights]). Autograd
   still holds the live bf16 parameters, so the semantics are fp32's: the input gradient uses v_B,
   and no per-micro-batch weight copy exists. Each micro-batch's weight gradient is computed in
   bf16 (autograd's dtype of a bf16 leaf) and added to an fp32 accumulator right after its
@@ -170,7 +171,7 @@ def fold_grads(params: Sequence[torch.Tensor], masters: Sequence[torch.Tensor]) 
 
 def copy_masters(params: Sequence[torch.Tensor], masters: Sequence[torch.Tensor]) -> None:
     """Writes the fp32 masters into the bf16 parameters in place (round to nearest even).
-    Run under ``keep_version_counters``: in-flight graphs then see the new weights (v_B)."""
+    In-flight graphs, built under ``versions.SavedByReference``, then see the new weights (v_B)."""
     with torch.no_grad():
         for p, m in zip(params, masters):
             p.copy_(m)
