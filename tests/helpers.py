@@ -8,8 +8,17 @@ hands them the parent's ``sys.path``; a ``torchrun`` script inserts ``tests/`` i
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
+import importlib.util
+import io
+import itertools
+import queue
+import socket
+import sys
+import time
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -52,6 +61,26 @@ def tiny_gpt_job(schedule: Schedule, optimizer: str = "adamw", lr: float = 1e-2,
         optimizer_fn=functools.partial(opt, lr),
         schedule=schedule,
     )
+
+
+def job_batches(job: PipelineJob, m: int, start: int = 0):
+    """Endless ``(inputs, targets)`` batches of m of the job's micro-batches (batch b: ids b·m … b·m + m − 1,
+    concatenated along dim 0), from batch ``start``: what a loop over torch's schedules reads."""
+    for b in itertools.count(start):
+        mbs = [job.batch_fn(b * m + j) for j in range(m)]
+        yield torch.cat([x for x, _ in mbs]), torch.cat([y for _, y in mbs])
+
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "torch_pipelining_paci.py"
+
+
+def example_module():
+    """``examples/torch_pipelining_paci.py`` as a module (registered first: its dataclass looks itself up)."""
+    if "torch_pipelining_paci" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("torch_pipelining_paci", EXAMPLE)
+        mod = sys.modules["torch_pipelining_paci"] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+    return sys.modules["torch_pipelining_paci"]
 
 
 # -- a dict-in / tuple-out model: three stages, every kind of leaf ([Note: stage boundaries carry pytrees]) --
@@ -183,9 +212,10 @@ def hf_job(model, name: str, n: int, padded: bool = False, steps: int = 3, m: in
                        schedule=get_schedule(name, n, steps=steps, **({"a": m} if name == "paci" else {"m": m})))
 
 
-def plain_hf_loop(model, padded: bool, steps: int = 3, m: int = 4):
+def plain_hf_loop(model, padded: bool = False, steps: int = 3, m: int = 4, batch=None):
     """Independent reference: a copy of the unsplit HF model trained the ordinary way (one AdamW, the mean
     loss over m micro-batches per step), on one torch thread as the emulator runs (the same summation order).
+    ``batch(k) -> (inputs dict, labels)`` gives micro-batch k (default :func:`lm_batch` with ``padded``).
 
     Returns:
         ``(trained copy, mean training loss per step)``.
@@ -201,7 +231,7 @@ def plain_hf_loop(model, padded: bool, steps: int = 3, m: int = 4):
         for t in range(steps):
             total = 0.0
             for k in range(t * m, (t + 1) * m):
-                x, y = lm_batch(padded, k)
+                x, y = lm_batch(padded, k) if batch is None else batch(k)
                 loss = causal_lm_loss(model(**x).logits, y)
                 (loss / m).backward()
                 total += loss.item()
@@ -222,3 +252,62 @@ def max_difference(final_states: list[dict], step_losses: list[float], model, re
     diffs = [abs(a - b) for a, b in zip(step_losses, ref_losses, strict=True)]
     diffs += [float((merged[k] - want[k]).abs().max()) for k in want]
     return max(diffs)
+
+
+# -- torch.distributed in the tests: a one-rank gloo group, and gloo processes running a list of jobs --------
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def one_rank_world():
+    """A one-rank gloo group in this process for the block (none is made if one exists), torn down after it."""
+    import torch.distributed as dist
+
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        if created:
+            dist.destroy_process_group()
+
+
+def launch_gloo(worker, n: int, jobs: list, timeout_s: float) -> list[list]:
+    """Runs ``worker(rank, n, port, jobs, queue)`` in ``n`` spawned processes (a module-level function, which puts
+    ``(rank, bytes of torch.save(results))`` or ``(rank, error text)`` on the queue); returns ``[rank][job]``.
+
+    Raises:
+        AssertionError: a process failed (its message), died, or the processes hung past ``timeout_s``.
+    """
+    import torch.multiprocessing as mp
+
+    port = _free_port()
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=worker, args=(r, n, port, jobs, q)) for r in range(n)]
+    for p in procs:
+        p.start()
+    out: dict[int, list] = {}
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(out) < n:
+            try:
+                rank, payload = q.get(timeout=1.0)
+            except queue.Empty:
+                assert time.monotonic() < deadline, "the gloo processes hung"
+                assert all(p.exitcode in (None, 0) for p in procs), f"exit codes {[p.exitcode for p in procs]}"
+                continue
+            assert not isinstance(payload, str), f"rank {rank} failed: {payload}"
+            out[rank] = torch.load(io.BytesIO(payload))
+        for p in procs:
+            p.join(timeout=30)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+    return [out[r] for r in range(n)]

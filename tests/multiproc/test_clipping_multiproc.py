@@ -3,14 +3,8 @@
 
 import dataclasses
 import functools
-import importlib.util
 import io
-import queue
-import socket
-import sys
-import time
 from datetime import timedelta
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,7 +13,7 @@ from unbubble.runtime.checkpoint import Checkpointing
 from unbubble.runtime.emulator import run_emulator
 from unbubble.runtime.job import PipelineJob
 from unbubble.schedules import get_schedule
-from helpers import tiny_gpt_config, tiny_gpt_job
+from helpers import example_module, launch_gloo, tiny_gpt_config, tiny_gpt_job
 
 pytestmark = pytest.mark.multiproc
 torch.set_num_threads(1)  # as in each stage process, so the emulator's arithmetic matches bit for bit
@@ -38,7 +32,7 @@ def _worker(rank: int, world: int, port: int, jobs: list, q) -> None:
         results = []
         for job in jobs:
             if isinstance(job, dict):  # the torchtitan-shaped example on torch's PipelineStage
-                ex = _example()
+                ex = example_module()
                 results.append(ex.train(ex.Config(**job, log=False)))
                 continue
             msgs: list[tuple] = []
@@ -58,48 +52,8 @@ def _worker(rank: int, world: int, port: int, jobs: list, q) -> None:
         q.put((rank, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
 
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "torch_pipelining_paci.py"
-
-
-def _example():
-    """``examples/torch_pipelining_paci.py`` as a module (registered first: its dataclass looks itself up)."""
-    if "torch_pipelining_paci" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("torch_pipelining_paci", EXAMPLE)
-        mod = sys.modules["torch_pipelining_paci"] = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-    return sys.modules["torch_pipelining_paci"]
-
-
 def _launch(jobs: list, world: int = N, timeout_s: float = 400.0) -> list[list[dict]]:
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, jobs, q)) for r in range(world)]
-    for p in procs:
-        p.start()
-    out: dict[int, list] = {}
-    deadline = time.monotonic() + timeout_s
-    try:
-        while len(out) < world:
-            try:
-                rank, payload = q.get(timeout=1.0)
-            except queue.Empty:
-                assert time.monotonic() < deadline, "the gloo processes hung"
-                assert all(p.exitcode in (None, 0) for p in procs), f"exit codes {[p.exitcode for p in procs]}"
-                continue
-            assert not isinstance(payload, str), f"rank {rank} failed: {payload}"
-            out[rank] = torch.load(io.BytesIO(payload))
-        for p in procs:
-            p.join(timeout=30)
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.terminate()
-    return [out[r] for r in range(world)]
+    return launch_gloo(_worker, world, jobs, timeout_s)
 
 
 def test_every_scope_on_processes_equals_the_emulator_bit_for_bit(tmp_path):
@@ -167,7 +121,7 @@ def test_the_example_on_torch_pipeline_stages_with_clip_stale_equals_the_emulato
     and a = 2 (s = 1): bit-equal weights to the emulator's PACI with clip_scope='stale'."""
     runs = [{"steps": 6, "a": 1, "clip": "stale", "max_norm": 0.2}, {"steps": 5, "a": 2, "clip": "stale", "max_norm": 0.2}]
     results = _launch(runs, world=2)
-    ex = _example()
+    ex = example_module()
     for i, run in enumerate(runs):
         cfg = ex.Config(**run, log=False)
         job = PipelineJob(stage_fn=functools.partial(_example_stage, cfg), loss_fn=ex.cross_entropy,
@@ -184,7 +138,7 @@ def test_the_example_on_torch_pipeline_stages_with_clip_stale_equals_the_emulato
 def _example_stage(cfg, stage: int):
     from unbubble.pipelining import split_torchtitan_model
 
-    return split_torchtitan_model(_example().build_model(cfg), stage, 2)
+    return split_torchtitan_model(example_module().build_model(cfg), stage, 2)
 
 
 def _example_adamw(cfg):

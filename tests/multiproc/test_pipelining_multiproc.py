@@ -12,14 +12,8 @@ its run with a checkpoint cut, for the example its PACI on the example's own mod
 from __future__ import annotations
 
 import functools
-import importlib.util
 import io
 import itertools
-import queue
-import socket
-import sys
-import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -29,32 +23,13 @@ from unbubble.runtime.emulator import run_emulator
 from unbubble.runtime.job import PipelineJob
 from unbubble.schedules import get_schedule
 from unbubble.schedules.policy import Cuts
-from helpers import tiny_gpt_job
+from helpers import example_module, job_batches as _batches, launch_gloo, tiny_gpt_job
 
 pytestmark = pytest.mark.multiproc
 torch.set_num_threads(1)  # as in each process, so the emulator's arithmetic matches bit for bit
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "torch_pipelining_paci.py"
-
-
-def _example():
-    """``examples/torch_pipelining_paci.py`` as a module (registered first: its dataclass looks itself up)."""
-    if "torch_pipelining_paci" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("torch_pipelining_paci", EXAMPLE)
-        mod = sys.modules["torch_pipelining_paci"] = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-    return sys.modules["torch_pipelining_paci"]
-
-
 def _job(name: str, n: int, steps: int, a: int) -> PipelineJob:
     return tiny_gpt_job(get_schedule(name, n, steps, **({"m": a} if name == "1f1b-flush" else {"a": a})))
-
-
-def _batches(job: PipelineJob, m: int, start: int = 0):
-    """Endless ``(inputs, targets)`` batches of m of the job's micro-batches (ids b·m … b·m + m − 1)."""
-    for b in itertools.count(start):
-        mbs = [job.batch_fn(b * m + j) for j in range(m)]
-        yield torch.cat([x for x, _ in mbs]), torch.cat([y for _, y in mbs])
 
 
 def _mean(losses: list[torch.Tensor]) -> float:
@@ -63,6 +38,22 @@ def _mean(losses: list[torch.Tensor]) -> float:
 
 
 # -- what each process runs -----------------------------------------------------------------------------
+
+def _steps(schedule, opt, data, steps: int, drain_at: int | None = None) -> list[float]:
+    """A training loop over ``schedule.step``: each step's mean loss where this rank has them (the last stage);
+    drained after step ``drain_at`` (1-based) when given."""
+    losses = []
+    for t in range(steps):
+        opt.zero_grad()
+        got: list = []
+        schedule.step(data, losses=got)
+        opt.step()
+        if got:
+            losses.append(_mean(got))
+        if t + 1 == drain_at:
+            schedule.drain()
+    return losses
+
 
 def _paci_run(rank: int, n: int, sc: dict, module=None, opt_state=None, sched_state=None, steps=None):
     from torch.distributed.pipelining import PipelineStage
@@ -81,16 +72,7 @@ def _paci_run(rank: int, n: int, sc: dict, module=None, opt_state=None, sched_st
     if sched_state is not None:
         schedule.load_state_dict(sched_state)
         start = sched_state["next_micro_batch"] // m
-    data, losses = _batches(job, m, start), []
-    for t in range(sc["steps"] if steps is None else steps):
-        opt.zero_grad()
-        got: list = []
-        schedule.step(data, losses=got)
-        opt.step()
-        if got:
-            losses.append(_mean(got))
-        if t + 1 == sc.get("drain_at"):
-            schedule.drain()
+    losses = _steps(schedule, opt, _batches(job, m, start), sc["steps"] if steps is None else steps, sc.get("drain_at"))
     in_flight_before = schedule.in_flight
     schedule.drain()
     return module, opt, schedule, {"losses": losses, "drift": dict(schedule.drift), "in_flight_before": in_flight_before,
@@ -138,7 +120,7 @@ def _scenario(rank: int, n: int, sc: dict) -> dict:
                 losses.append(_mean(got))
         return {"losses": losses, "state": _state(module)}
     if kind == "example":
-        ex = _example()
+        ex = example_module()
         return ex.train(ex.Config(steps=sc["steps"], a=sc.get("a"), clip=sc["clip"], log=False))
     if kind == "eval":  # PACI (drained at the end), then one forward-only batch through eval()
         module, opt, schedule, out = _paci_run(rank, n, sc)
@@ -182,14 +164,7 @@ def _hf_run(rank: int, n: int, sc: dict) -> dict:
     schedule = build_pipeline_schedule(
         parallelism=SimpleNamespace(pipeline_parallel_schedule="PACI", pipeline_parallel_schedule_csv=None),
         num_microbatches=a, stages=[stage], loss_fn=lambda out, y: (causal_lm_loss(out, y), {}), scale_grads=True)
-    data, losses = _hf_batches(padded, a), []
-    for _ in range(sc["steps"]):
-        opt.zero_grad()
-        got: list = []
-        schedule.step(data, losses=got)
-        opt.step()
-        if got:
-            losses.append(_mean(got))
+    losses = _steps(schedule, opt, _hf_batches(padded, a), sc["steps"])
     schedule.drain()
     x, y = next(_hf_batches(padded, a, start=1000))
     eval_losses: list = []
@@ -294,35 +269,7 @@ def _worker(rank: int, n: int, port: int, scenarios: list[dict], q) -> None:
 
 def _launch(n: int, scenarios: list[dict], timeout_s: float = 240.0) -> list[list[dict]]:
     """Runs ``scenarios`` one after the other on ``n`` gloo processes; returns ``[rank][scenario] -> result``."""
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, n, port, scenarios, q)) for r in range(n)]
-    for p in procs:
-        p.start()
-    out: dict[int, list] = {}
-    deadline = time.monotonic() + timeout_s
-    try:
-        while len(out) < n:
-            try:
-                rank, payload = q.get(timeout=1.0)
-            except queue.Empty:
-                assert time.monotonic() < deadline, "the gloo processes hung"
-                assert all(p.exitcode in (None, 0) for p in procs), f"exit codes {[p.exitcode for p in procs]}"
-                continue
-            assert not isinstance(payload, str), f"rank {rank} failed: {payload}"
-            out[rank] = torch.load(io.BytesIO(payload))
-        for p in procs:
-            p.join(timeout=30)
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.terminate()
-    return [out[r] for r in range(n)]
+    return launch_gloo(_worker, n, scenarios, timeout_s)
 
 
 # -- checks ---------------------------------------------------------------------------------------------
@@ -394,7 +341,7 @@ def test_two_processes_paci_flush_resume_and_the_example_equal_the_emulator(two_
     for s in range(n):
         assert all(torch.equal(resume[s]["resumed"]["state"][k], v) for k, v in resume[s]["whole"]["state"].items())
     # the torchtitan-shaped example: without clipping it is the emulator's PACI on the example's own model
-    ex = _example()
+    ex = example_module()
     cfg = ex.Config(steps=5, clip="none", log=False)
     job = PipelineJob(stage_fn=lambda s: split_torchtitan_model(ex.build_model(cfg), s, n), loss_fn=ex.cross_entropy,
                       batch_fn=functools.partial(ex.micro_batch, cfg),

@@ -22,7 +22,7 @@ from unbubble.schedules.registry import ASYNC, SCHEDULES
 from unbubble.sim.costs import PipelineCosts, StageCosts
 from unbubble.sim.engine import run_policies
 from unbubble.testing import assert_resume_is_bit_identical
-from helpers import tiny_gpt_job
+from helpers import one_rank_world, tiny_gpt_job
 
 torch.set_num_threads(1)
 
@@ -426,19 +426,8 @@ def test_train_config_defaults_to_stale_or_sync_by_schedule_and_refuses_a_scope_
 # -- PipelineClip: the same scopes for a loop over torch's PipelineStage ----------------------------------
 @pytest.fixture
 def world_of_one():
-    import socket
-
-    import torch.distributed as dist
-
-    created = not dist.is_initialized()
-    if created:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    yield
-    if created:
-        dist.destroy_process_group()
+    with one_rank_world():
+        yield
 
 
 def test_pipeline_clip_stale_lags_by_s_and_resumes_from_its_state(world_of_one):

@@ -3,7 +3,7 @@
 *unsplit* model's own training loop (``model(**batch).logits``, one AdamW, written here: nothing of
 the split is shared with the reference). Tiny random-init configs, eager attention, dropout 0."""
 
-import copy
+import functools
 import math
 import warnings
 
@@ -16,6 +16,7 @@ from unbubble.models.split import causal_lm_loss, split_model
 from unbubble.runtime.emulator import run_emulator
 from unbubble.runtime.job import PipelineJob
 from unbubble.schedules import get_schedule
+from helpers import plain_hf_loop
 
 transformers = pytest.importorskip("transformers")  # the [hf] extra; CI installs it
 
@@ -79,25 +80,7 @@ def adamw(params, stage=0):
 
 def unsplit_loop(model: nn.Module, kind: str):
     """The reference: the unsplit model trained the ordinary way on one thread (the emulator's)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        model = copy.deepcopy(model)
-        opt, losses = adamw(model.parameters()), []
-        for t in range(STEPS):
-            total = 0.0
-            for k in range(t * M, (t + 1) * M):
-                x, y = batch(kind, k)
-                logits = model(**x).logits
-                loss = nn.functional.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), ignore_index=-100)
-                (loss / M).backward()
-                total += loss.item()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            losses.append(total / M)
-        return model, losses
-    finally:
-        torch.set_num_threads(threads)
+    return plain_hf_loop(model, steps=STEPS, m=M, batch=functools.partial(batch, kind))
 
 
 def job(model, schedule: str, n: int, kind: str, steps: int = STEPS, **kw) -> PipelineJob:

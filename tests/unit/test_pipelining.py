@@ -9,11 +9,9 @@ from __future__ import annotations
 import inspect
 import itertools
 import re
-import socket
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle
@@ -24,21 +22,14 @@ from unbubble.pipelining import SchedulePACI, TreeStage, _check_data_parallel, _
     split_torchtitan_model
 from unbubble.runtime.emulator import run_emulator
 from unbubble.schedules import get_schedule
-from helpers import tiny_gpt_job
+from helpers import job_batches, one_rank_world, tiny_gpt_job
 
 
 @pytest.fixture(scope="module")
 def world_of_one():
     """A one-rank gloo group (the stage checks need a process group); torn down after the module."""
-    created = not dist.is_initialized()
-    if created:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    yield
-    if created:
-        dist.destroy_process_group()
+    with one_rank_world():
+        yield
 
 
 def _loss(out, y):
@@ -108,12 +99,7 @@ def test_one_stage_paci_equals_the_emulator_and_runs_out_of_data_loudly(world_of
     opt = job.optimizer_fn(list(module.named_parameters()), 0)
     sched = SchedulePACI(PipelineStage(module, 0, 1, torch.device("cpu")), m, job.loss_fn, a=a)
 
-    def batches():
-        for b in itertools.count():
-            mbs = [job.batch_fn(b * m + j) for j in range(m)]
-            yield torch.cat([x for x, _ in mbs]), torch.cat([y for _, y in mbs])
-
-    data, means = batches(), []
+    data, means = job_batches(job, m), []
     for _ in range(steps):
         opt.zero_grad()
         losses: list = []
@@ -127,7 +113,7 @@ def test_one_stage_paci_equals_the_emulator_and_runs_out_of_data_loudly(world_of
     assert sched.state_dict() == {"steps": steps, "next_micro_batch": steps * a, "drift": {0: steps * a}}
     with pytest.raises(RuntimeError, match=r"^the data iterator ran out at batch 1 \(micro-batch 3\) on stage 0: "):
         short = SchedulePACI(PipelineStage(job.stage_fn(0), 0, 1, torch.device("cpu")), m, job.loss_fn, a=4)
-        short.step(iter(list(itertools.islice(batches(), 1))))
+        short.step(iter(list(itertools.islice(job_batches(job, m), 1))))
 
 
 class _ByBatch(nn.Module):
@@ -152,27 +138,14 @@ def test_dict_batches_reach_the_first_stage_as_one_argument_and_equal_the_tensor
     a, m, steps = 2, 3, 4
     job = tiny_gpt_job(get_schedule("paci", 1, steps, a=a))
 
-    def batches():
-        for b in itertools.count():
-            mbs = [job.batch_fn(b * m + j) for j in range(m)]
-            yield torch.cat([x for x, _ in mbs]), torch.cat([y for _, y in mbs])
-
     def run(module, data, loss_fn, wrap=lambda mod: mod):
-        opt = job.optimizer_fn(list(module.named_parameters()), 0)
         sched = SchedulePACI(PipelineStage(wrap(module), 0, 1, torch.device("cpu")), m, loss_fn, a=a)
-        got = []
-        for _ in range(steps):
-            opt.zero_grad()
-            losses: list = []
-            sched.step(data, losses=losses)
-            opt.step()
-            got += losses
-        return got
+        return _train(sched, job.optimizer_fn(list(module.named_parameters()), 0), data, steps)
 
     plain = job.stage_fn(0)
-    want = run(plain, batches(), job.loss_fn)
+    want = run(plain, job_batches(job, m), job.loss_fn)
     keyed = _ByBatch(job.stage_fn(0))
-    dicts = (({"input": x, "note": "tokens"}, {"labels": y, "scale": 1.0}) for x, y in batches())
+    dicts = (({"input": x, "note": "tokens"}, {"labels": y, "scale": 1.0}) for x, y in job_batches(job, m))
     got = run(keyed, dicts, lambda out, t: job.loss_fn(out, t["labels"]) * t["scale"], wrap=TreeStage)
     assert len(got) == steps * a and all(torch.equal(g, w) for g, w in zip(got, want))
     assert all(torch.equal(keyed.inner.state_dict()[k], v) for k, v in plain.state_dict().items())
@@ -410,12 +383,6 @@ def test_stage_modules_the_schedule_cannot_sync_once_per_update_are_refused_in_o
         SchedulePACI(PipelineStage(module, 0, 1, torch.device("cpu")), 2, _loss)
 
 
-def _gpt_batches(job, m: int):
-    for b in itertools.count():
-        mbs = [job.batch_fn(b * m + j) for j in range(m)]
-        yield torch.cat([x for x, _ in mbs]), torch.cat([y for _, y in mbs])
-
-
 def _train(sched: SchedulePACI, opt, data, steps: int) -> list[torch.Tensor]:
     got = []
     for _ in range(steps):
@@ -438,7 +405,7 @@ def test_scale_grads_false_backpropagates_the_loss_as_given(world_of_one):
     sched = SchedulePACI(PipelineStage(module, 0, 1, torch.device("cpu")), a, lambda out, y: job.loss_fn(out, y) / a,
                          scale_grads=False)
     assert sched.scale_grads is False
-    got = _train(sched, job.optimizer_fn(list(module.named_parameters()), 0), _gpt_batches(job, a), steps)
+    got = _train(sched, job.optimizer_fn(list(module.named_parameters()), 0), job_batches(job, a), steps)
     assert all(torch.equal(module.state_dict()[k], v) for k, v in emu.final_states[0].items())
     means = [sum(x * a for x in torch.stack(got[t * a:(t + 1) * a]).tolist()) / a for t in range(steps)]
     assert means == emu.step_losses
@@ -467,14 +434,14 @@ def test_tree_stage_output_reaches_the_loss_rebuilt_and_equals_the_tensor_run(wo
     job = tiny_gpt_job(get_schedule("paci", 1, steps, a=a))
     plain = job.stage_fn(0)
     want = _train(SchedulePACI(PipelineStage(plain, 0, 1, torch.device("cpu")), a, job.loss_fn),
-                  job.optimizer_fn(list(plain.named_parameters()), 0), _gpt_batches(job, a), steps)
+                  job.optimizer_fn(list(plain.named_parameters()), 0), job_batches(job, a), steps)
     keyed = _DictOut(job.stage_fn(0))
     sched = SchedulePACI(PipelineStage(TreeStage(keyed), 0, 1, torch.device("cpu")), a,
                          lambda out, y: job.loss_fn(out["logits"], y))
-    got = _train(sched, job.optimizer_fn(list(keyed.inner.named_parameters()), 0), _gpt_batches(job, a), steps)
+    got = _train(sched, job.optimizer_fn(list(keyed.inner.named_parameters()), 0), job_batches(job, a), steps)
     assert len(got) == steps * a and all(torch.equal(g, w) for g, w in zip(got, want))
     assert all(torch.equal(keyed.inner.state_dict()[k], v) for k, v in plain.state_dict().items())
-    x, y = next(_gpt_batches(job, a))
+    x, y = next(job_batches(job, a))
     losses: list = []
     merged = sched.eval(x, target=y, losses=losses)
     with torch.no_grad():
