@@ -40,8 +40,8 @@ def test_publish_is_the_only_writer_of_docs(tmp_path):
 
 
 def test_experiments_are_listed_in_order():
-    assert list(EXPERIMENTS) == ["paci-study", "br-study", "overhead-study", "horizon-study", "throughput-memory",
-                                "moe-delay"]
+    assert list(EXPERIMENTS) == ["paci-study", "br-study", "overhead-study", "horizon-study", "pays-study",
+                                "clip-study", "throughput-memory", "moe-delay"]
 
 
 def test_unknown_experiment():

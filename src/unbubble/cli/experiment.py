@@ -31,10 +31,11 @@ import click
                    "DIR/curves.csv (e.g. docs/data/paci-study).")
 def experiment(name: str, size: str, seeds: tuple[int, ...], out: Path, write_docs: bool, docs: Path, workers: int,
                analyze: Path | None) -> None:
-    """Run experiment NAME: paci-study, br-study, overhead-study, throughput-memory, moe-delay.
+    """Run experiment NAME: paci-study, br-study, overhead-study, horizon-study, pays-study, clip-study,
+    throughput-memory, moe-delay.
 
     Results go to OUT/NAME (results.md, CSV, PNG); docs/ changes only with --write-docs.
-    paci-study, br-study and overhead-study are resumable sweeps: run the same command again after a stop and
+    The studies (paci-study … clip-study) are resumable sweeps: run the same command again after a stop and
     finished runs are skipped."""
     from unbubble.errors import ConfigError
     from unbubble.experiments import get_experiment, publish, write_section
