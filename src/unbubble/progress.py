@@ -117,8 +117,10 @@ def break_even_line(cfg: TrainConfig, result) -> str | None:
                "stale": " with --clip-scope stale's all-reduce here (no wait) and sync's on the synchronous "
                         "schedules (a barrier),"}.get(scope, "")
     return (f"break-even: on these stages' measured costs{barrier} this schedule is {ratio:.2f}× as fast as the "
-            f"fastest synchronous one at m = {m} ({name}){same}; asynchrony pays while it needs fewer than "
-            f"{ratio:.2f}× their tokens (docs/faq.md#when-does-asynchrony-pay)")
+            f"fastest synchronous one at m = {m} ({name}){same}; "
+            + (f"asynchrony pays while it needs fewer than {ratio:.2f}× their tokens" if ratio > 1 else
+               "it needs at least their tokens, so asynchrony does not pay here")
+            + " (docs/faq.md#when-does-asynchrony-pay)")
 
 
 def validation_line(summary: dict, eval_interval: int) -> str:

@@ -352,8 +352,8 @@ def test_the_break_even_line_of_a_clipped_run_counts_the_barrier():
 
     assert lines[4, "sync"] == ("break-even: on these stages' measured costs with --clip-scope sync's per-update "
                                 "all-reduce on every schedule (a barrier), this schedule is 0.75× as fast as the "
-                                "fastest synchronous one at m = 4 (interleaved-zb v=2); asynchrony pays while it needs "
-                                "fewer than 0.75× their tokens (docs/faq.md#when-does-asynchrony-pay)")
+                                "fastest synchronous one at m = 4 (interleaved-zb v=2); it needs at least their tokens, so "
+                                "asynchrony does not pay here (docs/faq.md#when-does-asynchrony-pay)")
     assert lines[4, "stale"].startswith("break-even: on these stages' measured costs with --clip-scope stale's "
                                         "all-reduce here (no wait) and sync's on the synchronous schedules (a "
                                         "barrier), this schedule is 1.12× as fast as the fastest synchronous one "
