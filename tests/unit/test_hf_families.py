@@ -189,7 +189,7 @@ def test_a_split_that_forgets_what_the_model_does_is_refused_naming_the_stage(mo
 def test_the_probe_costs_one_forward_and_reports_what_it_measured():
     s = split_model(tiny("gemma2"), 4)
     assert s.probe.logits == 0 and s.probe.loss == 0 and s.probe.shape == (2, 16)  # window 4 + 4 < 16
-    assert math.isfinite(s.probe.seconds) and s.probe.seconds < 30
+    assert math.isfinite(s.probe.seconds) and s.probe.seconds > 0  # the cost is measured (docs/models.md), not bounded here
     assert split_model(tiny("gemma2"), 4, verify=False).probe is None
 
 

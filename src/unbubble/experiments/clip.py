@@ -44,14 +44,12 @@ def rows(out: Path, size: str) -> list[dict[str, Any]]:
 
     spec = clip_study_spec(size)
     data = read_tables(out)
-    lrs: dict[str, float] = {}
-    for r in data.runs:  # the tuned lr: the best seed-0 run of the method
+    best: dict[str, tuple[float, float]] = {}  # the tuned lr: the best seed-0 run of the method at budget 1
+    for r in data.runs:
         if r["seed"] == spec["seeds"][0] and r["budget"] == 1.0 and r["final_val_loss"] is not None:
-            best = lrs.get(r["method"])
-            loss = {x["lr"]: x["final_val_loss"] for x in data.runs if x["method"] == r["method"]
-                    and x["seed"] == spec["seeds"][0]}
-            if best is None or loss[r["lr"]] < loss[best]:
-                lrs[r["method"]] = r["lr"]
+            if r["method"] not in best or r["final_val_loss"] < best[r["method"]][0]:
+                best[r["method"]] = (r["final_val_loss"], r["lr"])
+    lrs = {m: lr for m, (_, lr) in best.items()}
     finals = {m: [r for r in data.runs if r["method"] == m and r["lr"] == lr and r["budget"] == 1.0]
               for m, lr in lrs.items()}
     means = {m: statistics.fmean(r["final_val_loss"] for r in rs) for m, rs in finals.items() if rs}

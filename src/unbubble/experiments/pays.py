@@ -55,7 +55,7 @@ def collect(out: Path, part: str) -> list[dict[str, Any]]:
     return [json.loads(p.read_text()) for p in sorted((out / part / "results").glob("*.json"))]
 
 
-def part_rows(data: SweepData, spec: dict[str, Any], part: str) -> tuple[list[dict[str, Any]], dict[str, dict]]:
+def part_rows(data: SweepData, spec: dict[str, Any]) -> tuple[list[dict[str, Any]], dict[str, dict]]:
     """overhead-study's rows for one part's data, on the clock of the part's own runs (runs
     reused from published folders, timed by older code, left out of the clock's medians)."""
     from unbubble.experiments.overhead import Clock, overhead_rows
@@ -148,7 +148,7 @@ def analyse(out: Path, size: str) -> tuple[str, list[Path], list[dict[str, Any]]
         spec = pays_study_spec(size, part)
         data = read_tables(out / part)
         runs += data.runs
-        table, part_facts = part_rows(data, spec, part)
+        table, part_facts = part_rows(data, spec)
         facts.update(part_facts)
         for row in table:
             m = next(x for x in spec["methods"] if x["label"] == row["method"])
