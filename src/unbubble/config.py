@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from unbubble.errors import ConfigError, did_you_mean
 from unbubble.schedules.policy import check_order  # [Note: deterministic order]
-from unbubble.schedules.registry import SCHEDULES
+from unbubble.schedules.registry import schedule_name
 
 ENGINES = ("emulator", "processes")
 TOKENIZERS = ("byte", "gpt2")
@@ -159,9 +159,7 @@ class TrainConfig:
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 raise ConfigError(f"{name}={v!r} is invalid: must be an integer ≥ {lo} (set --{_flag(name)})")
 
-        if self.schedule not in SCHEDULES:
-            raise ConfigError(f"schedule={self.schedule!r} is unknown{did_you_mean(self.schedule, SCHEDULES)}: valid schedules are "
-                              f"{', '.join(SCHEDULES)} (set --schedule)")
+        self.schedule = schedule_name(self.schedule)
         if self.stage_aware:
             if self.br_allocation == "inverse":
                 raise ConfigError("stage_aware=True contradicts br_allocation='inverse': give one of them")

@@ -61,7 +61,7 @@ def did_you_mean(word: object, valid) -> str:
     """``" (did you mean 'x'?)"`` for the name of ``valid`` that equals ``word`` but for case, else the
     one a common alias of :data:`ALIASES` means, else the closest spelling ignoring case (difflib's
     ratio ≥ 0.6) among the valid names and their aliases (so 'a100x' finds 'a100-80g' through 'a100'),
-    or ``""`` when none is close: the hint every "unknown name" error carries."""
+    else the only name the word begins ('emu' → 'emulator'), or ``""`` when none is close: the hint every "unknown name" error carries."""
     import difflib
 
     names = [str(v) for v in valid]
@@ -75,4 +75,8 @@ def did_you_mean(word: object, valid) -> str:
     if low in spellings:
         return f" (did you mean {spellings[low]!r}?)"
     close = difflib.get_close_matches(low, list(spellings), n=1)
+    if not close and len(low) >= 2:  # an abbreviation ('emu', 'inter'): the one name it begins
+        close = sorted({spellings[s] for s in spellings if s.startswith(low)})
+        close = close if len(close) == 1 else []
+        return f" (did you mean {close[0]!r}?)" if close else ""
     return f" (did you mean {spellings[close[0]]!r}?)" if close else ""

@@ -76,6 +76,27 @@ class ProgressListener:
             self.progress.stop()
 
 
+def emulated_utilization(cfg: TrainConfig, result) -> list[float] | None:
+    """Per-rank utilization an emulated run's schedule would have on ``cfg.stages`` devices: the
+    schedule simulated for the run's steps on its stages' median measured F, B, U times (compute
+    only: the emulator measures no links). ``None`` where a stage ran no F or B. The emulator's own
+    ``sim_trace`` orders the actions on unit costs (F = 1, B = 2), so its utilization describes no
+    machine."""
+    from unbubble.errors import ConfigError
+    from unbubble.schedules.registry import get_schedule
+    from unbubble.sim.costs import PipelineCosts, StageCosts
+    from unbubble.sim.measured import kind_medians
+    from unbubble.sim.result import simulate
+
+    try:
+        med = kind_medians(result.trace)
+        costs = PipelineCosts(tuple(StageCosts.from_fb(d["F"], d["B"], d.get("U", 0.0)) for d in med))
+        schedule = get_schedule(cfg.schedule, cfg.stages, max(len(result.step_losses), 1), a=cfg.a, m=cfg.m, v=cfg.v)
+        return simulate(schedule, costs).trace.utilization()
+    except (ConfigError, KeyError, ValueError, ZeroDivisionError):
+        return None
+
+
 def break_even_line(cfg: TrainConfig, result) -> str | None:
     """For an asynchronous run: the throughput ratio it buys over the fastest synchronous schedule
     (:data:`unbubble.sim.extrapolate.SYNCHRONOUS`) at m = its micro-batches per update, simulated with
@@ -118,7 +139,7 @@ def break_even_line(cfg: TrainConfig, result) -> str | None:
                         "schedules (a barrier),"}.get(scope, "")
     return (f"break-even: on these stages' measured costs{barrier} this schedule is {ratio:.2f}× as fast as the "
             f"fastest synchronous one at m = {m} ({name}){same}; "
-            + (f"asynchrony pays while it needs fewer than {ratio:.2f}× their tokens" if ratio > 1 else
+            + (f"asynchrony pays while it needs fewer than {ratio:.2f}× their tokens" if round(ratio, 2) > 1 else
                "it needs at least their tokens, so asynchrony does not pay here")
             + " (docs/faq.md#when-does-asynchrony-pay)")
 
@@ -145,11 +166,13 @@ def end_lines(cfg, result, run_dir: Path, summary: dict) -> list[str]:
     lines = [f"run folder: {run_dir}"]
     if summary["val_losses"]:
         lines.append(validation_line(summary, cfg.eval_interval))
-    util = (result.sim_trace or result.trace).utilization()
-    kind = "simulated utilization" if result.sim_trace is not None else "utilization"
-    per = "virtual stage" if len(result.max_drift()) != len(util) else "stage"  # interleaved: v chunks per rank
-    lines.append(f"tokens/s {result.tokens_per_s:,.0f} | max Δ per {per} {result.max_drift()} | "
-                 f"{kind} {' '.join(f'{u:.2f}' for u in util)}")
+    util, kind = result.trace.utilization(), "utilization"
+    if result.sim_trace is not None:  # one process: its wall clock is no device's, and sim_trace has unit costs
+        util, kind = emulated_utilization(cfg, result), f"utilization on {cfg.stages} devices simulated from the " \
+            "measured stage costs"
+    per = "virtual stage" if len(result.max_drift()) != len(util or ()) else "stage"  # interleaved: v per rank
+    lines.append(f"tokens/s {result.tokens_per_s:,.0f} | max Δ per {per} {result.max_drift()}"
+                 + (f" | {kind} {' '.join(f'{u:.2f}' for u in util)}" if util else ""))
     line = break_even_line(cfg, result)
     if line:
         lines.append(line)

@@ -99,7 +99,7 @@ def external_stages(cfg: TrainConfig, tokens: TokenData, n_stages: int, model: t
             tokenizer's, seq_len beyond the model's positions, or what ``split_model`` refuses.
     """
     from unbubble.models.external import PYTHON_MODEL, ModelShape, load_external
-    from unbubble.models.split import split_model
+    from unbubble.models.split import count_layers, split_model
 
     given_in_python = model is not None  # train_model(model, untie=True); else --model hf:/module:, --untie
     if model is None:
@@ -107,6 +107,11 @@ def external_stages(cfg: TrainConfig, tokens: TokenData, n_stages: int, model: t
             raise ConfigError("model='python': this run's model was given in Python; give it again "
                               "(unbubble.train_model(model, resume=RUN_DIR))")
         model = load_external(cfg.model, cfg.seed)
+    n_layer, chunks = count_layers(model), n_stages // cfg.stages  # chunks: 2 on a V-shaped schedule
+    if n_stages > n_layer:  # split_model's own message names its Python arguments
+        why = f": {cfg.schedule} needs stages × {chunks} = {n_stages} model chunks" if chunks > 1 else ""
+        raise ConfigError(f"stages={cfg.stages} is invalid: model {cfg.model!r} has {n_layer} layers{why} (set "
+                          f"{'stages' if given_in_python else '--stages'} ≤ {n_layer // chunks}, or give a deeper model)")
     split = split_model(model, n_stages, untie=cfg.untie, untie_option="untie=True" if given_in_python else "--untie")
     shape = ModelShape.of(model, sum(len(layers) for layers in split.plan.layers))
     if shape.vocab_size is not None and shape.vocab_size < tokens.vocab_size:

@@ -216,7 +216,7 @@ def test_unknown_families_are_refused_listing_the_supported_ones_without_a_fallb
     with pytest.raises(ConfigError) as err:
         split_model(model, 2)
     msg = str(err.value)
-    assert msg == (f"model_type {model.config.model_type!r} ({type(model).__name__}) is not one split_model supports: "
+    assert msg == (f"model_type {model.config.model_type!r} ({type(model).__name__}) is not a family unbubble splits: "
                    "gemma, gemma2, gpt2, llama, mistral, mixtral, phi3, qwen2, qwen2_moe, qwen3 (decoder-only causal "
                    "LMs whose forward it mirrors)")
     assert "module_names_per_stage" not in msg

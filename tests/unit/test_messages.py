@@ -538,3 +538,72 @@ def test_simulate_dualpipev_runs_on_its_default_m(tmp_path):
     assert _error(["simulate", "--schedule", "dualpipev", "--m", "8", "--out", str(tmp_path / "sim2")]) == (
         "m=8 is invalid for dualpipev with stages=8: it needs m ≥ 2N = 16 micro-batches per step (2 chunks per rank, "
         "as torch requires; set --m)")
+
+
+# issue 37, item 6: what a fresh user's trial found ------------------------------------------------------------
+
+def test_schedule_names_ignore_case_as_torch_does(tmp_path):
+    """Was: "schedule='PACI' is unknown (did you mean 'paci'?)" (torch's get_schedule_class ignores case)."""
+    res = CliRunner().invoke(cli, ["-q", "train", "--schedule", "PACI", "--print-config"])
+    assert res.exit_code == 0, res.output
+    assert "\nschedule: paci\n" in res.output
+    res = CliRunner().invoke(cli, ["-q", "simulate", "--schedule", "ZBV", "--compare", "1F1B-Flush", "--format", "csv",
+                                   "--out", str(tmp_path / "sim")])
+    assert res.exit_code == 0, res.output
+    assert "zbv" in (tmp_path / "sim" / "summary.csv").read_text()
+
+
+def test_an_abbreviated_engine_gets_the_name_it_begins():
+    """Was: "engine='emu' is unknown: valid engines are ..." with no suggestion."""
+    assert _error(["train", "--engine", "emu"]) == (
+        "engine='emu' is unknown (did you mean 'emulator'?): valid engines are emulator, processes (set --engine)")
+
+
+def test_auto_on_the_command_line_means_what_it_means_in_a_config_file():
+    """Was: "Invalid value for '--error-feedback': 'auto' is not a valid float." and "clip_scope='auto' is
+    invalid" although --print-config writes auto for both."""
+    def config(*args):
+        res = CliRunner().invoke(cli, ["-q", "train", *args, "--print-config"])
+        assert res.exit_code == 0, res.output
+        return res.output
+
+    assert "\nerror_feedback: auto\n" in config("--schedule", "1f1b-flush", "--error-feedback", "auto")
+    assert "\nerror_feedback: 0.5\n" in config("--error-feedback", "0.5")
+    assert "\nclip_scope: auto\n" in config("--clip-grad-norm", "1", "--clip-scope", "AUTO")
+    res = CliRunner().invoke(cli, ["-q", "train", "--error-feedback", "x", "--print-config"])
+    assert res.exit_code == 2 and "'x' is neither auto nor a float" in res.output
+
+
+def test_too_many_stages_for_a_hf_model_name_the_flag(tmp_path, cache_dir):
+    """Was: "n_stages=4 is invalid: must be 1…2 (the model has 2 layers) or give cuts=[…]" (split_model's
+    arguments, not flags)."""
+    folder = _hf_folder(tmp_path / "gpt2", tie_word_embeddings=False)
+    run = ["train", "--engine", "emulator", "--steps", "1", "--seq-len", "12", "--eval-interval", "0",
+           "--cache-dir", cache_dir, "--run-dir", str(tmp_path / "run"), "--model", f"hf:{folder}"]
+    assert _error([*run, "--stages", "4"]) == (
+        f"stages=4 is invalid: model 'hf:{folder}' has 2 layers (set --stages ≤ 2, or give a deeper model)")
+    assert _error([*run, "--stages", "2", "--schedule", "zbv", "--m", "4"]) == (
+        f"stages=2 is invalid: model 'hf:{folder}' has 2 layers: zbv needs stages × 2 = 4 model chunks (set "
+        "--stages ≤ 1, or give a deeper model)")
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_stop_before_the_first_step_ends_the_progress_line(monkeypatch):
+    """Was: the bar stayed open, so the 'interrupted before the first step' line was written onto it."""
+    import unbubble.train
+    from unbubble.progress import ProgressListener
+
+    closed = []
+    monkeypatch.setattr(ProgressListener, "close", lambda self: closed.append(self))
+
+    def stopped(cfg=None, listener_factory=None, **kwargs):
+        class Writer:
+            resume_step = 0
+        listener_factory(Writer(), 10)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(unbubble.train, "train", stopped)
+    res = CliRunner().invoke(cli, ["-q", "train", "--engine", "emulator"])
+    assert res.exit_code != 0
+    assert len(closed) == 1
+    assert "interrupted before the first step; nothing of the new run was kept" in res.stderr

@@ -323,6 +323,27 @@ def test_train_prints_the_break_even_of_an_asynchronous_run():
     assert _break_even_line(TrainConfig(schedule="1f1b-flush"), SimpleNamespace(trace=trace)) is None
 
 
+def test_an_emulated_run_reports_the_utilization_of_its_measured_costs_not_of_unit_costs():
+    """Was: "simulated utilization" of the emulator's unit-cost (F = 1, B = 2) ordering, which describes no
+    machine. 1F1B-flush, N = 2, m = 2, stage 1 twice as slow (F = 2, B = 4 s against 1, 2 s): stage 1 runs
+    F0 1–3, B0 3–7, F1 7–9, B1 9–13; stage 0 F0, F1 by 2, B0 7–9, B1 13–15: a 15 s step, busy 6 s and 12 s,
+    0.4 and 0.8 (by hand); on unit costs both stages would read 6/9 = 0.67."""
+    from types import SimpleNamespace
+
+    from unbubble.progress import emulated_utilization
+    from unbubble.schedules.registry import get_schedule
+    from unbubble.sim.costs import PipelineCosts, StageCosts, UniformCosts
+    from unbubble.sim.engine import run_policies
+
+    costs = PipelineCosts((StageCosts.from_fb(1.0, 2.0, 0.0), StageCosts.from_fb(2.0, 4.0, 0.0)))
+    measured = run_policies(get_schedule("1f1b-flush", 2, 3, m=2), costs)  # stands for the emulator's timings
+    run = SimpleNamespace(trace=measured, step_losses=[1.0] * 3)
+    assert emulated_utilization(TrainConfig(schedule="1f1b-flush", stages=2, m=2), run) == \
+        pytest.approx([0.4, 0.8], abs=1e-9)
+    unit = run_policies(get_schedule("1f1b-flush", 2, 3, m=2), UniformCosts(f=1.0, b=2.0)).utilization()
+    assert unit == pytest.approx([6 / 9, 6 / 9], abs=1e-9)
+
+
 def test_the_break_even_line_of_a_clipped_run_counts_the_barrier():
     """A run trained with --clip-scope sync is simulated with the all-reduce on every schedule, one with
     stale against the synchronous schedules on sync (docs/results.md's barrier table on unit costs,

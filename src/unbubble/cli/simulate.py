@@ -285,16 +285,13 @@ def simulate(**o) -> None:
     --a 4 --m 4 --micro-batch-size 8 --seq-len 128 --vocab-size 257); for a train run on its own
     machine, calibrate with --costs-from RUN.
     """
-    from unbubble.schedules.registry import SCHEDULES
+    from unbubble.schedules.registry import schedule_name
     from unbubble.sim import report
     from unbubble.sim.render import chrome_trace, timeline_png, window_end
     from unbubble.sim.result import simulate as run_sim
 
-    names = [o["schedule"]] + [s.strip() for s in o["compare"].split(",") if s.strip()]
-    for name in names:
-        if name not in SCHEDULES:
-            raise ConfigError(f"schedule={name!r} is unknown{did_you_mean(name, SCHEDULES)}: valid schedules are {', '.join(SCHEDULES)} "
-                              "(set --schedule / --compare)")
+    names = [schedule_name(s, "--schedule / --compare")
+             for s in [o["schedule"]] + [s.strip() for s in o["compare"].split(",") if s.strip()]]
     for opt in ("a", "m", "v"):  # before any division by them
         if o[opt] is not None and o[opt] < 1:
             raise ConfigError(f"{opt}={o[opt]} is invalid: must be an integer ≥ 1 (set --{opt})")

@@ -11,7 +11,7 @@ import typing
 import click
 import cloup
 
-from unbubble.config import RESUME_OVERRIDES, TrainConfig, check_schedule_options
+from unbubble.config import AUTO_FIELDS, RESUME_OVERRIDES, TrainConfig, check_schedule_options
 from unbubble.errors import ConfigError, PipelineFailure, SecondSignal, StartupInterrupted
 from unbubble.progress import ProgressListener, end_lines
 
@@ -36,6 +36,23 @@ HELP_SECTIONS: dict[str, tuple[str, ...]] = {
 }
 
 
+class _Auto(click.ParamType):
+    """A value of ``inner``'s type, or ``auto`` (None: the schedule's default, see
+    :data:`~unbubble.config.AUTO_FIELDS`)."""
+
+    def __init__(self, inner) -> None:
+        self.inner = click.types.convert_type(inner)
+        self.name = f"{self.inner.name}|auto"
+
+    def convert(self, value, param, ctx):
+        if value is None or (isinstance(value, str) and value.lower() == "auto"):
+            return None
+        try:
+            return self.inner.convert(value, param, ctx)
+        except click.BadParameter:
+            self.fail(f"{value!r} is neither auto nor a {self.inner.name}", param, ctx)
+
+
 def _field_option(f: dataclasses.Field, hint):
     """The ``cloup.option`` decorator of one :class:`TrainConfig` field: its type, default and help."""
     args = typing.get_args(hint)
@@ -50,6 +67,8 @@ def _field_option(f: dataclasses.Field, hint):
         typ = hint
     flag = "--" + f.name.replace("_", "-")
     default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+    if f.name in AUTO_FIELDS:  # 'auto' as in a config file: the default of the run's schedule
+        return cloup.option(flag, f.name, type=_Auto(typ), default=None, show_default="auto", help=helptext)
     if hint is bool:  # --x/--no-x, so a flag can turn off what a --config file turned on
         return cloup.option(f"{flag}/--no-{flag[2:]}", f.name, default=default, help=helptext)
     return cloup.option(flag, f.name, type=typ, default=default, show_default=True, help=helptext)
@@ -166,6 +185,8 @@ def train(print_config: bool, resume: str | None, **kwargs) -> None:
             lst.close()
         raise _stopped_at_once(exc, listeners) from None
     except (KeyboardInterrupt, StartupInterrupted) as exc:  # a stop before the first step
+        for lst in listeners:  # the bar's line ends before the message
+            lst.close()
         after = f"the run folder is unchanged; continue with: unbubble train --resume {resume}" if resume else \
             "nothing of the new run was kept"
         what = str(exc) if isinstance(exc, StartupInterrupted) else "interrupted before the first step"

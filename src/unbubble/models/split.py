@@ -88,7 +88,7 @@ def detect_layout(model: nn.Module) -> str:
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     if isinstance(model_type, str):
         if model_type not in HF_FAMILIES:
-            raise ConfigError(f"model_type {model_type!r} ({type(model).__name__}) is not one split_model supports: "
+            raise ConfigError(f"model_type {model_type!r} ({type(model).__name__}) is not a family unbubble splits: "
                               f"{', '.join(sorted(HF_FAMILIES))} (decoder-only causal LMs whose forward it mirrors)")
         if "lm_head" not in names:
             raise ConfigError(f"{type(model).__name__} has no lm_head: split_model takes a causal LM "
@@ -139,6 +139,14 @@ def _parts(model: nn.Module, layout: str) -> tuple[str, tuple[str, ...], tuple[s
                           "split_model cannot tell its stages apart")
     every = (f"{prefix}.rotary_emb",) if hasattr(model.get_submodule(prefix), "rotary_emb") else ()
     return f"{prefix}.layers", (f"{prefix}.embed_tokens",), (f"{prefix}.norm", "lm_head"), every
+
+
+def count_layers(model: nn.Module) -> int:
+    """The decoder layers of a model :func:`split_model` takes (its stages hold 1 … this many).
+
+    Raises:
+        ConfigError: a model of no known layout (as :func:`split_model`)."""
+    return len(model.get_submodule(_parts(model, detect_layout(model))[0]))
 
 
 def plan_split(model: nn.Module, n_stages: int | None = None, cuts: Sequence[int] | None = None,

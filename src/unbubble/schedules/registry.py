@@ -198,6 +198,19 @@ def _check_int(name: str, value, lo: int = 1) -> None:
         raise ConfigError(f"{name}={value!r} is invalid: must be an integer ≥ {lo} (set --{name})")
 
 
+def schedule_name(name: object, option: str = "--schedule") -> str:
+    """The registry's name of schedule ``name``, matched ignoring case as torch's
+    ``get_schedule_class`` does ('PACI' and 'ZBV' are 'paci' and 'zbv').
+
+    Raises:
+        ConfigError: an unknown name, with the closest valid one and ``option`` to set.
+    """
+    if isinstance(name, str) and name.lower() in SCHEDULES:
+        return name.lower()
+    raise ConfigError(f"schedule={name!r} is unknown{did_you_mean(name, SCHEDULES)}: valid schedules are "
+                      f"{', '.join(SCHEDULES)} (set {option})")
+
+
 def get_schedule(name: str, n_stages: int, steps: int, a: int | None = None, m: int | None = None,
                  v: int | None = None) -> Schedule:
     """Builds a named schedule.
@@ -217,8 +230,7 @@ def get_schedule(name: str, n_stages: int, steps: int, a: int | None = None, m: 
         ConfigError: unknown name, a value out of range or an invalid combination (the
             message names the option to change).
     """
-    if name not in SCHEDULES:
-        raise ConfigError(f"schedule={name!r} is unknown{did_you_mean(name, SCHEDULES)}: valid schedules are {', '.join(SCHEDULES)} (set --schedule)")
+    name = schedule_name(name)
     _check_int("stages", n_stages)
     _check_int("steps", steps)
     if name in ("async-1f1b", "pipedream", "pipemare"):

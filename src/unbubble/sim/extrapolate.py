@@ -21,8 +21,8 @@ import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from unbubble.errors import ConfigError, did_you_mean
-from unbubble.schedules.registry import SCHEDULES, VIRTUAL, get_schedule, stage_rank
+from unbubble.errors import ConfigError
+from unbubble.schedules.registry import SCHEDULES, VIRTUAL, get_schedule, schedule_name, stage_rank
 from unbubble.sim.analytic import ZB_MODELS, analytic_model, make_model, zb_layers_per_stage
 from unbubble.sim.hardware import Hardware
 from unbubble.sim.result import SimResult, simulate
@@ -110,10 +110,8 @@ def extrapolate(hardware: Hardware, schedules: Sequence[str] | None = None, mode
     Raises:
         ConfigError: an unknown schedule or model name.
     """
-    names = [s for s, _ in COLUMNS if s in SCHEDULES] if schedules is None else list(schedules)
-    for s in names:
-        if s not in SCHEDULES:
-            raise ConfigError(f"schedule={s!r} is unknown{did_you_mean(s, SCHEDULES)}: valid schedules are {', '.join(SCHEDULES)} (set --schedules)")
+    names = [s for s, _ in COLUMNS if s in SCHEDULES] if schedules is None else \
+        [schedule_name(s, "--schedules") for s in schedules]
     models = list(ZB_MODELS) if models is None else list(models)
     for mdl in models:
         if mdl not in ZB_MODELS:

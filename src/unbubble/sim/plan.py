@@ -319,7 +319,7 @@ def candidates(model: "str | ModelConfig", cluster: Cluster, global_batch_tokens
         ConfigError: as :func:`plan`, except that nothing fitting is not an error here.
     """
     from unbubble.config import ERROR_FEEDBACK_SCHEDULES, PREDICT_SCHEDULES
-    from unbubble.schedules.registry import SCHEDULES, VIRTUAL, get_schedule
+    from unbubble.schedules.registry import SCHEDULES, VIRTUAL, get_schedule, schedule_name
     from unbubble.sim.analytic import analytic_model, get_precision
     from unbubble.sim.result import simulate
 
@@ -334,13 +334,9 @@ def candidates(model: "str | ModelConfig", cluster: Cluster, global_batch_tokens
                           f"holds whole sequences, e.g. {max(lo, s_len)} or {lo + s_len} (set --global-batch-tokens "
                           "or --seq-len)")
     sequences = global_batch_tokens // s_len
-    names = list(SCHEDULES) if schedules is None else list(schedules)
+    names = list(SCHEDULES) if schedules is None else [schedule_name(s, "--schedules") for s in schedules]
     if not names:
         raise ConfigError("schedules=() is empty: give at least one schedule (set --schedules)")
-    for name in names:
-        if name not in SCHEDULES:
-            raise ConfigError(f"schedule={name!r} is unknown{did_you_mean(name, SCHEDULES)}: valid schedules are "
-                              f"{', '.join(SCHEDULES)} (set --schedules)")
     gpus = cluster.gpus
     depths = _divisors(gpus) if stages is None else list(stages)
     for n in depths:
