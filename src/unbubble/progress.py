@@ -28,6 +28,25 @@ def setup_logging(verbosity: int) -> None:
     root.propagate = False
 
 
+
+def elapsed(seconds: float) -> str:
+    """A duration as a person reads it: '40 s', '12.7 min', '2 h 05 min' (never '0.2 min')."""
+    if seconds < 60:
+        return f"{seconds:.0f} s"
+    if seconds < 3600:
+        return f"{seconds / 60:.1f} min"
+    hours, minutes = divmod(round(seconds / 60), 60)
+    return f"{hours} h {minutes:02d} min"
+
+
+def estimate_span(low_s: float, high_s: float) -> str:
+    """An estimate from ``low_s`` to ``high_s`` seconds in whole minutes: 'under 1 min', 'about
+    5 min', 'about 66–347 min' (never 'about 0 min')."""
+    if high_s < 60:
+        return "under 1 min"
+    lo, hi = max(round(low_s / 60), 1), max(round(high_s / 60), 1)
+    return f"about {lo} min" if lo == hi else f"about {lo}–{hi} min"
+
 class ProgressListener:
     """Draws a progress bar on a terminal (plain lines otherwise) and forwards to the run writer.
 

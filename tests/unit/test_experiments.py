@@ -77,7 +77,7 @@ def test_dry_run_counts_finished_runs_as_finished(tmp_path):
     rows = plan(spec, tmp_path)
     assert rows[3:] == [("flush-N2-lr0.003-s1", 4, "will")] and [c for _, _, c in rows[:3]] == ["done"] * 3
     line = estimate(spec, tmp_path, 2, rows)
-    assert line.startswith(f"1 runs will train (3 already finished in {tmp_path}); about 0 min with 2 worker(s) "
+    assert line.startswith(f"1 runs will train (3 already finished in {tmp_path}); under 1 min with 2 worker(s) "
                            "(750.0 ms per micro-batch from the median of 3 finished run(s)"), line
     # records that hold the training loop's own time: start-up is counted once per run, not per
     # micro-batch (a resumed sweep said 781.5 ms per micro-batch against 63 ms measured)
@@ -85,7 +85,7 @@ def test_dry_run_counts_finished_runs_as_finished(tmp_path):
         path = tmp_path / "results" / f"flush-N2-lr{lr:g}-s0.json"
         path.write_text(json.dumps({**json.loads(path.read_text()), "train_wall_s": 0.4}))
     assert estimate(spec, tmp_path, 2, rows) == (
-        f"1 runs will train (3 already finished in {tmp_path}); about 0 min with 2 worker(s) (100.0 ms per "
+        f"1 runs will train (3 already finished in {tmp_path}); under 1 min with 2 worker(s) (100.0 ms per "
         f"micro-batch and 2.6 s start-up per run from the median of 3 finished run(s) in {tmp_path})")
     finish("flush-N2-lr0.003-s1", 3e-3, 1, "seeds", 2.6)
     rows = plan(spec, tmp_path)
@@ -100,3 +100,27 @@ def test_the_example_grid_spec_ships_and_is_valid():
 
     spec = load_spec(Path(__file__).resolve().parents[2] / "examples" / "grid.yaml")  # validates every method
     assert spec.name == "my-grid" and len(spec.tuning_runs()) == 3 * 3
+
+
+def test_durations_read_as_a_person_reads_them():
+    """Was: 'about 0 min' for a sweep of seconds and '(0.2 min so far)' after the first run."""
+    from unbubble.progress import elapsed, estimate_span
+
+    assert [elapsed(s) for s in (12.4, 59.6, 60, 762, 3599, 3600, 7530)] == \
+        ["12 s", "60 s", "1.0 min", "12.7 min", "60.0 min", "1 h 00 min", "2 h 06 min"]
+    assert [estimate_span(lo, hi) for lo, hi in ((5, 40), (20, 70), (300, 310), (3960, 20820))] == \
+        ["under 1 min", "about 1 min", "about 5 min", "about 66–347 min"]
+
+
+def test_a_dry_run_names_the_depth_once_when_the_label_has_it(tmp_path):
+    """Was: 'paci a=4, N=4 N=4 seed 0 at the borrowed lr' (examples/grid.yaml)."""
+    from unbubble.experiments.sweep import SweepSpec, plan
+
+    spec = SweepSpec.from_dict({
+        "name": "t", "micro_batches": 4, "stages": [4], "lrs": [1e-3, 3e-3], "seeds": [0, 1],
+        "base": {"model": "tiny", "seq_len": 16, "micro_batch_size": 2, "eval_batches": 1, "warmup_min": 0},
+        "methods": [{"label": "paci a=2", "schedule": "paci", "a": 2},
+                    {"label": "paci a=2, N=2", "schedule": "paci", "a": 2, "stages": [2], "lr_from": "paci a=2",
+                     "extra_seeds": False}]})
+    what = [w for w, _, _ in plan(spec, tmp_path)]
+    assert "paci a=2, N=2 seed 0 at the borrowed lr" in what and "paci a=2 N=4 seed 1 at the tuned lr" in what

@@ -230,8 +230,9 @@ def test_sweep_cli_dry_run_and_a_bad_spec(tmp_path):
     lines = result.output.splitlines()
     assert lines[:3] == ["    will  flush-N2-lr0.001-s0  (4 micro-batches)", "    will  flush-N2-lr0.003-s0  (4 micro-batches)",
                          " up to 1  flush N=2: grid extension beyond its best lr  (4 micro-batches)"]
-    summary = next(line for line in lines if line.startswith("2 runs will train, up to 1 more may; about "))
+    summary = next(line for line in lines if line.startswith("2 runs will train, up to 1 more may; "))
     assert "calibration run of flush (2 updates, start-up included)" in summary
+    assert "run folder" not in result.output and "config:" not in result.output  # the calibration's own log
     assert not (tmp_path / "runs").exists()  # the calibration run leaves nothing behind
     # micro_batches not a multiple of m = 2: the plan shows what each run trains (4 of 5), not 5
     (tmp_path / "odd.yaml").write_text(yaml.safe_dump({**spec, "micro_batches": 5}))
@@ -241,8 +242,8 @@ def test_sweep_cli_dry_run_and_a_bad_spec(tmp_path):
     # nothing that may train: no "up to 0 more may", and one figure rather than a range "21–21"
     (tmp_path / "fixed.yaml").write_text(yaml.safe_dump({**spec, "extend_grid": 0}))
     lines = CliRunner().invoke(cli, ["sweep", str(tmp_path / "fixed.yaml"), "--dry-run"]).output.splitlines()
-    summary = next(line for line in lines if line.startswith("2 runs will train; about "))
-    assert re.match(r"2 runs will train; about \d+ min with 2 worker\(s\) \(", summary), summary
+    summary = next(line for line in lines if line.startswith("2 runs will train; "))
+    assert re.match(r"2 runs will train; (about \d+ min|under 1 min) with 2 worker\(s\) \(", summary), summary
     (tmp_path / "bad.yaml").write_text(yaml.safe_dump({**spec, "stages": []}))
     result = CliRunner().invoke(cli, ["sweep", str(tmp_path / "bad.yaml")])
     assert result.exit_code == 2 and result.output.strip().endswith("error: sweep stages=[] is invalid: give at least one")

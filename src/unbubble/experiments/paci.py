@@ -10,6 +10,7 @@ from pathlib import Path
 
 from unbubble.experiments.common import (ExperimentOutput, base_config, experiment, figure, md_table, provenance,
                                          run, save_figure, say, write_csv)
+from unbubble.progress import elapsed
 
 
 @experiment("throughput-memory", "tokens/s and peak memory vs micro-batches, flush and PACI, measured and predicted")
@@ -34,7 +35,7 @@ def throughput_memory(out: Path, size: str = "default", seeds: list[int] | None 
                               seq_len=64, micro_batch_size=8, engine="processes", eval_batches=1, seed=seeds[0])
             r = run(cfg, f"throughput-memory: run {len(rows) + 1}/{2 * len(ms)} ({name}, m or a = {x})")
             say(f"throughput-memory: {len(rows) + 1}/{2 * len(ms)} {name} m or a = {x}: {r.tokens_per_s:,.0f} tok/s "
-                f"({(time.perf_counter() - t0) / 60:.1f} min so far)")
+                f"({elapsed(time.perf_counter() - t0)} so far)")
             sched = get_schedule(name, n, steps, a=x, m=x)
             pred = run_policies(sched, measured_costs(r.trace))
             held, peak = [0] * n, [0] * n

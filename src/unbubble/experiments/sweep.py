@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from unbubble.errors import ConfigError, PipelineFailure, did_you_mean
+from unbubble.progress import elapsed, estimate_span
 
 log = logging.getLogger(__name__)
 
@@ -548,11 +549,11 @@ def plan(spec: SweepSpec, out: Path | None = None) -> list[tuple[str, int, str]]
             probe = RunSpec(m.label, m.overrides, n, (m.lrs or spec.lrs)[0], spec.seeds[0], "tune")
             mb = trained(probe)
             if not known and rounds and m.lr_from is None and len(m.lrs or spec.lrs) > 1:
-                rows.append((f"{m.label} N={n}: grid extension beyond its best lr", mb, f"up to {rounds}"))
+                rows.append((f"{_at(m, n)}: grid extension beyond its best lr", mb, f"up to {rounds}"))
             more = m.extra_seeds and (spec.seed_stages is None or n in spec.seed_stages)
             seeds = (spec.seeds if m.lr_from else spec.seeds[1:]) if more else (spec.seeds[:1] if m.lr_from else [])
             if spec.tune and not known:
-                rows += [(f"{m.label} N={n} seed {s} at the {'borrowed' if m.lr_from else 'tuned'} lr", mb, "will")
+                rows += [(f"{_at(m, n)} seed {s} at the {'borrowed' if m.lr_from else 'tuned'} lr", mb, "will")
                          for s in seeds]
             budgets = spec.method_budgets(m)
             if budgets and spec.tune:
@@ -562,9 +563,14 @@ def plan(spec: SweepSpec, out: Path | None = None) -> list[tuple[str, int, str]]
                     rows += [(r["run_id"], int(r["micro_batches"]), "done") for r in mine]
                     left = n_seeds - len(mine) - listed.count((m.label, n, b))
                     if left > 0:
-                        rows.append((f"{m.label} N={n} budget {b:g}× (each seed)",
+                        rows.append((f"{_at(m, n)} budget {b:g}× (each seed)",
                                      trained(dataclasses.replace(probe, budget=b)), f"up to {left}"))
     return rows
+
+
+def _at(m: Method, n: int) -> str:
+    """A method's label at depth ``n``, naming N once ('paci a=4, N=4', not 'paci a=4, N=4 N=4')."""
+    return m.label if re.search(rf"\bN\s*=\s*{n}\b", m.label) else f"{m.label} N={n}"
 
 
 def estimate(spec: SweepSpec, out: Path, workers: int, rows: list[tuple[str, int, str]], flag=None,
@@ -608,7 +614,13 @@ def estimate(spec: SweepSpec, out: Path, workers: int, rows: list[tuple[str, int
             cfg = dataclasses.replace(cfg, steps=steps, eval_interval=0, checkpoints=False,
                                       run_dir=f"{tmp}/calibration")
             t0 = time.perf_counter()
-            result, _ = train(cfg)
+            quiet = logging.getLogger("unbubble")  # the calibration's own run log is not the plan's
+            level = quiet.level
+            quiet.setLevel(logging.WARNING)
+            try:
+                result, _ = train(cfg)
+            finally:
+                quiet.setLevel(level)
         if flag is not None and result.stopped_at is not None:  # its own handlers took the signal
             flag.stop_requested = True
         total = time.perf_counter() - t0
@@ -617,9 +629,8 @@ def estimate(spec: SweepSpec, out: Path, workers: int, rows: list[tuple[str, int
         how = f"a calibration run of {first.method} ({steps} updates, start-up included)"
     low = (sum(will) * per_mb + len(will) * startup) / workers
     high = low + (sum(may) * per_mb + more * startup) / workers
-    span = f"{low / 60:.0f}" if round(low / 60) == round(high / 60) else f"{low / 60:.0f}–{high / 60:.0f}"
     return (f"{len(will)} runs will train" + (f", up to {more} more may" if more else "") + done_text +
-            f"; about {span} min with {workers} worker(s) ({per_mb * 1e3:.1f} ms per micro-batch"
+            f"; {estimate_span(low, high)} with {workers} worker(s) ({per_mb * 1e3:.1f} ms per micro-batch"
             + (f" and {startup:.1f} s start-up per run" if startup else "") + f" from {how})")
 
 
@@ -926,7 +937,7 @@ def _run_all(runs: list[RunSpec], spec: SweepSpec, out: Path, workers: int,
         loss = rec["final_val_loss"]
         say(f"{spec.name}: {count[0]}/{len(todo)} {rec['run_id']}: val loss "
             f"{'diverged' if loss is None else format(loss, '.4f')} "
-            f"({rec['wall_s']:.0f} s, {(time.perf_counter() - t0) / 60:.1f} min so far)")
+            f"({elapsed(rec['wall_s'])}, {elapsed(time.perf_counter() - t0)} so far)")
 
     stopped: list[str] = []  # messages of the runs a stop ended
     if len(todo) == 1 or (todo and workers == 1):  # in this process: no interpreter to start
