@@ -78,7 +78,7 @@ NOT_RUN = {
 
 def _placeholders(root, cache_dir):
     """What the README's examples name: runs/A (a run stopped at step 2 of 4), runs/B, path/to/texts/,
-    data/ (pre-tokenised GPT-2 ids), path/to/config.json (a tiny GPT-2) and run.yaml."""
+    data/ (pre-tokenised GPT-2 ids) and path/to/folder (a tiny untied GPT-2 config)."""
     from unbubble.cli import cli
 
     def train(*args):
@@ -103,9 +103,7 @@ def _placeholders(root, cache_dir):
     import transformers
 
     transformers.GPT2Config(n_layer=4, n_head=2, n_embd=16, n_positions=32, vocab_size=50257, bos_token_id=0,
-                            eos_token_id=0).to_json_file(root / "path" / "to" / "config.json")
-    res = CliRunner().invoke(cli, ["train", "--print-config"])
-    (root / "run.yaml").write_text(res.stdout)
+                            eos_token_id=0, tie_word_embeddings=False).save_pretrained(root / "path" / "to" / "folder")
 
 
 def _run(command: str, root, cache_dir) -> str:
