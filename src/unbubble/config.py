@@ -148,12 +148,31 @@ class TrainConfig:
     def __post_init__(self) -> None:
         self.validate()
 
+    def _canonical_case(self) -> None:
+        """A choice given in another case is that choice ('MUON', 'FP32', 'Dynamic'), as a schedule name
+        is (:func:`~unbubble.schedules.registry.schedule_name`); anything else is left to the checks."""
+        import typing
+
+        from unbubble.runtime.clipping import CLIP_SCOPES
+
+        choices = {name: typing.get_args(hint) for name, hint in _field_types().items()
+                   if typing.get_origin(hint) is typing.Literal}
+        choices["clip_scope"] = CLIP_SCOPES
+        for name, valid in choices.items():
+            value = getattr(self, name)
+            if isinstance(value, str) and value not in valid:
+                same = [v for v in valid if v.lower() == value.lower()]
+                if same:
+                    setattr(self, name, same[0])
+
     def validate(self) -> None:
         """Checks types, ranges and combinations that need no file or model.
 
         Raises:
             ConfigError: the first invalid value, named with what is valid and the option to set.
         """
+        self._canonical_case()
+
         def pos_int(name: str, lo: int = 1) -> None:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
@@ -319,7 +338,7 @@ def check_field(name: str, value: object, where: str = "config") -> object:
     hint = _field_types()[name]
     args = typing.get_args(hint)
     optional = type(None) in args
-    if name in AUTO_FIELDS and value == "auto":  # the schedule's default (None until validate())
+    if name in AUTO_FIELDS and isinstance(value, str) and value.lower() == "auto":  # the schedule's default
         return None
     if value is None:
         if optional:

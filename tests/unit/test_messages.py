@@ -607,3 +607,55 @@ def test_a_stop_before_the_first_step_ends_the_progress_line(monkeypatch):
     assert res.exit_code != 0
     assert len(closed) == 1
     assert "interrupted before the first step; nothing of the new run was kept" in res.stderr
+
+
+def test_a_choice_in_another_case_is_that_choice(tmp_path):
+    """Was: "optimizer='MUON' is invalid (did you mean 'muon'?)" — suggesting the word it refused."""
+    res = CliRunner().invoke(cli, ["-q", "train", "--optimizer", "MUON", "--engine", "EMULATOR", "--precision", "FP32",
+                                   "--order", "Dynamic", "--schedule", "1F1B-Flush", "--print-config"])
+    assert res.exit_code == 0, res.output
+    for line in ("optimizer: muon", "engine: emulator", "precision: fp32", "order: dynamic", "schedule: 1f1b-flush"):
+        assert f"\n{line}\n" in res.output
+    res = CliRunner().invoke(cli, ["-q", "simulate", "--uniform", "1:2", "--recompute", "FULL", "--format", "CSV",
+                                   "--out", str(tmp_path / "sim")])
+    assert res.exit_code == 0, res.output
+
+
+def test_plan_names_why_the_model_does_not_split_at_that_depth():
+    """Was: "no configuration of zbv runs at stages [8] with 2048 sequences per update: give more tokens per batch,
+    other --stages or more schedules" (more tokens changed nothing: tiny has 4 blocks)."""
+    assert _error(["plan", "--model", "tiny", "--schedules", "paci", "--stages", "8"]) == (
+        "no configuration of paci runs at stages [8]: stages=8 is invalid: the model has 4 layers, so stages must be "
+        "in 1..4 (set --stages or pick a deeper --model)")
+
+
+def test_simulate_refuses_before_writing_and_simulates_each_schedule_once(tmp_path):
+    """Was: a refused --compare left the timelines of the schedules before it in --out; 'paci, PACI' ran twice."""
+    assert _simulate(tmp_path, "--schedule", "1f1b-flush", "--compare", "paci,zbv").startswith(
+        "schedule='zbv' has 16 virtual stages")
+    assert not (tmp_path / "sim").exists()
+    res = CliRunner().invoke(cli, ["-q", "simulate", "--uniform", "1:2", "--schedule", "paci", "--compare",
+                                   "paci, PACI,1f1b-flush", "--format", "csv", "--out", str(tmp_path / "sim2")])
+    assert res.exit_code == 0, res.output
+    rows = (tmp_path / "sim2" / "summary.csv").read_text().splitlines()[1:]
+    assert [r.split(",")[0] for r in rows] == ["paci (a=8)", "1f1b-flush (m=8)"]
+
+
+def test_auto_in_any_case_in_a_config_file_and_in_a_sweep_spec(tmp_path):
+    """Was: "error_feedback='AUTO' has the wrong type str: expected a number" in a config file, and a sweep spec's
+    clip_scope: auto refused ("has no effect without clip_grad_norm" / "must be one of sync, stale, stage")."""
+    from unbubble.config import load_config
+    from unbubble.experiments.sweep import RunSpec, SweepSpec
+
+    (tmp_path / "c.yaml").write_text("schedule: paci\nerror_feedback: AUTO\nclip_grad_norm: 1.0\nclip_scope: Auto\n")
+    cfg = load_config(tmp_path / "c.yaml")
+    assert (cfg.error_feedback, cfg.clip_scope) == (1.0, "stale")
+    spec = SweepSpec.from_dict({
+        "name": "t", "micro_batches": 4, "stages": [2], "lrs": [1e-3], "seeds": [0],
+        "base": {"model": "tiny", "seq_len": 16, "micro_batch_size": 2, "eval_batches": 1, "warmup_min": 0},
+        "methods": [{"label": "flush", "schedule": "1f1b-flush", "m": 2, "clip_scope": "auto"},
+                    {"label": "paci", "schedule": "paci", "a": 2, "clip_grad_norm": 1.0, "clip_scope": "AUTO",
+                     "error_feedback": "auto"}]})
+    flush, paci = (spec.config(RunSpec(m.label, m.overrides, 2, 1e-3, 0, "tune"), tmp_path) for m in spec.methods)
+    assert (flush.clip_scope, flush.error_feedback) == (None, 0.0)
+    assert (paci.clip_scope, paci.error_feedback) == ("stale", 1.0)

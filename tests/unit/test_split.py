@@ -3,6 +3,7 @@ stages, trained on the emulator against a plain single-process loop of the unspl
 
 import copy
 import dataclasses
+import logging
 import warnings
 
 import pytest
@@ -82,7 +83,7 @@ def test_stage_modules_keep_the_original_names_and_layers_split_by_parameter_cou
         split_model(model, 7)
 
 
-def test_tied_weights_across_stages_are_refused_and_untie_trains_two_copies():
+def test_tied_weights_across_stages_are_refused_and_untie_trains_two_copies(caplog):
     model = hf_gpt2(tie=True)
     assert model.lm_head.weight is model.transformer.wte.weight
     with pytest.raises(ConfigError) as err:
@@ -90,8 +91,11 @@ def test_tied_weights_across_stages_are_refused_and_untie_trains_two_copies():
     assert str(err.value).startswith("transformer.wte.weight (stage 0) and lm_head.weight (stage 1) are one tied "
                                      "tensor on two stages") and "untie=True" in str(err.value)
     assert split_model(model, 1).n_stages == 1  # one stage: the tie is kept
-    with pytest.warns(UserWarning, match="untie=True: transformer.wte.weight"):
+    with caplog.at_level(logging.WARNING, "unbubble.models.split"):
         job = hf_job(model, "1f1b-flush", 2, untie=True)
+    assert [r.getMessage() for r in caplog.records] == [
+        "untie=True: transformer.wte.weight (stage 0) and lm_head.weight (stage 1) were one tied tensor; each stage "
+        "now trains its own copy, so they drift apart"]
     result = run_emulator(job)
     untied = copy.deepcopy(model)  # the reference: the same weights, the head its own copy
     untied.lm_head.weight = nn.Parameter(model.transformer.wte.weight.detach().clone())

@@ -41,12 +41,12 @@ def load_bench_module():
 @click.option("--m", "m", type=click.IntRange(1), default=None,
               help="Micro-batches per step of the model comparison; PACI uses a = m (default 4).")
 @click.option("--quick", is_flag=True, help="A smoke run: 1 repeat, fewer steps (≈ 1 min).")
-@click.option("--only", type=click.Choice(["model", "synthetic"]), default=None,
+@click.option("--only", type=click.Choice(["model", "synthetic"], case_sensitive=False), default=None,
               help="Run one part: the model against torch, or the synthetic stages against the simulator.")
 @click.option("--compile/--no-compile", "compile_", default=True,
               help="Also time 1f1b-flush and paci with every stage under torch.compile: tokens/s compiled ÷ eager "
                    "in the same processes, and the compile time (the compiled warm-up run's extra seconds).")
-@click.option("--compile-backend", type=click.Choice(["inductor", "aot_eager"]), default="inductor",
+@click.option("--compile-backend", type=click.Choice(["inductor", "aot_eager"], case_sensitive=False), default="inductor",
               help="torch.compile backend of the compiled variants.")
 @click.option("--clip/--no-clip", "clip", default=True,
               help="Also time gradient clipping (max norm 1.0): our paci with --clip-scope sync, stale and stage, "

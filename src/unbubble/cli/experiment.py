@@ -10,7 +10,7 @@ import click
 
 @click.command()
 @click.argument("name")
-@click.option("--size", type=click.Choice(["default", "tiny"]), default="default", show_default=True,
+@click.option("--size", type=click.Choice(["default", "tiny"], case_sensitive=False), default="default", show_default=True,
               help="default: the documented size (on 2 cores: paci-study 55–80 min, overhead-study 25–80 min and "
                    "its 4× sweep, br-study ≈ 16 min, moe-delay 9–12 min, throughput-memory ≈ 4 min; the plan and "
                    "estimate are printed before the first run); tiny: a smoke-sized run (0.5–2.5 min).")

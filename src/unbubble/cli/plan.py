@@ -94,14 +94,14 @@ def _print(obj, fmt: str, width: int | None) -> None:
 @click.option("--inter-node-gb-s", default=None, type=float,
               help="Bandwidth per device between nodes, GB/s one direction [default: the table's].")
 @click.option("--achievable", default=None, type=float, help="Fraction of peak FLOP/s reached [default: the table's].")
-@click.option("--precision", default="bf16", type=click.Choice(["fp32", "bf16-autocast", "bf16"]),
+@click.option("--precision", default="bf16", type=click.Choice(["fp32", "bf16-autocast", "bf16"], case_sensitive=False),
               help="Bytes and compute speed of training precision.")
 @click.option("--vocab-size", default=None, type=int, help="Vocabulary [default: the published model's].")
 @click.option("--schedules", default=None, help="Comma-separated schedules to search [default: every registered one].")
 @click.option("--stages", default=None, help="Comma-separated pipeline depths N [default: every divisor of the GPUs].")
 @click.option("--v", "v_values", default="2,4", help="Chunks per device tried for interleaved-1f1b, looped-bfs, "
                                                     "interleaved-zb.")
-@click.option("--recompute", default="auto", type=click.Choice(["auto", "none", "full"]),
+@click.option("--recompute", default="auto", type=click.Choice(["auto", "none", "full"], case_sensitive=False),
               help="auto: full recomputation where a configuration does not fit without it.")
 @click.option("--max-micro-batches", default=None, type=int,
               help="Largest m (or a) tried [default: every divisor of the sequences per replica].")
@@ -118,7 +118,7 @@ def _print(obj, fmt: str, width: int | None) -> None:
               help="Weight prediction on paci and async-1f1b: its buffers in their memory, and the token overhead "
                    "measured with it.")
 @click.option("--flash-attention/--no-flash-attention", default=False, help="Attention scores are not stored.")
-@click.option("--clip-scope", default="none", type=click.Choice(["none", "stage", "sync", "stale"]),
+@click.option("--clip-scope", default="none", type=click.Choice(["none", "stage", "sync", "stale"], case_sensitive=False),
               help="Per-update global operation of every configuration, as `unbubble train --clip-scope` (global "
                    "gradient clipping, the non-finite check): sync, a blocking gradient-norm all-reduce over the "
                    "pipeline's devices (a barrier per update); stale, non-blocking, update t clipped with the norm "
@@ -128,7 +128,7 @@ def _print(obj, fmt: str, width: int | None) -> None:
                    "flushed ones].")
 @click.option("--top", default=10, type=int, help="Rows printed per table.")
 @click.option("--all-configs", is_flag=True, help="Rank every configuration (default: each schedule's best).")
-@click.option("--format", "fmt", default="table", type=click.Choice(FORMATS), help="How tables are printed.")
+@click.option("--format", "fmt", default="table", type=click.Choice(FORMATS, case_sensitive=False), help="How tables are printed.")
 @click.option("--wide", is_flag=True, help="Print every table column (by default a narrow terminal hides some).")
 def plan(model: str, gpus: str, global_batch_tokens: int, seq_len: int | None, memory_gb: float | None,
          link_gb_s: float | None, inter_node_gb_s: float | None, achievable: float | None, precision: str,

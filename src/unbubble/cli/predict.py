@@ -44,12 +44,12 @@ def prediction_rows(run, statistic: str = "mean", blocking_sends: bool = True):
 
 @click.command(context_settings={"show_default": True})
 @click.argument("run_dir", type=click.Path())
-@click.option("--statistic", default="mean", type=click.Choice(["mean", "median"]),
+@click.option("--statistic", default="mean", type=click.Choice(["mean", "median"], case_sensitive=False),
               help="Per-stage duration statistic used for the calibration.")
 @click.option("--blocking-sends/--no-blocking-sends", default=True,
               help="Charge each stage the calibrated time its sends hold it (the process engine's sends block).")
 @click.option("--out", default=None, type=click.Path(), help="Also write prediction.csv/.md and both timelines here.")
-@click.option("--format", "fmt", default="table", type=click.Choice(FORMATS), help="How tables are printed.")
+@click.option("--format", "fmt", default="table", type=click.Choice(FORMATS, case_sensitive=False), help="How tables are printed.")
 def predict(run_dir: str, statistic: str, blocking_sends: bool, out: str | None, fmt: str) -> None:
     """Compare a real run's per-device utilization and makespan with the simulator's prediction.
 

@@ -236,10 +236,10 @@ class CostSource:
                    "device holds several chunks (zbv, dualpipev: 2N; interleaved-1f1b, looped-bfs, interleaved-zb: "
                    "N·--v). Refused with a --compare whose schedules have different chunk counts "
                    "[default: cost-balanced].")
-@click.option("--precision", default=None, type=click.Choice(["fp32", "bf16-autocast", "bf16"]),
+@click.option("--precision", default=None, type=click.Choice(["fp32", "bf16-autocast", "bf16"], case_sensitive=False),
               help="Bytes and compute speed of the analytic model's training precision [default: bf16; with "
                    "--costs-from, the run's].")
-@click.option("--recompute", default="none", type=click.Choice(["none", "full"]),
+@click.option("--recompute", default="none", type=click.Choice(["none", "full"], case_sensitive=False),
               help="full: every stage keeps only its input per micro-batch and each backward re-runs the forward "
                    "(one more F per B; peak activations = inputs in flight + one micro-batch's).")
 @click.option("--flash-attention/--no-flash-attention", default=False,
@@ -267,7 +267,7 @@ class CostSource:
               help="Seconds of the clip's all-reduce [default: a ring over the devices on --hardware's links; 0 "
                    "with --uniform or --costs-from].")
 @click.option("--timeline-steps", default=2, type=int, help="Steps of each schedule drawn in its timeline.")
-@click.option("--format", "fmt", default="table", type=click.Choice(FORMATS), help="How tables are printed.")
+@click.option("--format", "fmt", default="table", type=click.Choice(FORMATS, case_sensitive=False), help="How tables are printed.")
 @click.option("--wide", is_flag=True, help="Print every table column (by default a terminal too narrow for a "
                                            "table hides its least important columns and names them).")
 def simulate(**o) -> None:
@@ -290,8 +290,8 @@ def simulate(**o) -> None:
     from unbubble.sim.render import chrome_trace, timeline_png, window_end
     from unbubble.sim.result import simulate as run_sim
 
-    names = [schedule_name(s, "--schedule / --compare")
-             for s in [o["schedule"]] + [s.strip() for s in o["compare"].split(",") if s.strip()]]
+    names = list(dict.fromkeys(schedule_name(s, "--schedule / --compare")  # each once, in the order given
+                               for s in [o["schedule"]] + [s.strip() for s in o["compare"].split(",") if s.strip()]))
     for opt in ("a", "m", "v"):  # before any division by them
         if o[opt] is not None and o[opt] < 1:
             raise ConfigError(f"{opt}={o[opt]} is invalid: must be an integer ≥ 1 (set --{opt})")
@@ -338,14 +338,16 @@ def simulate(**o) -> None:
     log.info("simulating %s on N=%d devices, %d micro-batches each; %s", ", ".join(names), o["stages"], mb,
              source.description)
     out = Path(o["out"] or f"runs/{time.strftime('%Y%m%d-%H%M%S')}-simulate-{names[0]}-N{o['stages']}")
-    out.mkdir(parents=True, exist_ok=True)
-    results, notes, scope_of, vs_none = [], [], [], []
+    plans = []  # every schedule's costs first: a schedule the model cannot split refuses before a file is written
     for name in names:
         sched = _schedule(name, o["stages"], mb, o["a"], o["m"], o["v"])
         if sched.total_mb != mb:  # whole updates only
             log.warning("%s: %d micro-batches simulated, not %d: %d whole updates of %d (give --micro-batches %d)",
                         name, sched.total_mb, mb, sched.steps, sched.mb_per_step, sched.total_mb)
-        costs, memory, layers = source.for_schedule(sched)
+        plans.append((sched, *source.for_schedule(sched)))
+    out.mkdir(parents=True, exist_ok=True)
+    results, notes, scope_of, vs_none = [], [], [], []
+    for sched, costs, memory, layers in plans:
         plain = None
         for scope in scopes:
             t0 = time.perf_counter()

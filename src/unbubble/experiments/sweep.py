@@ -270,12 +270,13 @@ class SweepSpec:
 
     def config(self, run: RunSpec, out: Path):
         """The TrainConfig of one run (equal micro-batches for every method of one horizon and budget)."""
-        from unbubble.config import TrainConfig
+        from unbubble.config import TrainConfig, check_field
 
-        # error_feedback 0 unless set: a sweep's methods are the plain algorithms its labels name
+        # a spec's values read as a config file's (auto, 1e-3 as a string); error_feedback 0 unless set: a
+        # sweep's methods are the plain algorithms its labels name
+        given = {k: check_field(k, v, f"method {run.method!r}") for k, v in {**self.base, **run.overrides}.items()}
         fields = {"engine": "emulator", "checkpoints": False, "tensorboard": False, "eval_batches": 8,
-                  "error_feedback": 0.0, **self.base, **run.overrides, "stages": run.stages, "lr": run.lr,
-                  "seed": run.seed}
+                  "error_feedback": 0.0, **given, "stages": run.stages, "lr": run.lr, "seed": run.seed}
         probe = TrainConfig(**{**fields, "steps": 1, "run_dir": None})
         steps = self.micro_batches_of(run) // probe.mb_per_step
         if steps < 1:

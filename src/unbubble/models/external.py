@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import json
+import logging
 import re
 from pathlib import Path
 
@@ -14,6 +15,7 @@ from torch import nn
 
 from unbubble.errors import ConfigError
 
+log = logging.getLogger(__name__)
 #: ``model`` of a run whose model object was given in Python (``train_model``): it cannot be rebuilt
 #: from the configuration, so a resume must be given the object again.
 PYTHON_MODEL = "python"
@@ -120,6 +122,8 @@ def load_external(spec: str, seed: int) -> nn.Module:
             _check_safetensors(spec, path)
             return transformers.AutoModelForCausalLM.from_pretrained(path)
         config = transformers.AutoConfig.from_pretrained(path)
+        log.info("%s holds a config and no weights (%s): random initialization with seed %d", path,
+                 ", ".join(_WEIGHTS), seed)
         return transformers.AutoModelForCausalLM.from_config(config)
     module, _, name = spec.partition(":")
     model = getattr(importlib.import_module(module), name)()

@@ -35,7 +35,6 @@ import functools
 import logging
 import math
 import time
-import warnings
 from typing import Any, Sequence
 
 import torch
@@ -660,8 +659,9 @@ def split_model(model: nn.Module, n_stages: int | None = None, *, cuts: Sequence
             raise ConfigError(f"{a} (stage {sa}) and {b} (stage {sb}) are one tied tensor on two stages, which "
                               f"asynchronous stages cannot share: pass {untie_option} to train two copies (with a warning), "
                               "or untie them in the model (e.g. tie_word_embeddings=False)")
-        warnings.warn(f"{untie_option}: {a} (stage {sa}) and {b} (stage {sb}) were one tied tensor; each stage now trains "
-                      "its own copy, so they drift apart", stacklevel=2)
+        # logged, not warnings.warn: the command line shows it as its other warnings, without a source line
+        log.warning("%s: %s (stage %d) and %s (stage %d) were one tied tensor; each stage now trains its own copy, so "
+                    "they drift apart", untie_option, a, sa, b, sb)
     split = SplitModel(model, plan, untie)
     split.probe = verify_split(model, split) if verify else None
     return split

@@ -369,6 +369,7 @@ def candidates(model: "str | ModelConfig", cluster: Cluster, global_batch_tokens
     prec = get_precision(precision)
     hw = cluster.hardware
     rows: list[PlanRow] = []
+    unsplittable: list[str] = []  # why the model does not split at a depth: the reason when nothing runs
     for name in names:
         for n in depths:
             dp = gpus // n
@@ -399,7 +400,8 @@ def candidates(model: "str | ModelConfig", cluster: Cluster, global_batch_tokens
                                                 precision=prec, flash_attention=flash_attention, recompute=rc,
                                                 predict_weights=predict_weights and name in PREDICT_SCHEDULES,
                                                 error_feedback=error_feedback and name in ERROR_FEEDBACK_SCHEDULES)
-                        except ConfigError:
+                        except ConfigError as exc:
+                            unsplittable.append(str(exc))
                             break  # e.g. more chunks than blocks
                         costs = _with_allreduce(am.costs, am.memory.grads_bytes, dp, hw, sched.n_ranks,
                                                 sched.rank_of)
@@ -426,6 +428,8 @@ def candidates(model: "str | ModelConfig", cluster: Cluster, global_batch_tokens
                             overhead, clip_scope, plain)
                         rows.append(row)
                         fitted = row.fits
+    if not rows and unsplittable:
+        raise ConfigError(f"no configuration of {', '.join(names)} runs at stages {depths}: {unsplittable[0]}")
     if not rows:
         raise ConfigError(f"no configuration of {', '.join(names)} runs at stages {depths} with "
                           f"{sequences} sequences per update: give more tokens per batch, other --stages or more "
