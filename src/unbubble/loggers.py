@@ -104,6 +104,7 @@ class TensorBoardLogger(Logger):
         from torch.utils.tensorboard import SummaryWriter
 
         self.writer = SummaryWriter(log_dir=str(run_dir), flush_secs=10)
+        self.cfg = cfg
         table = "| option | value |\n|---|---|\n" + "\n".join(f"| {k} | {v} |" for k, v in cfg.to_dict().items())
         self.writer.add_text("config", table, 0)
 
@@ -126,7 +127,13 @@ class TensorBoardLogger(Logger):
 
     def finish(self, result, summary: dict[str, Any]) -> None:
         w = self.writer
-        for prefix, trace in (("utilization", result.trace), ("simulated_utilization", result.sim_trace)):
+        from unbubble.schedules.registry import get_schedule
+        from unbubble.sim.measured import simulated_on_measured
+
+        cfg = self.cfg
+        simulated = None if result.sim_trace is None else simulated_on_measured(
+            get_schedule(cfg.schedule, cfg.stages, cfg.steps, a=cfg.a, m=cfg.m, v=cfg.v), result.trace)
+        for prefix, trace in (("utilization", result.trace), ("simulated_utilization", simulated)):
             if trace is None:
                 continue
             steps, util = step_utilization(trace)

@@ -183,7 +183,8 @@ class RunWriter:
             "tokens": result.tokens, "train_wall_s": result.wall_s, "total_wall_s": total_wall_s,
             "tokens_per_s": result.tokens_per_s,
             "utilization": result.trace.utilization(),  # measured wall clock (serial in the emulator)
-            "simulated_utilization": result.sim_trace.utilization() if result.sim_trace is not None else None,
+            # emulator: its schedule on N devices at the measured stage costs (sim/measured.py)
+            "simulated_utilization": _simulated_utilization(sched, result),
             "max_drift": result.max_drift(),
             "drift_bound": [sched.drift_bound(s) for s in range(sched.n_stages)],
             "optimizer": self.cfg.optimizer,
@@ -268,3 +269,13 @@ def _step_of(line: str) -> float:
         return json.loads(line).get("step", 0)
     except (ValueError, AttributeError):
         return float("inf")
+
+
+def _simulated_utilization(schedule, result) -> list[float] | None:
+    """An emulated run's utilization on N devices (:func:`~unbubble.sim.measured.simulated_on_measured`)."""
+    if result.sim_trace is None:
+        return None
+    from unbubble.sim.measured import simulated_on_measured
+
+    trace = simulated_on_measured(schedule, result.trace)
+    return trace.utilization() if trace is not None else None

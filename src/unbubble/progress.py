@@ -95,27 +95,6 @@ class ProgressListener:
             self.progress.stop()
 
 
-def emulated_utilization(cfg: TrainConfig, result) -> list[float] | None:
-    """Per-rank utilization an emulated run's schedule would have on ``cfg.stages`` devices: the
-    schedule simulated for the run's steps on its stages' median measured F, B, U times (compute
-    only: the emulator measures no links). ``None`` where a stage ran no F or B. The emulator's own
-    ``sim_trace`` orders the actions on unit costs (F = 1, B = 2), so its utilization describes no
-    machine."""
-    from unbubble.errors import ConfigError
-    from unbubble.schedules.registry import get_schedule
-    from unbubble.sim.costs import PipelineCosts, StageCosts
-    from unbubble.sim.measured import kind_medians
-    from unbubble.sim.result import simulate
-
-    try:
-        med = kind_medians(result.trace)
-        costs = PipelineCosts(tuple(StageCosts.from_fb(d["F"], d["B"], d.get("U", 0.0)) for d in med))
-        schedule = get_schedule(cfg.schedule, cfg.stages, max(len(result.step_losses), 1), a=cfg.a, m=cfg.m, v=cfg.v)
-        return simulate(schedule, costs).trace.utilization()
-    except (ConfigError, KeyError, ValueError, ZeroDivisionError):
-        return None
-
-
 def break_even_line(cfg: TrainConfig, result) -> str | None:
     """For an asynchronous run: the throughput ratio it buys over the fastest synchronous schedule
     (:data:`unbubble.sim.extrapolate.SYNCHRONOUS`) at m = its micro-batches per update, simulated with
@@ -186,9 +165,9 @@ def end_lines(cfg, result, run_dir: Path, summary: dict) -> list[str]:
     if summary["val_losses"]:
         lines.append(validation_line(summary, cfg.eval_interval))
     util, kind = result.trace.utilization(), "utilization"
-    if result.sim_trace is not None:  # one process: its wall clock is no device's, and sim_trace has unit costs
-        util, kind = emulated_utilization(cfg, result), f"utilization on {cfg.stages} devices simulated from the " \
-            "measured stage costs"
+    if result.sim_trace is not None:  # one process: its wall clock is no device's (sim/measured.py)
+        util, kind = summary.get("simulated_utilization"), f"utilization on {cfg.stages} devices simulated from " \
+            "the measured stage costs"
     per = "virtual stage" if len(result.max_drift()) != len(util or ()) else "stage"  # interleaved: v per rank
     lines.append(f"tokens/s {result.tokens_per_s:,.0f} | max Δ per {per} {result.max_drift()}"
                  + (f" | {kind} {' '.join(f'{u:.2f}' for u in util)}" if util else ""))

@@ -328,19 +328,16 @@ def test_an_emulated_run_reports_the_utilization_of_its_measured_costs_not_of_un
     machine. 1F1B-flush, N = 2, m = 2, stage 1 twice as slow (F = 2, B = 4 s against 1, 2 s): stage 1 runs
     F0 1–3, B0 3–7, F1 7–9, B1 9–13; stage 0 F0, F1 by 2, B0 7–9, B1 13–15: a 15 s step, busy 6 s and 12 s,
     0.4 and 0.8 (by hand); on unit costs both stages would read 6/9 = 0.67."""
-    from types import SimpleNamespace
-
-    from unbubble.progress import emulated_utilization
     from unbubble.schedules.registry import get_schedule
     from unbubble.sim.costs import PipelineCosts, StageCosts, UniformCosts
     from unbubble.sim.engine import run_policies
+    from unbubble.sim.measured import simulated_on_measured
 
     costs = PipelineCosts((StageCosts.from_fb(1.0, 2.0, 0.0), StageCosts.from_fb(2.0, 4.0, 0.0)))
-    measured = run_policies(get_schedule("1f1b-flush", 2, 3, m=2), costs)  # stands for the emulator's timings
-    run = SimpleNamespace(trace=measured, step_losses=[1.0] * 3)
-    assert emulated_utilization(TrainConfig(schedule="1f1b-flush", stages=2, m=2), run) == \
-        pytest.approx([0.4, 0.8], abs=1e-9)
-    unit = run_policies(get_schedule("1f1b-flush", 2, 3, m=2), UniformCosts(f=1.0, b=2.0)).utilization()
+    flush = get_schedule("1f1b-flush", 2, 3, m=2)
+    measured = run_policies(flush, costs)  # stands for the emulator's timings
+    assert simulated_on_measured(flush, measured).utilization() == pytest.approx([0.4, 0.8], abs=1e-9)
+    unit = run_policies(flush, UniformCosts(f=1.0, b=2.0)).utilization()
     assert unit == pytest.approx([6 / 9, 6 / 9], abs=1e-9)
 
 

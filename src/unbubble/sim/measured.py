@@ -216,3 +216,20 @@ def measured_memory(run: MeasuredRun, recompute: bool | None = None) -> "MemoryS
                       extra_bytes=tuple(float(m.get("prediction_bytes", 0) + m.get("error_feedback_bytes", 0))
                                         for m in stages))
     return spec.with_recompute(tuple(inputs)) if recompute else spec
+
+
+def simulated_on_measured(schedule: Schedule, trace: Trace) -> Trace | None:
+    """``schedule`` simulated on ``trace``'s median measured F, B and U per stage (compute only: links
+    take no time): what an emulated run's schedule does on ``schedule.n_ranks`` devices. The emulator's
+    own ``sim_trace`` orders the actions on unit costs (F = 1, B = 2), so its utilization describes no
+    machine; this trace's does. ``None`` where a stage ran no F or B.
+
+    Source of the utilization an emulated run reports (``summary.json``'s ``simulated_utilization``,
+    its TensorBoard series, the end line of ``unbubble train``)."""
+    from unbubble.sim.result import simulate
+
+    try:
+        costs = PipelineCosts(tuple(StageCosts.from_fb(d["F"], d["B"], d.get("U", 0.0)) for d in kind_medians(trace)))
+        return simulate(schedule, costs).trace
+    except (ConfigError, KeyError, ValueError, ZeroDivisionError):
+        return None
