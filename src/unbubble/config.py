@@ -299,6 +299,21 @@ class TrainConfig:
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
+    def with_absolute_paths(self) -> TrainConfig:
+        """This configuration with ``hf:PATH`` and a corpus path (a file or folder, not a built-in
+        corpus name) made absolute: the run folder's ``config.yaml`` then resumes (``--resume``) and
+        repeats (``--config``) from any working directory, not only the one the run started in."""
+        from pathlib import Path
+
+        from unbubble.data.corpus import BUILTIN_CORPORA
+
+        changes = {}
+        if self.model.startswith("hf:"):
+            changes["model"] = "hf:" + str(Path(self.model[3:]).expanduser().resolve())
+        if self.corpus not in BUILTIN_CORPORA and Path(self.corpus).expanduser().exists():
+            changes["corpus"] = str(Path(self.corpus).expanduser().resolve())
+        return dataclasses.replace(self, **changes) if changes else self
+
 
 def _flag(name: str) -> str:
     return name.replace("_", "-")

@@ -377,6 +377,8 @@ def train(cfg: TrainConfig | None = None, listener_factory=None, resume: str | P
     if resume is not None:
         cfg = resume_config(resume, resume_overrides)
     cfg.validate()
+    if resume is None:  # the run folder's config.yaml then works from any folder
+        cfg = cfg.with_absolute_paths()
     check_loggers(cfg)
     rank0 = not under_torchrun() or int(__import__("os").environ.get("RANK", "0")) == 0
     # only rank 0 owns the run folder: the others would find it already created (torchrun)

@@ -402,3 +402,27 @@ def test_schedules_list_fits_100_columns():
     lines = CliRunner().invoke(cli, ["schedules"]).output.splitlines()
     assert max(len(line) for line in lines) <= 100
     assert [line.split()[0] for line in lines if not line.startswith(" ")] == list(SCHEDULES)
+
+
+def test_a_run_folder_resumes_from_another_folder_with_a_relative_corpus(tmp_path, cache_dir, monkeypatch):
+    """Regression: config.yaml kept ``corpus: c.txt`` as given, so ``--resume`` from another working
+    directory failed with "corpus='c.txt' does not exist" (and --corpus cannot change on --resume)."""
+    import shutil
+
+    from unbubble.config import load_config
+
+    start, elsewhere = tmp_path / "start", tmp_path / "elsewhere"
+    start.mkdir(), elsewhere.mkdir()
+    (start / "c.txt").write_text("In the beginning God created the heaven and the earth. " * 400)
+    monkeypatch.chdir(start)
+    res = CliRunner().invoke(cli, ["-q", "train", "--engine", "emulator", "--steps", "4", "--checkpoint-every", "2",
+                                   "--seq-len", "32", "--eval-interval", "2", "--eval-batches", "1", "--corpus", "c.txt",
+                                   "--run-dir", "run", "--cache-dir", cache_dir, "--no-tensorboard"])
+    assert res.exit_code == 0, res.output
+    assert load_config(start / "run" / "config.yaml").corpus == str(start / "c.txt")
+    shutil.rmtree(start / "run" / "checkpoints" / "step-00000004")  # as if the machine died after step 2
+    (start / "run" / "summary.json").unlink()
+    monkeypatch.chdir(elsewhere)
+    res = CliRunner().invoke(cli, ["-q", "train", "--resume", "../start/run", "--cache-dir", cache_dir])
+    assert res.exit_code == 0, res.output
+    assert json.loads((start / "run" / "summary.json").read_text())["steps_done"] == 4
