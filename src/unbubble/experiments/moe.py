@@ -76,7 +76,8 @@ def moe_delay(out: Path, size: str = "default", seeds: list[int] | None = None) 
                     continue
                 mean, std = mean_std(losses) if losses else (float("nan"), float("nan"))
                 means[n] = mean
-                row[f"N={n}"] = f"{mean:.4f} ± {std:.4f} (lr {lr:g}, {len(losses)} seeds)"
+                spread = f" ± {std:.4f}" if len(losses) > 1 else ""  # one seed has no spread
+                row[f"N={n}"] = f"{mean:.4f}{spread} (lr {lr:g}, {len(losses)} seed{'s' * (len(losses) != 1)})"
                 if kind == "moe" and n == deep:
                     stats = _router(out, runs[0]["run_id"])
                     if stats:
@@ -86,7 +87,8 @@ def moe_delay(out: Path, size: str = "default", seeds: list[int] | None = None) 
                               "losses": json.dumps(losses), "mean": mean})
             if 1 in means and deep in means:
                 penalty[(kind, opt)] = means[deep] - means[1]
-            row["delay penalty"] = f"{penalty[(kind, opt)]:+.4f}" if (kind, opt) in penalty else "— (N = 1 is AdamW)"
+            row["delay penalty"] = f"{penalty[(kind, opt)]:+.4f}" if (kind, opt) in penalty else \
+                ("— (N = 1 is AdamW)" if opt == "pipedream-lr" else "— (no N = 1 run)")
             row.setdefault("router max load / dropped", "—")
             rows.append(row)
     files = [write_csv(out / "moe_delay.csv", table)]
