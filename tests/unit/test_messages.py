@@ -659,3 +659,21 @@ def test_auto_in_any_case_in_a_config_file_and_in_a_sweep_spec(tmp_path):
     flush, paci = (spec.config(RunSpec(m.label, m.overrides, 2, 1e-3, 0, "tune"), tmp_path) for m in spec.methods)
     assert (flush.clip_scope, flush.error_feedback) == (None, 0.0)
     assert (paci.clip_scope, paci.error_feedback) == ("stale", 1.0)
+
+
+def test_predict_fits_the_terminal_and_says_what_an_emulator_run_measured(tmp_path, cache_dir, monkeypatch):
+    """Was: a 128-column table (the console was fixed at 160) whose 'measured util.' of an emulator
+    run (stages one after another in one process) read as a device's."""
+    run = tmp_path / "run"
+    res = CliRunner().invoke(cli, ["-q", "train", "--engine", "emulator", "--steps", "2", "--seq-len", "32",
+                                   "--eval-batches", "1", "--run-dir", str(run), "--cache-dir", cache_dir,
+                                   "--no-tensorboard"])
+    assert res.exit_code == 0, res.output
+    monkeypatch.setenv("COLUMNS", "100")
+    res = CliRunner().invoke(cli, ["predict", str(run)])
+    assert res.exit_code == 0, res.output
+    assert max(len(line) for line in res.output.splitlines()) <= 100
+    assert " ".join(res.output.split()).endswith(
+        "An emulator run: its 4 stages ran one after another in one process, so the measured makespan and "
+        "utilization are no device's; the predicted columns are its schedule on 4 devices at the measured action "
+        "durations.")

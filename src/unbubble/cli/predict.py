@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import click
@@ -77,14 +78,19 @@ def predict(run_dir: str, statistic: str, blocking_sends: bool, out: str | None,
     title = (f"{sched.name}, N={sched.n_stages}, {sched.total_mb} micro-batches: makespan measured "
              f"{total['measured_makespan_s']:.3f} s, predicted {total['predicted_makespan_s']:.3f} s "
              f"({100 * total['error']:+.1f}%)")
+    width = max(shutil.get_terminal_size().columns, 40)  # headers wrap to fit, as in unbubble simulate
     for table, c, t in ((rows, cols, title), (cost_rows, cost_cols, "measured action durations")):
-        obj = report.render(table, c, fmt, title=t)
+        obj = report.render(table, c, fmt, title=t, width=width)
         if fmt == "table":
             from rich.console import Console
 
-            Console(width=160).print(obj)
+            Console(width=max(obj.width, width)).print(obj)
         else:
             click.echo(obj)
+    if run.config.get("engine") == "emulator" and fmt == "table":
+        click.echo(click.wrap_text(f"An emulator run: its {sched.n_stages} stages ran one after another in one process, so the "
+                   "measured makespan and utilization are no device's; the predicted columns are its schedule on "
+                   f"{sched.n_stages} devices at the measured action durations.", width=min(width, 100)))
     if out:
         from unbubble.sim.render import timeline_png, window_end
 
