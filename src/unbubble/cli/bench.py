@@ -67,9 +67,8 @@ def bench(repeats: int | None, steps: int | None, n: int | None, m: int | None, 
     stage), 1f1b-flush with sync, and the PipelineStage row with PipelineClip sync and stale, each ÷ the same
     system unclipped, and the ms per step inside the clip. Targets are reported, not asserted: flush ≥ 0.95 ×
     torch 1F1B, PACI ≥ 0.95 × (m+N−1)/m × torch 1F1B, PACI + stale ≥ 0.97 × PACI, PACI on torch's
-    PipelineStage ≥ 0.95 × ours, synthetic within 5 %. About 6 minutes on 2 idle CPU cores (estimated: the
-    clipped rows add half again to the model part, which took ≈ 3 of the earlier 4; --no-clip leaves them
-    out); measured 11 min 49 s at load 6.6–7.8, the compile 100 s of it.
+    PipelineStage ≥ 0.95 × ours, synthetic within 5 %. 8 min 03 s on 2 CPU cores at load 3.5–6.8
+    (benchmarks/doc_timings.py); --no-clip leaves the clipped rows out, --no-compile the compiled ones.
     """
     mod = load_bench_module()
     cfg = mod.quick_config() if quick else mod.BenchConfig()

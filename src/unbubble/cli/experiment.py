@@ -13,7 +13,7 @@ import click
 @click.option("--size", type=click.Choice(["default", "tiny"], case_sensitive=False), default="default", show_default=True,
               help="default: the documented size (on 2 cores: paci-study 55–80 min, overhead-study 25–80 min and "
                    "its 4× sweep, br-study ≈ 16 min, moe-delay 9–12 min, throughput-memory ≈ 4 min; the plan and "
-                   "estimate are printed before the first run); tiny: a smoke-sized run (0.5–2.5 min).")
+                   "estimate are printed before the first run); tiny: a smoke-sized run (23–89 s on 2 cores, benchmarks/doc_timings.py).")
 @click.option("--seed", "seeds", type=int, multiple=True, help="Seeds (repeatable); default per experiment.")
 @click.option("--out", type=click.Path(path_type=Path), default=Path("experiments"), show_default=True,
               help="Folder for OUT/NAME: runs, CSV and PNG files and the results section (results.md).")
