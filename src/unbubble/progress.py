@@ -95,7 +95,7 @@ class ProgressListener:
             self.progress.stop()
 
 
-def break_even_line(cfg: TrainConfig, result) -> str | None:
+def break_even_line(cfg: TrainConfig, result, n_layer: int | None = None) -> str | None:
     """For an asynchronous run: the throughput ratio it buys over the fastest synchronous schedule
     (:data:`unbubble.sim.extrapolate.SYNCHRONOUS`) at m = its micro-batches per update, simulated with
     this run's measured per-stage costs (the break-even its token overhead must stay below), and over
@@ -107,7 +107,11 @@ def break_even_line(cfg: TrainConfig, result) -> str | None:
     ``unbubble simulate --clip-scope`` does on measured costs (no local-norm time; zero latency, the
     emulator measures none): ``sync`` on every schedule; ``stale`` on this run against the
     synchronous schedules on ``sync``, the exact clip they can afford (the comparison of
-    docs/results.md's barrier table). ``stage`` needs no all-reduce: no barrier."""
+    docs/results.md's barrier table). ``stage`` needs no all-reduce: no barrier.
+
+    ``n_layer``: the model's layers; a synchronous schedule whose chunks this model cannot fill
+    (interleaved ones need stages × v, V-shaped ones stages × 2) is left out of the comparison, as
+    ``unbubble train`` would refuse it."""
     from unbubble.errors import ConfigError
     from unbubble.schedules.registry import get_schedule
 
@@ -115,19 +119,27 @@ def break_even_line(cfg: TrainConfig, result) -> str | None:
         return None
     from unbubble.sim.barrier import GlobalOp
     from unbubble.sim.costs import PipelineCosts, StageCosts
-    from unbubble.sim.extrapolate import async_over_sync
+    from unbubble.sim.extrapolate import SYNCHRONOUS, async_over_sync
     from unbubble.sim.measured import kind_medians
 
     m = cfg.mb_per_step
+
+    def fits(name: str) -> bool:  # the model has a layer for each of the schedule's chunks
+        try:
+            return n_layer is None or get_schedule(name, cfg.stages, 1, m=m, v=cfg.v).n_stages <= n_layer
+        except ConfigError:
+            return True  # does not run at this m: async_over_sync leaves it out itself
+    schedules = tuple(s for s in SYNCHRONOUS if fits(s))
     scope = (cfg.clip_scope or "sync") if cfg.clip_grad_norm is not None else None
     ops = {"sync": (GlobalOp("sync"), GlobalOp("sync")), "stale": (GlobalOp("stale"), GlobalOp("sync"))}
     paci_op, sync_op = ops.get(scope, (None, None))
     try:  # compute only (median F, B, U per stage): the emulator's wall-clock gaps are not link times
         med = kind_medians(result.trace)
         costs = PipelineCosts(tuple(StageCosts.from_fb(d["F"], d["B"], d.get("U", 0.0)) for d in med))
-        ratio, name = async_over_sync(costs, cfg.stages, m, a=m, paci_op=paci_op, sync_op=sync_op)
-        ratio_mem, name_mem = async_over_sync(costs, cfg.stages, m, a=m, memory="1f1b", paci_op=paci_op,
-                                              sync_op=sync_op)
+        ratio, name = async_over_sync(costs, cfg.stages, m, a=m, schedules=schedules, paci_op=paci_op,
+                                      sync_op=sync_op)
+        ratio_mem, name_mem = async_over_sync(costs, cfg.stages, m, a=m, schedules=schedules, memory="1f1b",
+                                              paci_op=paci_op, sync_op=sync_op)
     except (ConfigError, KeyError, ValueError, ZeroDivisionError):  # a stage that ran no F or B
         return None
     same = "" if name_mem == name else (f" ({ratio_mem:.2f}× against {name_mem}, the fastest within 1F1B-flush's "
@@ -171,7 +183,7 @@ def end_lines(cfg, result, run_dir: Path, summary: dict) -> list[str]:
     per = "virtual stage" if len(result.max_drift()) != len(util or ()) else "stage"  # interleaved: v per rank
     lines.append(f"tokens/s {result.tokens_per_s:,.0f} | max Δ per {per} {result.max_drift()}"
                  + (f" | {kind} {' '.join(f'{u:.2f}' for u in util)}" if util else ""))
-    line = break_even_line(cfg, result)
+    line = break_even_line(cfg, result, n_layer=(summary.get("model") or {}).get("n_layer"))
     if line:
         lines.append(line)
     if result.events:

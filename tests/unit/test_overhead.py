@@ -321,6 +321,11 @@ def test_train_prints_the_break_even_of_an_asynchronous_run():
     assert async_over_sync(UniformCosts(f=1.0, b=2.0), 4, 16, schedules=("zbv",))[0] == pytest.approx(1.0, abs=1e-9)
     assert "at m = 16 (zb-h2) (1.00× against zbv, the fastest within 1F1B-flush's" in line16
     assert _break_even_line(TrainConfig(schedule="1f1b-flush"), SimpleNamespace(trace=trace)) is None
+    # a 4-layer model on 4 stages cannot run interleaved-zb's 8 chunks (train refuses it): the line names the
+    # fastest schedule it can run, ZB-H1 at 1.25× (was: 1.12× against interleaved-zb, found by a user's trial)
+    line4 = _break_even_line(TrainConfig(stages=4, a=4), SimpleNamespace(trace=trace), n_layer=4)
+    assert "is 1.25× as fast as the fastest synchronous one at m = 4 (zb-h1);" in line4
+    assert _break_even_line(TrainConfig(stages=4, a=4), SimpleNamespace(trace=trace), n_layer=8) == line
 
 
 def test_an_emulated_run_reports_the_utilization_of_its_measured_costs_not_of_unit_costs():

@@ -14,13 +14,22 @@ def prediction_rows(run, statistic: str = "mean", blocking_sends: bool = True):
     """Per-device rows (measured vs predicted) and the simulated result for a loaded run.
 
     Predicted utilization counts compute only (the calibrated blocking-send time is left out, as the
-    measured action records leave it out); ``predicted_busy_with_sends`` includes it.
+    measured action records leave it out); ``predicted_busy_with_sends`` includes it. An emulator run
+    is calibrated on its action durations only: its stages ran one after another in one process, so
+    the gaps between them are no link's latency and it sent nothing (the prediction is then what
+    ``unbubble train`` reports for it, up to ``statistic``).
     """
+    import dataclasses
+
     from unbubble.sim.measured import measured_costs, send_times
     from unbubble.sim.result import schedule_policies
     from unbubble.sim.engine import run_policies
 
+    emulated = run.config.get("engine") == "emulator"
+    blocking_sends = blocking_sends and not emulated
     costs = measured_costs(run.trace, blocking_sends=blocking_sends, statistic=statistic)
+    if emulated:
+        costs = dataclasses.replace(costs, latency_s=0.0)
     pred = run_policies(run.schedule, costs, policies=schedule_policies(run.schedule))
     sends = send_times(run.trace) if blocking_sends else [0.0] * run.schedule.n_stages
     n, nr = run.schedule.n_stages, run.schedule.n_ranks
