@@ -178,7 +178,8 @@ def overhead_rows(study: Study, spec: dict[str, Any], n: int,
             "vs fastest synchronous": fast_txt + (f" ({fastest[1].split(' + ')[-1] if ' + ' in fastest[1] else 'adamw'}"
                                                   f", {fastest[2]})" if fastest else ""),
         })
-        facts[label] = {"overhead": statistics.fmean(per_seed), "relation": ">" if ">" in relations else "=",
+        relation = ">" if ">" in relations else "≤" if "≤" in relations else "="  # a bound above, below, or none
+        facts[label] = {"overhead": statistics.fmean(per_seed), "relation": relation,
                         "per_seed": list(zip(per_seed, relations)), "time_s": t_mean, "twin_time_s": t_same,
                         "speedup": t_same / t_mean, "fastest": None if fastest is None else fastest[0] / t_mean,
                         "baseline": base, "seeds": len(runs), "gap": rows[-1]["gap"],
