@@ -118,24 +118,23 @@ def break_even_line(cfg: TrainConfig, result, n_layer: int | None = None) -> str
     if not get_schedule(cfg.schedule, cfg.stages, 1, a=cfg.a, m=cfg.m, v=cfg.v).asynchronous or cfg.dp > 1:
         return None
     from unbubble.sim.barrier import GlobalOp
-    from unbubble.sim.costs import PipelineCosts, StageCosts
-    from unbubble.sim.extrapolate import SYNCHRONOUS, async_over_sync
-    from unbubble.sim.measured import kind_medians
+    from unbubble.sim.extrapolate import COMPARE_V, SYNCHRONOUS, async_over_sync
+    from unbubble.sim.measured import compute_costs
 
     m = cfg.mb_per_step
 
-    def fits(name: str) -> bool:  # the model has a layer for each of the schedule's chunks
+    def fits(name: str) -> bool:  # the model has a layer for each chunk of the schedule as it is compared
         try:
-            return n_layer is None or get_schedule(name, cfg.stages, 1, m=m, v=cfg.v).n_stages <= n_layer
+            return n_layer is None or get_schedule(name, cfg.stages, 1, m=m, v=COMPARE_V).n_stages <= n_layer
         except ConfigError:
             return True  # does not run at this m: async_over_sync leaves it out itself
+
     schedules = tuple(s for s in SYNCHRONOUS if fits(s))
     scope = (cfg.clip_scope or "sync") if cfg.clip_grad_norm is not None else None
     ops = {"sync": (GlobalOp("sync"), GlobalOp("sync")), "stale": (GlobalOp("stale"), GlobalOp("sync"))}
     paci_op, sync_op = ops.get(scope, (None, None))
     try:  # compute only (median F, B, U per stage): the emulator's wall-clock gaps are not link times
-        med = kind_medians(result.trace)
-        costs = PipelineCosts(tuple(StageCosts.from_fb(d["F"], d["B"], d.get("U", 0.0)) for d in med))
+        costs = compute_costs(result.trace)
         ratio, name = async_over_sync(costs, cfg.stages, m, a=m, schedules=schedules, paci_op=paci_op,
                                       sync_op=sync_op)
         ratio_mem, name_mem = async_over_sync(costs, cfg.stages, m, a=m, schedules=schedules, memory="1f1b",

@@ -218,6 +218,15 @@ def measured_memory(run: MeasuredRun, recompute: bool | None = None) -> "MemoryS
     return spec.with_recompute(tuple(inputs)) if recompute else spec
 
 
+def compute_costs(trace: Trace) -> PipelineCosts:
+    """Each stage's median measured F, B and U of ``trace`` as costs, links taking no time: the
+    compute an emulated run measured (its wall-clock gaps are the other stages' turns, not links).
+
+    Raises:
+        KeyError: a stage ran no F or no B."""
+    return PipelineCosts(tuple(StageCosts.from_fb(d["F"], d["B"], d.get("U", 0.0)) for d in kind_medians(trace)))
+
+
 def simulated_on_measured(schedule: Schedule, trace: Trace) -> Trace | None:
     """``schedule`` simulated on ``trace``'s median measured F, B and U per stage (compute only: links
     take no time): what an emulated run's schedule does on ``schedule.n_ranks`` devices. The emulator's
@@ -229,7 +238,6 @@ def simulated_on_measured(schedule: Schedule, trace: Trace) -> Trace | None:
     from unbubble.sim.result import simulate
 
     try:
-        costs = PipelineCosts(tuple(StageCosts.from_fb(d["F"], d["B"], d.get("U", 0.0)) for d in kind_medians(trace)))
-        return simulate(schedule, costs).trace
+        return simulate(schedule, compute_costs(trace)).trace
     except (ConfigError, KeyError, ValueError, ZeroDivisionError):
         return None
