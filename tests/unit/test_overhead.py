@@ -231,7 +231,9 @@ def test_next_budget_climbs_until_reached_and_skips_what_cannot_be_reached():
     # 1 → 1.5 improved 0.1 nats: the line reaches 1.5 nats at 1.5 × (1.5)^4 ≈ 7.6 > 2: skipped
     assert next_budget(budgets, {1.0: 2.0, 1.5: 1.9}, 1.5) is None
     assert next_budget(budgets, {1.0: 2.0, 1.5: 1.6}, 1.5) == 2  # ≈ 1.74 ≤ 2: worth training
-    assert next_budget(budgets, {1.0: 2.0, 1.5: 1.75}, 1.5) is None  # ≈ 2.25 > 2
+    # ≈ 2.25 > 2: the smallest budget the line says suffices, so the overhead is bracketed (was: None)
+    assert next_budget(budgets, {1.0: 2.0, 1.5: 1.75}, 1.5) == 3
+    assert next_budget((1.5, 2, 2.5, 3), {1.0: 2.0, 1.5: 1.75}, 1.5) == 2.5
     assert next_budget(budgets, {1.0: 2.0, 1.5: 2.1}, 1.5) is None  # no gain with more tokens
     assert next_budget(budgets, {1.0: 1.4}, 1.5) == 0.5  # ahead at 1×: bracket from below
     assert next_budget(budgets, {1.0: 1.4, 0.5: 1.6}, 1.5) is None
@@ -262,6 +264,22 @@ def test_a_sweep_trains_budgets_per_seed_until_the_baseline_is_reached(tmp_path,
     budget = [(r["seed"], r["budget"], r["micro_batches"]) for r in records if r["phase"] == "budget"]
     # seed 1 reaches 1.0 at 1.5× (0.7); seed 0 (1.3, 1.1: the line meets 1.0 at 1.8× ≤ 2×) trains 2× (0.9)
     assert budget == [(0, 1.5, 6), (1, 1.5, 6), (0, 2.0, 8)]
+
+
+def test_budgets_target_each_seeds_own_twin(tmp_path, monkeypatch):
+    """Paired: flush seed 0 ends at 1.0 and seed 1 at 1.2; PACI ends at 1.1 on both seeds. Against the
+    twins' mean (1.1) neither seed needs a budget; paired, seed 0 (above its twin) trains 1.5× and seed 1
+    (below its twin, no budget under 1) none."""
+    def fake_execute(run, spec, out):
+        loss = (1.0, 1.2)[run.seed] if run.method == "flush" else 1.1 - 0.2 * (run.budget - 1)
+        return {"run_id": run.run_id, "method": run.method, "stages": run.stages, "lr": run.lr, "seed": run.seed,
+                "phase": run.phase, "budget": run.budget, "final_val_loss": loss, "wall_s": 0.0,
+                "micro_batches": spec.micro_batches_of(run)}
+
+    monkeypatch.setattr(sweep_mod, "execute", fake_execute)
+    monkeypatch.setattr(sweep_mod, "write_tables", lambda records, out: None)
+    records = run_sweep(SweepSpec.from_dict(_budget_spec()), tmp_path, workers=1)
+    assert [(r["seed"], r["budget"]) for r in records if r["phase"] == "budget"] == [(0, 1.5)]
 
 
 @pytest.mark.parametrize("method,message", [

@@ -294,7 +294,8 @@ def pays_study_spec(size: str, part: str = "default") -> dict[str, Any]:
       sides of 1; prediction's 4× row gets its third seed; flush + Muon at 4× its third; one
       published row (PACI + Muon + prediction at 1×, seed 0) re-run at the current commit;
     * ``llama``: the same at 4× on ``llama-deep-cpu`` (RMSNorm, RoPE, SwiGLU, GQA), 2 seeds;
-    * ``deep16``: N = 16 on ``deep32-cpu`` (2 blocks per stage), a = m = 4 and a = m = 8, 2×, 2 seeds;
+    * ``deep16``: N = 16 on ``deep32-cpu`` (2 blocks per stage), a = m = 4 and a = m = 8, 2×, 3 paired
+      seeds, each side's lr bracketed (one round of grid extension), budgets up to 2×;
     * ``few``: N = 8, a = m = 2, 2×, 2 seeds.
 
     Every lr is checked on seed 0 at the part's horizon (the 1× tuned 1e-2 and one step lower, on
@@ -333,7 +334,12 @@ def pays_study_spec(size: str, part: str = "default") -> dict[str, Any]:
     elif part == "deep16":
         base["model"] = "tiny" if tiny else "deep32-cpu"
         methods = pair(2, 1.0) if tiny else pair(4, 2.0) + pair(8, 2.0)
-        stages, seeds = ([4] if tiny else [16]), [0, 1]
+        for m in methods[1::2]:  # a one-seed pilot put a = 4's overhead near 1.6: budgets reach 2×
+            m["budgets"] = PAYS_BUDGETS + [1.75, 2.0]
+        stages, seeds = ([4] if tiny else [16]), [0, 1] if tiny else [0, 1, 2]
+        if not tiny:  # each side's lr bracketed: one round beyond the grid's edge
+            return {**h1, "name": "pays-study-deep16", "base": base, "stages": stages, "seeds": seeds,
+                    "methods": methods, "extend_grid": 1, "budgets": PAYS_BUDGETS}
     else:
         methods, stages, seeds = pair(1 if tiny else 2, 1.0 if tiny else 2.0), h1["stages"], [0, 1]
     if tiny and part != "default":  # the suite's time: one seed, half the micro-batches

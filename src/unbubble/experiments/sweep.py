@@ -14,11 +14,13 @@ some depths). With ``tune=False`` every lr runs with every seed.
 Token overhead as a number (DESIGN §9): a method that names a synchronous ``baseline`` and
 ``budgets`` (multiples of its tokens, e.g. 1.5, 2, 3) then trains each seed at those budgets, each
 run a full warm-up + cosine schedule at the tuned lr: larger budgets in increasing order while the
-seed's final validation loss is still above the baseline's (mean over seeds), smaller ones (< 1) in
-decreasing order while it is below. A larger budget is skipped when the line through the seed's last
-two budgets (log tokens, loss) reaches the target only beyond :data:`SKIP_FACTOR` × that budget, or
-not at all. :func:`unbubble.experiments.stats.budget_overhead` interpolates the tokens at which the final
-loss meets the target.
+seed's final validation loss is still above its own baseline seed's (paired: same seed, same data
+order; the baseline's mean where that seed is missing), smaller ones (< 1) in decreasing order while
+it is below. After two budgets the line through them (log tokens, loss) picks the smallest budget it
+says reaches the target, so the overhead is bracketed; none when it reaches it only beyond
+:data:`SKIP_FACTOR` × the largest budget, or not at all.
+:func:`unbubble.experiments.stats.budget_overhead` interpolates the tokens at which the final loss
+meets the target.
 
 Each finished run leaves ``OUT/results/<run id>.json``; a second invocation skips those, so a
 stopped sweep continues where it stopped. A stop (SIGINT/SIGTERM, :func:`stop_handlers`) starts no
@@ -50,8 +52,8 @@ from unbubble.progress import elapsed, estimate_span
 
 log = logging.getLogger(__name__)
 
-#: A larger budget is skipped when the seed's last two budgets extrapolate (log-linearly) to the
-#: baseline's loss only beyond this multiple of it (1: train it only where the line says it suffices).
+#: Budgets stop when the seed's last two budgets extrapolate (log-linearly) to the baseline's loss only
+#: beyond this multiple of the largest budget (1: train only where the line says a budget suffices).
 SKIP_FACTOR = 1.0
 
 #: Columns of runs.csv, in order.
@@ -366,11 +368,13 @@ class SweepSpec:
                              and r["lr"] == base_lr and r.get("budget", 1.0) == 1.0]
                 if not base_runs:
                     continue
-                target = statistics.fmean(_loss(r) for r in base_runs)
+                mean = statistics.fmean(_loss(r) for r in base_runs)
+                twin = {int(r["seed"]): _loss(r) for r in base_runs}
                 mine = [r for r in records if r["method"] == m.label and int(r["stages"]) == n and r["lr"] == lr]
                 for seed in sorted({int(r["seed"]) for r in mine if r.get("budget", 1.0) == 1.0}):
                     done = {float(r.get("budget", 1.0)): _loss(r) for r in mine if int(r["seed"]) == seed}
-                    nxt = next_budget(budgets, done, target)
+                    # paired: each seed's target is its own synchronous twin (same seed, same data order)
+                    nxt = next_budget(budgets, done, twin.get(seed, mean))
                     if nxt is not None:
                         runs.append(RunSpec(m.label, m.overrides, n, lr, seed, "budget", nxt))
         return runs
@@ -468,9 +472,10 @@ def next_budget(budgets: tuple[float, ...] | list[float], done: dict[float, floa
         target: the baseline's final loss.
 
     Returns:
-        Above 1: the smallest budget larger than every one trained, while every trained budget ≥ 1
-        ended above ``target`` and the line through the last two (log budget, loss) does not put the
-        target beyond ``SKIP_FACTOR`` × that budget. Below 1: the largest budget smaller than every
+        Above 1: while every trained budget ≥ 1 ended above ``target``, the next larger budget, or
+        after two budgets the smallest larger one the line through the last two (log budget, loss)
+        says reaches ``target``; None when that line puts the target beyond ``SKIP_FACTOR`` × the
+        largest budget. Below 1: the largest budget smaller than every
         one trained, while the smallest trained one reached ``target``.
     """
     if 1.0 not in done:
@@ -493,8 +498,10 @@ def next_budget(budgets: tuple[float, ...] | list[float], done: dict[float, floa
         if not (math.isfinite(l0) and math.isfinite(l1)) or l1 >= l0:
             return None  # no improvement with more tokens: the target is out of reach
         needed = b1 * math.exp((l1 - target) / (l0 - l1) * math.log(b1 / b0))
-        if needed > SKIP_FACTOR * larger[0]:
+        if needed > SKIP_FACTOR * larger[-1]:
             return None
+        # the smallest budget the line says suffices: the seed's overhead is then bracketed, not a bound
+        return next(b for b in larger if b >= min(needed, larger[-1]))
     return larger[0]
 
 
