@@ -337,7 +337,9 @@ def pays_study_spec(size: str, part: str = "default") -> dict[str, Any]:
         for m in methods[1::2]:  # a one-seed pilot put a = 4's overhead near 1.6: budgets reach 2×
             m["budgets"] = PAYS_BUDGETS + [1.75, 2.0]
         stages, seeds = ([4] if tiny else [16]), [0, 1] if tiny else [0, 1, 2]
-        if not tiny:  # each side's lr bracketed: one round beyond the grid's edge
+        if not tiny:  # deep32-cpu's block is 32 tokens: 16 × 32 keeps the 512 tokens per micro-batch
+            base.update(seq_len=32, micro_batch_size=16)
+            # each side's lr bracketed: one round beyond the grid's edge
             return {**h1, "name": "pays-study-deep16", "base": base, "stages": stages, "seeds": seeds,
                     "methods": methods, "extend_grid": 1, "budgets": PAYS_BUDGETS}
     else:
