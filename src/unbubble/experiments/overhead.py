@@ -113,6 +113,25 @@ def _settings(run: dict[str, Any], overrides: dict[str, Any]) -> str:
     return f"{opt} β=({overrides.get('beta1', 0.9)}, {overrides.get('beta2', 0.95)})"
 
 
+def _final(run: dict[str, Any]) -> float:
+    return run["final_val_loss"] if run["final_val_loss"] is not None else math.inf
+
+
+def _rel(relation: str) -> str:
+    return {"=": "", "≤": "≤ ", "≥": "≥ ", ">": "> "}[relation]
+
+
+def paired_text(values: list[float], relations: list[str], minmax: bool = True) -> str:
+    """Paired per-seed values as a table cell: ``mean ± std (min–max)`` when every seed is a
+    number, the per-seed values in seed order when any is a bound (``1.04, 1.08, > 1.15``)."""
+    if any(r != "=" for r in relations):
+        return ", ".join(f"{_rel(r)}{v:.2f}" for v, r in zip(values, relations))
+    if len(values) == 1:
+        return f"{values[0]:.2f} (1 seed)"
+    mu, sd = mean_std(values)
+    return f"{mu:.2f} ± {sd:.2f}" + (f" ({min(values):.2f}–{max(values):.2f})" if minmax else "")
+
+
 def overhead_rows(study: Study, spec: dict[str, Any], n: int,
                   same_horizon: bool = False, clock: "Clock | None" = None) -> tuple[list[dict[str, Any]], dict[str, dict]]:
     """The main table (one row per asynchronous method with a baseline) and, per method, the
@@ -128,20 +147,32 @@ def overhead_rows(study: Study, spec: dict[str, Any], n: int,
         if base is None or not study.has(label, n) or not study.has(base, n):
             continue
         runs = study.final(label, n)
-        target = study.curve(base, n)[-1][1]  # the baseline's mean final loss as its curve holds it
+        twins = {r["seed"]: r for r in study.final(base, n)}
+        mean_target = study.curve(base, n)[-1][1]  # the baseline's mean final loss as its curve holds it
         steps1 = runs[0]["steps"]
-        per_seed, relations, times = [], [], []
+        per_seed, relations, times, targets, seeds, commits = [], [], [], [], [], []
         budgets_trained = set()
         for r in runs:
-            points = {1.0: r["final_val_loss"] if r["final_val_loss"] is not None else math.inf}
+            # paired: each seed against its own synchronous twin (same seed, same data order)
+            twin = twins.get(r["seed"])
+            target = _final(twin) if twin is not None else mean_target
+            points, used = {1.0: _final(r)}, [r]
             for b in study.budgets.get((label, n), []):
                 if b["seed"] == r["seed"] and b["lr"] == r["lr"]:
-                    points[b["budget"]] = b["final_val_loss"] if b["final_val_loss"] is not None else math.inf
+                    points[b["budget"]] = _final(b)
                     budgets_trained.add(b["budget"])
+                    used.append(b)
             value, rel = budget_overhead(points, target)
             per_seed.append(value)
             relations.append(rel)
             times.append(clock.async_time(label, value * steps1))
+            targets.append(target)
+            seeds.append((r["seed"], twin is not None))
+            # the commits the seed's value joins: its twin's and the budget runs it is read from
+            keys = ({max(b for b in points if b <= value), min(b for b in points if b >= value)} if rel == "="
+                    else {value})
+            joined = ([twin] if twin is not None else []) + [u for u in used if u.get("budget", 1.0) in keys]
+            commits.append(sorted({(u.get("commit") or "unrecorded")[:10] for u in joined}))
         base_run = study.final(base, n)[0]
         step_same, sched_same = clock.sync_step(base, base_run["m"])
         t_same = step_same * base_run["steps"]
@@ -150,29 +181,50 @@ def overhead_rows(study: Study, spec: dict[str, Any], n: int,
         suffix = label.rsplit(" @", 1)[1] if " @" in label else None
         sync_labels = [lbl for lbl in all_sync if not same_horizon
                        or (lbl.rsplit(" @", 1)[1] if " @" in lbl else None) == suffix]
-        for s in sync_labels:
-            sr = study.final(s, n)[0]
-            step, sched = clock.sync_step(s, sr["m"])
-            v = time_to_target(study.updates_curve(s, n), target)
-            if v is not None and (fastest is None or v * step < fastest[0]):
-                fastest = (v * step, s, sched)
+        per_fast = []  # per seed: the fastest synchronous schedule's time to that seed's target
+        for (seed, _), target in zip(seeds, targets):
+            best = None
+            for s in sync_labels:
+                sr = study.final(s, n)[0]
+                step, sched = clock.sync_step(s, sr["m"])
+                own = [q for q in study.final(s, n) if q["seed"] == seed]
+                if own:  # the curve rounds its losses: its last point is the run's exact final loss
+                    curve = [(v, loss) for v, _, loss in study.data.val[own[0]["run_id"]] if loss is not None]
+                    curve[-1] = (curve[-1][0], _final(own[0]))
+                else:
+                    curve = study.updates_curve(s, n)
+                v = time_to_target(curve, target)
+                if v is not None and (best is None or v * step < best[0]):
+                    best = (v * step, s, sched)
+            per_fast.append(best)
+        reached = [f for f in per_fast if f is not None]
+        if reached:
+            counts = {}
+            for f in reached:
+                counts[f[1:]] = counts.get(f[1:], 0) + 1
+            who = max(counts, key=counts.get)
+            fastest = (statistics.fmean(f[0] for f in reached), *who)
         losses = study.losses(label, n)
         t_mean = statistics.fmean(times)
-        if ">" in relations:
-            overhead_txt, speed_txt, fast_txt = f"> {max(per_seed):.2f}", f"< {t_same / t_mean:.2f}", \
-                (f"< {fastest[0] / t_mean:.2f}" if fastest else "—")
+        speeds = [t_same / t for t in times]
+        fasts = [f[0] / t for f, t in zip(per_fast, times) if f is not None]
+        bound = ">" in relations
+        overhead_txt = paired_text(per_seed, relations)
+        if bound:  # a seed that never reached its twin: its time is a lower bound, each ratio an upper one
+            speed_txt, fast_txt = f"< {max(speeds):.2f}", (f"< {max(fasts):.2f}" if fasts else "—")
         else:
-            mu, sd = mean_std(per_seed)
-            prefix = "≤ " if "≤" in relations else ""
-            overhead_txt = f"{prefix}{mu:.2f} ± {sd:.2f}" if len(per_seed) > 1 else f"{prefix}{mu:.2f}"
-            speed_txt = f"{t_same / t_mean:.2f}"
-            fast_txt = f"{fastest[0] / t_mean:.2f}" if fastest else "—"
+            speed_txt = paired_text(speeds, ["="] * len(speeds), minmax=False)
+            fast_txt = paired_text(fasts, ["="] * len(fasts), minmax=False) if fasts else "—"
+        mixed = any(len(c) > 1 or "unrecorded" in c for c in commits)
         rows.append({
             "method": label, "optimizer": _settings(runs[0], m), "tuned lr": study.lr_label(label, n),
             "seeds": len(runs), "final val loss": _fmt(losses), "flush twin": f"{_fmt(study.losses(base, n))} "
             f"(lr {study.lr(base, n):g})", "gap": statistics.fmean(losses) - statistics.fmean(study.losses(base, n)),
             "budgets trained": ", ".join(f"{b:g}" for b in sorted(budgets_trained)) or "1",
             "token overhead ÷ flush": overhead_txt,
+            "per seed (paired)": ", ".join(f"s{sd}{'' if paired else '*'} {_rel(rel)}{v:.2f}"
+                                           for (sd, paired), v, rel in zip(seeds, per_seed, relations)),
+            "commits": ("mixed: " if mixed else "") + ", ".join(sorted({c for cs in commits for c in cs})),
             "time-to-target (s)": f"{'> ' if '>' in relations else ''}{t_mean:.3g}",
             "speed-up vs twin": f"{speed_txt} ({sched_same})",
             "vs fastest synchronous": fast_txt + (f" ({fastest[1].split(' + ')[-1] if ' + ' in fastest[1] else 'adamw'}"
@@ -180,8 +232,10 @@ def overhead_rows(study: Study, spec: dict[str, Any], n: int,
         })
         relation = ">" if ">" in relations else "≤" if "≤" in relations else "="  # a bound above, below, or none
         facts[label] = {"overhead": statistics.fmean(per_seed), "relation": relation,
-                        "per_seed": list(zip(per_seed, relations)), "time_s": t_mean, "twin_time_s": t_same,
-                        "speedup": t_same / t_mean, "fastest": None if fastest is None else fastest[0] / t_mean,
+                        "per_seed": list(zip(per_seed, relations)), "seeds_paired": seeds, "commits": commits,
+                        "mixed_commits": mixed, "speedups": speeds, "fastest_per_seed": fasts,
+                        "time_s": t_mean, "twin_time_s": t_same,
+                        "speedup": statistics.fmean(speeds), "fastest": statistics.fmean(fasts) if fasts else None,
                         "baseline": base, "seeds": len(runs), "gap": rows[-1]["gap"],
                         "sync_schedule": sched_same}
     return rows, facts

@@ -77,6 +77,14 @@ def _ratio(cell: str) -> float:
     return float(cell.split()[0])
 
 
+def _ratios(throughput: float, overheads: list[float], relations: list[str]) -> str:
+    """throughput ÷ overhead per seed as a cell (:func:`~unbubble.experiments.overhead.paired_text`;
+    a ratio from a bounded overhead is itself a bound: "≤" reads "at most", ">" "more than")."""
+    from unbubble.experiments.overhead import paired_text
+
+    return paired_text([throughput / v for v in overheads], relations, minmax=False)
+
+
 def map_rows(measured: list[dict[str, Any]], facts: dict[str, dict]) -> list[dict[str, Any]]:
     """The map a user decides by, one row per (N, m): the simulated throughput of PACI (a = m) over
     the fastest synchronous schedule (gpt2-medium on H200, :func:`break_even_barrier_rows`:
@@ -100,15 +108,16 @@ def map_rows(measured: list[dict[str, Any]], facts: dict[str, dict]) -> list[dic
                              "with clip": f"≥ 1 while overhead < {_ratio(cell['stale vs sync']):.2f}"})
             for r in here:
                 f = facts[r["method"]]
-                over = f["overhead"]
-                # an overhead above the largest budget bounds the speed-up from above; one where PACI's own
-                # run already reached the twin's loss (≤ 1.00) from below
-                bound = {">": "< ", "≤": "≥ "}.get(f["relation"], "")
+                values = [v for v, _ in f["per_seed"]]
+                # per seed, paired: an overhead above the largest budget bounds that seed's speed-up from
+                # above; one where PACI's own run already reached its twin's loss (≤) from below
+                flip = [{">": "≤", "≤": "≥"}.get(rel, "=") for _, rel in f["per_seed"]]
                 rows.append({**base, "cell": "measured",
                              "model, horizon": f"{r['model']}, {r['method'].rsplit('@', 1)[-1]}",
-                             "token overhead": r["token overhead ÷ flush"],
-                             "time-to-target ÷ fastest sync": bound + f"{_ratio(cell['none']) / over:.2f}",
-                             "with clip": bound + f"{_ratio(cell['stale vs sync']) / over:.2f}"})
+                             "token overhead": r["token overhead ÷ flush"], "overhead (mean)": f["overhead"],
+                             "bound": f["relation"],
+                             "time-to-target ÷ fastest sync": _ratios(_ratio(cell["none"]), values, flip),
+                             "with clip": _ratios(_ratio(cell["stale vs sync"]), values, flip)})
     return rows
 
 
@@ -127,7 +136,7 @@ def map_figure(rows: list[dict[str, Any]], out: Path) -> Path:
                 label=f"N={n}: break-even (simulated, no barrier)")
         ax.plot(ms, [_ratio(cells[m]["with clip (stale vs sync)"]) for m in ms], ":", color=color,
                 label=f"N={n}: break-even with clip (stale vs sync)")
-        pts = [(r["m = a"], float(r["token overhead"].lstrip("<>≤ ").split()[0]), r["token overhead"][0] == ">")
+        pts = [(r["m = a"], r["overhead (mean)"], r["bound"] == ">")
                for r in rows if r["N"] == n and r["cell"] == "measured"]
         for bound, marker, what in ((False, "o", "measured token overhead"), (True, "^", "overhead above (not reached "
                                                                                           "within the budgets)")):
@@ -159,11 +168,8 @@ def analyse(out: Path, size: str) -> tuple[str, list[Path], list[dict[str, Any]]
         facts.update(part_facts)
         for row in table:
             m = next(x for x in spec["methods"] if x["label"] == row["method"])
-            per_seed = part_facts[row["method"]]["per_seed"]  # (overhead, "=" | "≤" | ">") per seed
             rows.append({"part": part, "N": max(spec["stages"]), "model": spec["base"]["model"],
-                         "a = m": m.get("a"), **row,
-                         "overhead per seed": ", ".join(f"{'' if rel == '=' else rel + ' '}{v:.2f}"
-                                                        for v, rel in sorted(per_seed))})
+                         "a = m": m.get("a"), **row})
     rerun = [r for r in runs if r["method"].endswith("(re-run)")]
     text = ""
     if rerun:
