@@ -1,26 +1,46 @@
-"""Split a model you already have into pipeline stages, by module names (DESIGN §10, "Split, don't rewrite").
+"""Split a model you already have into pipeline stages, by module names (docs/models.md).
 
 Named ``split`` beside ``partition``: ``partition.py`` balances *our* presets' blocks by an estimated
-cost and builds their stage classes; this module takes a *foreign* decoder-only causal LM (Hugging
-Face ``GPT2LMHeadModel`` / ``LlamaForCausalLM``, a torchtitan-layout model, or any model with
-per-stage module names) and cuts it where it stands, without rewriting it.
+cost and builds their stage classes; this module takes a *foreign* decoder-only causal LM (any
+Hugging Face ``*ForCausalLM`` whose decoder layers are one list, a torchtitan-layout model, or any
+model with per-stage module names) and cuts it where it stands, without rewriting it.
 
 [Note: stages keep the model's names]
-Each stage module holds copies of the submodules it owns under their original attribute paths, and
-the decoder layers in an ``nn.ModuleDict`` keyed by their original index, so a stage's
+Each stage module holds the submodules it owns under their original attribute paths, so a stage's
 ``state_dict()`` keys are the model's own fully-qualified names (``transformer.h.5.attn.c_attn.weight``
 on whichever stage holds block 5). The stages' state dicts merge into one ``model.state_dict()``
 (``unbubble.export``), as torchtitan prunes a meta-device model per stage (its
 ``pipeline_module_split``). Parameter-free modules every stage needs (Llama's rotary embedding) are
 copied into each stage; their buffers are non-persistent, so nothing is duplicated in a checkpoint.
 
+[Note: a stage runs the model's own forward]
+A stage of a Hugging Face model is a copy of the model in which every module another stage owns is
+a parameter-free stand-in: the token embedding (and any module with parameters that runs before the
+layers: GPT-2's position embedding) returns zeros of the shape it would return, so whatever the
+model multiplies or adds to them stays zero; a decoder layer returns its hidden states unchanged
+and keeps the attributes the model's forward reads (``attention_type``). The stage calls the
+model's own ``forward`` (``XForCausalLM.forward`` → ``XModel.forward``): a forward pre-hook on its
+first layer puts the received hidden states in place of that layer's input, a forward hook on its
+last layer ends the forward there (a private exception the stage catches) and hands the layer's
+output on; the last stage lets the forward run to the logits. Masks per layer type, rotary tables,
+embedding scales and multipliers, the final norm, logit scale and soft-cap are thus the model's own
+code on every stage. Which modules run before the layers (the first stage's) and after them (the
+last stage's), and how a layer takes and returns its hidden states, come from one forward of the
+model on 4 token ids (:func:`trace_hf`). There is no list of families: the probe
+(:func:`verify_split`) is the gate. Refused in one line, naming the feature, is what cannot cross a
+boundary this way: per-layer input embeddings computed from the token ids (Gemma3n, Gemma4), keys
+and values shared across layers, a router load-balancing loss summed over all layers, encoder-
+decoder models, a model with no list of decoder layers, a module with parameters that runs between
+the layers, and (without ``untie=True``) weights tied across stages.
+
 What crosses a boundary of an HF model ([Note: stage boundaries carry pytrees]): a dict
-``{"hidden_states", "attention_mask", "position_ids"}``. The 2-D padding mask and the position ids
-travel; each stage rebuilds the 4-D causal mask (``transformers.masking_utils.create_causal_mask``,
-as the whole model does once) and Llama's rotary tables from them, so ``attn_implementation="eager"``
-is causal and respects padding on every stage. The first stage takes a dict batch (``input_ids``,
-optional ``attention_mask``, ``position_ids``) or the token ids alone; the last returns the logits
-``(B, T, vocab)``.
+``{"hidden_states", "attention_mask", "position_ids"}`` (the batch's own mask and position ids,
+``None`` where it gave none, and any other keyword input it gave). Each stage's forward rebuilds
+the masks and rotary tables from them, as the whole model does once. The model's cache is not built
+(``use_cache=False``) except where the whole model's would change the result: under
+``config.use_cache`` with position ids and no mask, HF reads no packed rows. The first stage takes
+a dict batch (``input_ids``, optional ``attention_mask``, ``position_ids``) or the token ids alone;
+the last returns the logits ``(B, T, vocab)``.
 
 Tied weights: a parameter reachable under two names on two stages (GPT-2's ``transformer.wte.weight``
 and ``lm_head.weight``) cannot be shared by asynchronous stages: :func:`split_model` refuses it in one
@@ -45,8 +65,9 @@ from unbubble.models.partition import partition_by_cost
 
 log = logging.getLogger(__name__)
 
-#: the layouts :func:`split_model` recognises by their module names
-LAYOUTS = ("hf-gpt2", "hf-llama", "torchtitan")
+#: the layouts :func:`split_model` recognises: a Hugging Face causal LM (any family whose decoder
+#: layers are one list), torchtitan's by its module names
+LAYOUTS = ("hf", "torchtitan")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,64 +78,84 @@ class Plan:
         layout: one of :data:`LAYOUTS`, or ``"names"`` (given per-stage names: the pruned model's own forward).
         names: per stage, the fully-qualified module names it owns, in order.
         layers: per stage, the original indices of its decoder layers.
+        hf: for a Hugging Face model, what the stages need of its forward (:class:`HFTrace`), else None.
     """
 
     layout: str
     names: tuple[tuple[str, ...], ...]
     layers: tuple[tuple[int, ...], ...]
+    hf: "HFTrace | None" = None
 
 
-#: Hugging Face ``model_type``s :func:`split_model` supports, each with the rule its own forward
-#: (transformers 5.x) uses for each decoder layer's attention mask: ``"full"`` (every layer causal),
-#: ``"window"`` (every layer a sliding window when ``config.sliding_window`` is set: Mistral's
-#: ``mask_function``), ``"layer_types"`` (``config.layer_types[i]``: Qwen2's and Gemma2's mapping).
-#: Embedding scales live in the embedding module (Gemma's ``GemmaTextScaledWordEmbedding``), the
-#: final-logit soft-cap is applied by the last stage (``config.final_logit_softcapping``).
-HF_FAMILIES = {"gpt2": "full", "llama": "full", "gemma": "full", "mistral": "window", "mixtral": "window",
-               "phi3": "window", "qwen2": "layer_types", "qwen3": "layer_types", "qwen2_moe": "layer_types",
-               "gemma2": "layer_types"}
+@dataclasses.dataclass(frozen=True)
+class HFTrace:
+    """What one forward of a Hugging Face model showed ([Note: a stage runs the model's own forward]).
+
+    Attributes:
+        layers: the decoder-layer list's fully-qualified name (``model.layers``, ``transformer.h``).
+        before, after: modules holding parameters (or persistent buffers) outside the layers that
+            the forward calls before the first layer (the first stage owns them) or after the last
+            (the last stage owns them); a module it never calls goes to the first stage.
+        outputs: per such module, ``(name, trailing size, dtype)`` of its tensor output, or
+            ``(name, None, None)`` when it returns something else (what its stand-in returns).
+        embedding: the input embedding's name (``get_input_embeddings``), or ``""``.
+        layer_returns: 0 when a decoder layer returns its hidden states, n when a tuple of n, the
+            hidden states first (older families: Falcon, GPT-Neo, MPT).
+        layer_input: ``""`` when a layer takes its hidden states as its first positional argument,
+            else the keyword the model passes them by.
+    """
+
+    layers: str
+    before: tuple[str, ...]
+    after: tuple[str, ...]
+    outputs: tuple[tuple[str, int | None, torch.dtype | None], ...]
+    embedding: str
+    layer_returns: int
+    layer_input: str
+
+
+def _is_hf(model: nn.Module) -> bool:
+    return isinstance(getattr(getattr(model, "config", None), "model_type", None), str)
 
 
 def detect_layout(model: nn.Module) -> str:
-    """The layout of ``model``, one of :data:`LAYOUTS`: a Hugging Face model by its
-    ``config.model_type`` (:data:`HF_FAMILIES`), else torchtitan's by its module names.
+    """The layout of ``model``, one of :data:`LAYOUTS`: a Hugging Face model by its ``config``,
+    else torchtitan's by its module names.
 
     Raises:
-        ConfigError: an HF ``model_type`` split_model does not know, an HF model without ``lm_head``,
-            or a non-HF model of no known layout (names the supported ones).
+        ConfigError: a non-HF model of no known layout (names the supported ones).
     """
+    if _is_hf(model):
+        return "hf"
     names = dict(model.named_children())
-    model_type = getattr(getattr(model, "config", None), "model_type", None)
-    if isinstance(model_type, str):
-        if model_type not in HF_FAMILIES:
-            raise ConfigError(f"model_type {model_type!r} ({type(model).__name__}) is not a family unbubble splits: "
-                              f"{', '.join(sorted(HF_FAMILIES))} (decoder-only causal LMs whose forward it mirrors)")
-        if "lm_head" not in names:
-            raise ConfigError(f"{type(model).__name__} has no lm_head: split_model takes a causal LM "
-                              f"({model_type}: its *ForCausalLM class)")
-        return "hf-gpt2" if model_type == "gpt2" else "hf-llama"
     if {"tok_embeddings", "layers", "norm", "output"} <= set(names) and isinstance(model.layers, nn.ModuleDict):
         return "torchtitan"
-    raise ConfigError(f"{type(model).__name__} has none of the layouts split_model knows (a Hugging Face causal LM "
-                      f"of model_type {', '.join(sorted(HF_FAMILIES))}; torchtitan: tok_embeddings, layers "
-                      "(ModuleDict), norm, output): give module_names_per_stage=[[names of stage 0], …]")
+    raise ConfigError(f"{type(model).__name__} has none of the layouts split_model knows (a Hugging Face causal LM; "
+                      "torchtitan: tok_embeddings, layers (ModuleDict), norm, output): give "
+                      "module_names_per_stage=[[names of stage 0], …]")
 
 
-def attention_types(config) -> list[str]:
-    """Each decoder layer's attention type, ``"full_attention"`` or ``"sliding_attention"``, as the
-    model's own forward picks its mask (:data:`HF_FAMILIES`)."""
-    rule = HF_FAMILIES[config.model_type]
-    n = config.num_hidden_layers
-    if rule == "layer_types":
-        return list(config.layer_types)[:n]
-    if rule == "window" and getattr(config, "sliding_window", None) is not None:
-        return ["sliding_attention"] * n
-    return ["full_attention"] * n
+def _text_config(config):
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
 def _check_hf_features(model: nn.Module) -> None:
-    """Refuses what no stage can compute locally (one line each)."""
+    """Refuses, in one line naming the feature, what cannot cross a stage boundary: a stage passes
+    on only the hidden states, the padding mask and the position ids."""
     config = model.config
+    text = _text_config(config)
+    name = f"{config.model_type} ({type(model).__name__})"
+    if getattr(config, "is_encoder_decoder", False):
+        raise ConfigError(f"{name} is an encoder-decoder model: split_model splits decoder-only causal LMs (the "
+                          "decoder's layers read the encoder's output, which no stage boundary carries)")
+    if getattr(text, "hidden_size_per_layer_input", None):
+        raise ConfigError(f"{name} has per-layer input embeddings (hidden_size_per_layer_input="
+                          f"{text.hidden_size_per_layer_input}): every layer reads a tensor computed from the token ids "
+                          "beside the hidden states, which no stage boundary carries")
+    if getattr(text, "num_kv_shared_layers", None):
+        raise ConfigError(f"{name} shares keys and values across layers (num_kv_shared_layers="
+                          f"{text.num_kv_shared_layers}): a layer reads another layer's keys and values, which no stage "
+                          "boundary carries")
     if getattr(config, "output_router_logits", False):
         raise ConfigError(f"{config.model_type} with output_router_logits=True: its load-balancing loss multiplies "
                           "expert counts summed over all layers by router probabilities summed over all layers, so "
@@ -122,22 +163,135 @@ def _check_hf_features(model: nn.Module) -> None:
                           "config.output_router_logits=False")
 
 
-def _parts(model: nn.Module, layout: str) -> tuple[str, tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
-    """``(layer container, first stage's, last stage's, every stage's module names)``. A decoder HF
-    model's come from its own ``base_model_pp_plan`` (``embed_tokens``, ``layers``, ``norm`` under
-    ``base_model_prefix``) and ``lm_head``; its parameter-free rotary embedding goes to every stage."""
-    if layout == "hf-gpt2":
-        return "transformer.h", ("transformer.wte", "transformer.wpe", "transformer.drop"), \
-            ("transformer.ln_f", "lm_head"), ()
+def _layer_list(model: nn.Module) -> str:
+    """The decoder-layer list of an HF model: ``base_model_pp_plan``'s ``layers`` under its
+    ``base_model_prefix``, else the outermost ``nn.ModuleList`` of ``num_hidden_layers`` entries.
+
+    Raises:
+        ConfigError: a feature no stage boundary carries (:func:`_check_hf_features`), or no decoder-layer list."""
+    _check_hf_features(model)
+    prefix = getattr(model, "base_model_prefix", "")
+    plan = getattr(model.config, "base_model_pp_plan", None) or {}
+    if "layers" in plan and prefix and isinstance(getattr(model, prefix, None), nn.Module):
+        name = f"{prefix}.layers"
+        if isinstance(getattr(model.get_submodule(prefix), "layers", None), nn.ModuleList):
+            return name
+    n = getattr(_text_config(model.config), "num_hidden_layers", None)
+    for fqn, module in model.named_modules():
+        if isinstance(module, nn.ModuleList) and len(module) == n and n:
+            return fqn
+    raise ConfigError(f"{model.config.model_type} ({type(model).__name__}) has no list of decoder layers "
+                      f"(an nn.ModuleList of its num_hidden_layers={n} layers): split_model cuts between the layers "
+                      "of such a list")
+
+
+def _owners(model: nn.Module, layers: str) -> list[str]:
+    """Modules outside the decoder layers that hold parameters or persistent buffers themselves."""
+    out = []
+    for fqn, module in model.named_modules():
+        if fqn == layers or fqn.startswith(layers + "."):
+            continue
+        persistent = [k for k in module._buffers if k not in module._non_persistent_buffers_set]
+        if module._parameters or persistent:
+            out.append(fqn)
+    return out
+
+
+def trace_hf(model: nn.Module) -> HFTrace:
+    """One forward of ``model`` on 4 token ids (no gradients, eval mode; the model is not changed)
+    with hooks that record the order of its calls: which modules outside the decoder layers run
+    before them (the first stage's) and after them (the last stage's), and how a layer takes and
+    returns its hidden states.
+
+    Raises:
+        ConfigError: a feature no stage boundary carries (:func:`_check_hf_features`), no decoder-layer
+            list, a module with parameters that runs between the layers (used by layers of several
+            stages) or contains them, layers that run out of order or twice, or a model whose forward
+            fails on the ids.
+    """
+    layers_name = _layer_list(model)
+    layers = model.get_submodule(layers_name)
+    owners = _owners(model, layers_name)
+    for fqn in owners:
+        if fqn == "" or layers_name.startswith(fqn + "."):
+            what = type(model.get_submodule(fqn)).__name__
+            direct = [*model.get_submodule(fqn)._parameters, *model.get_submodule(fqn)._buffers]
+            raise ConfigError(f"{fqn or 'the model'} ({what}) holds parameters itself ({', '.join(direct)}) and "
+                              f"contains the decoder layers ({layers_name}): no stage can own them alone")
+    events: list[tuple[str, Any]] = []
+    shapes: dict[str, tuple[int | None, torch.dtype | None]] = {}
+    kinds: list[tuple[int, str]] = []
+
+    def on_layer(i, module, args, kwargs):
+        events.append(("layer", i))
+        kinds.append((-1, "" if args else next(iter(kwargs), "")))
+
+    def off_layer(i, module, args, kwargs, out):
+        n, how = kinds[-1]
+        kinds[-1] = (len(out) if isinstance(out, tuple) else 0, how)
+
+    def on_owner(fqn, module, args):
+        events.append(("owner", fqn))
+
+    def off_owner(fqn, module, args, out):
+        shapes.setdefault(fqn, (out.shape[-1], out.dtype) if isinstance(out, torch.Tensor) and out.dim() else
+                          (None, None))
+
+    hooks = []
+    for i, layer in enumerate(layers):
+        hooks.append(layer.register_forward_pre_hook(functools.partial(on_layer, i), with_kwargs=True))
+        hooks.append(layer.register_forward_hook(functools.partial(off_layer, i), with_kwargs=True))
+    for fqn in owners:
+        module = model.get_submodule(fqn)
+        hooks.append(module.register_forward_pre_hook(functools.partial(on_owner, fqn)))
+        hooks.append(module.register_forward_hook(functools.partial(off_owner, fqn)))
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    vocab = getattr(_text_config(model.config), "vocab_size", None) or 2
+    was = model.training
+    try:
+        model.eval()
+        with torch.no_grad():
+            model(input_ids=torch.arange(1, 5, device=device).remainder(vocab).unsqueeze(0))
+    except Exception as exc:  # noqa: BLE001 - the model's own forward on its own ids
+        raise ConfigError(f"{type(model).__name__}'s own forward fails on 4 token ids: {type(exc).__name__}: {exc} "
+                          "(split_model runs it once to see which modules run before and after the layers)") from None
+    finally:
+        model.train(was)
+        for h in hooks:
+            h.remove()
+    ran = [i for kind, i in events if kind == "layer"]
+    if ran != list(range(len(ran))) or not ran:
+        raise ConfigError(f"{type(model).__name__}'s forward runs its decoder layers {layers_name} in the order {ran}: "
+                          "split_model cuts a list the forward runs once each, in order")
+    first = events.index(("layer", 0))
+    last = len(events) - 1 - events[::-1].index(("layer", ran[-1]))
+    before, after = [], []
+    for fqn in owners:
+        at = [j for j, e in enumerate(events) if e == ("owner", fqn)]
+        if any(first < j < last for j in at) or (at and at[0] < first and at[-1] > last):
+            raise ConfigError(f"{fqn} ({type(model.get_submodule(fqn)).__name__}) holds parameters and runs between "
+                              f"the decoder layers: layers on several stages would share it, which no stage boundary "
+                              "carries")
+        (after if at and at[0] > last else before).append(fqn)
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    embedding = next((fqn for fqn, m in model.named_modules() if m is emb), "") if emb is not None else ""
+    returns = {n for n, _ in kinds}
+    inputs = {how for _, how in kinds}
+    if len(returns) > 1 or len(inputs) > 1:
+        raise ConfigError(f"{type(model).__name__}'s decoder layers differ in how they take or return their hidden "
+                          f"states (returns {sorted(returns)}, inputs {sorted(inputs)}): split_model needs one way")
+    return HFTrace(layers_name, tuple(before), tuple(after),
+                   tuple((fqn, *shapes.get(fqn, (None, None))) for fqn in owners), embedding, returns.pop(),
+                   inputs.pop())
+
+
+def _parts(model: nn.Module, layout: str, trace: HFTrace | None = None) \
+        -> tuple[str, tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
+    """``(layer container, first stage's, last stage's, every stage's module names)``; an HF
+    model's from its :class:`HFTrace`."""
     if layout == "torchtitan":
         return "layers", ("tok_embeddings",), ("norm", "output"), ()
-    prefix = model.base_model_prefix
-    plan = getattr(model.config, "base_model_pp_plan", None) or {}
-    if not {"embed_tokens", "layers", "norm"} <= set(plan):
-        raise ConfigError(f"{type(model).__name__} declares no base_model_pp_plan with embed_tokens, layers and norm: "
-                          "split_model cannot tell its stages apart")
-    every = (f"{prefix}.rotary_emb",) if hasattr(model.get_submodule(prefix), "rotary_emb") else ()
-    return f"{prefix}.layers", (f"{prefix}.embed_tokens",), (f"{prefix}.norm", "lm_head"), every
+    return trace.layers, trace.before, trace.after, ()
 
 
 def count_layers(model: nn.Module) -> int:
@@ -145,7 +299,8 @@ def count_layers(model: nn.Module) -> int:
 
     Raises:
         ConfigError: a model of no known layout (as :func:`split_model`)."""
-    return len(model.get_submodule(_parts(model, detect_layout(model))[0]))
+    layout = detect_layout(model)
+    return len(model.get_submodule(_layer_list(model) if layout == "hf" else "layers"))
 
 
 def plan_split(model: nn.Module, n_stages: int | None = None, cuts: Sequence[int] | None = None,
@@ -179,7 +334,8 @@ def plan_split(model: nn.Module, n_stages: int | None = None, cuts: Sequence[int
         _check_names_cover(model, plan)
         return plan
     layout = detect_layout(model)
-    prefix, first, last, every = _parts(model, layout)
+    trace = trace_hf(model) if layout == "hf" else None
+    prefix, first, last, every = _parts(model, layout, trace)
     layers = model.get_submodule(prefix)
     keys = list(layers.keys()) if isinstance(layers, nn.ModuleDict) else [str(i) for i in range(len(layers))]
     n_layer = len(keys)
@@ -209,7 +365,7 @@ def plan_split(model: nn.Module, n_stages: int | None = None, cuts: Sequence[int
             own += list(last)
         names.append(tuple(own))
         idx.append(tuple(int(keys[i]) if keys[i].isdigit() else i for i in group))
-    return Plan(layout, tuple(names), tuple(idx))
+    return Plan(layout, tuple(names), tuple(idx), trace)
 
 
 def _check_names_cover(model: nn.Module, plan: Plan) -> None:
@@ -260,117 +416,156 @@ def tied_across_stages(model: nn.Module, plan: Plan) -> list[tuple[str, str, int
     return out
 
 
-def _get(model: nn.Module, fqn: str) -> nn.Module:
-    return model.get_submodule(fqn)
+class _Handoff(Exception):
+    """Raised by the hook on a stage's last layer: ends the model's forward there with its output."""
+
+    def __init__(self, hidden_states: torch.Tensor):
+        super().__init__("a stage's last layer ran")
+        self.hidden_states = hidden_states
 
 
-def _place(root: nn.Module, fqn: str, module: nn.Module) -> None:
-    """Puts ``module`` at ``fqn`` under ``root``, creating plain containers on the way (a numeric
-    last part under a layer container goes into an ``nn.ModuleDict``)."""
-    parts = fqn.split(".")
-    node = root
-    for i, part in enumerate(parts[:-1]):
-        child = node._modules.get(part)
-        if child is None:
-            child = nn.ModuleDict() if parts[i + 1].isdigit() else nn.Module()
-            node.add_module(part, child)
-        node = child
-    node.add_module(parts[-1], module)
+class _Slot:
+    """The hidden states a stage received, which the hook on its first layer puts in place of the layer's input."""
+
+    def __init__(self):
+        self.received: torch.Tensor | None = None
 
 
-@functools.lru_cache(maxsize=None)
-def _cache_argument(fn) -> str:
-    import inspect
+def _receive(slot: _Slot, keyword: str, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    if keyword:
+        return args, {**kwargs, keyword: slot.received}
+    return (slot.received, *args[1:]), kwargs
 
-    return "cache" if "cache" in inspect.signature(fn).parameters else "past_key_values"  # transformers < 5.2x
+
+def _hand_off(module: nn.Module, args: tuple, output: Any) -> None:
+    raise _Handoff(output[0] if isinstance(output, tuple) else output)
 
 
-def _no_cache(fn) -> dict[str, None]:
-    """``{name: None}`` for a transformers mask function's cache argument, by this version's name."""
-    return {_cache_argument(fn): None}
+class StandInLayer(nn.Module):
+    """A decoder layer another stage holds: returns its hidden states unchanged, as the layer returns
+    them (the tensor, or a tuple of :attr:`HFTrace.layer_returns` with the tensor first), and keeps
+    the layer's plain attributes the model's forward reads (``attention_type``, ``layer_idx``, …).
+    No parameters."""
+
+    def __init__(self, layer: nn.Module, returns: int, keyword: str):
+        super().__init__()
+        for key, value in vars(layer).items():
+            if not key.startswith("_") and key != "training" and not isinstance(value, (nn.Module, torch.Tensor)):
+                setattr(self, key, value)
+        self._returns, self._keyword = returns, keyword
+
+    def forward(self, *args, **kwargs):
+        h = kwargs[self._keyword] if self._keyword else args[0]
+        return (h, *(None,) * (self._returns - 1)) if self._returns else h
+
+
+class StandIn(nn.Module):
+    """A module outside the layers another stage holds (the token embedding on later stages, the
+    final norm and head on earlier ones): returns zeros of the trailing size the module returns
+    (``(…, C)`` for ids ``(…)``, ``(…, C)`` for a float ``(…, C')``), so whatever the model
+    multiplies or adds them to stays what the stage's first layer replaces; or its first input where
+    the module returns no tensor. No parameters; a zero-size non-persistent buffer follows the
+    stage's dtype and device (``.to(torch.bfloat16)``)."""
+
+    def __init__(self, size: int | None, dtype: torch.dtype | None):
+        super().__init__()
+        self.size = size
+        self.register_buffer("like", torch.zeros(0, dtype=dtype or torch.float32), persistent=False)
+
+    def zeros(self, lead: Sequence[int]) -> torch.Tensor:
+        return torch.zeros(*lead, self.size, dtype=self.like.dtype, device=self.like.device)
+
+    def forward(self, *args, **kwargs):
+        x = args[0] if args else next(iter(kwargs.values()), None)
+        if self.size is None or not isinstance(x, torch.Tensor):
+            return x
+        return self.zeros(x.shape[:-1] if x.is_floating_point() else x.shape)
 
 
 class HFStage(nn.Module):
-    """One stage of a Hugging Face causal LM of :data:`HF_FAMILIES` ([Note: stages keep the model's names]).
-
-    Every layer gets what the model's own forward gives it: the causal mask of its attention type
-    (full or sliding window, :func:`attention_types`), built by transformers' own
-    ``create_causal_mask`` / ``create_sliding_window_causal_mask`` from the 2-D padding mask and the
-    position ids; packed rows (position ids restarting mid-row, no mask) as the whole model treats
-    them: one causal row with restarting positions under ``config.use_cache`` (its default: the
-    model then builds a cache, and HF detects no packing), each document attending only within
-    itself with ``use_cache=False``; the rotary tables; on the last stage the final norm, the head and the
-    final-logit soft-cap (Gemma2's ``final_logit_softcapping``).
+    """One stage of a Hugging Face causal LM, running the model's own ``forward``
+    ([Note: a stage runs the model's own forward]).
 
     Args:
-        config: the model's ``PretrainedConfig`` (its attention implementation picks the mask format).
-        layout: ``"hf-gpt2"`` or ``"hf-llama"`` (every decoder family with ``base_model_pp_plan``).
-        layers: the original indices of this stage's decoder layers.
+        model: a copy of the model in which the modules other stages own are :class:`StandIn` /
+            :class:`StandInLayer` (its children become the stage's: its names are the model's).
+        trace: the model's :class:`HFTrace`.
+        layers: the original indices of this stage's decoder layers (contiguous).
         first, last: whether it holds the embeddings / the final norm and head.
 
-    Input: a dict batch (``input_ids`` ``(B, T)`` int64, optional ``attention_mask`` ``(B, T)`` 0/1,
-    ``position_ids``) or the ids tensor on the first stage; else the previous stage's dict. Output:
-    ``{"hidden_states" (B, T, C), "attention_mask", "position_ids"}``, or the logits ``(B, T, V)`` on the last.
+    Input: on the first stage a dict batch (``input_ids`` ``(B, T)`` int64, optional
+    ``attention_mask`` ``(B, T)`` 0/1, ``position_ids`` ``(B, T)``, other keyword inputs of the
+    model) or the ids tensor; else the previous stage's dict. Output: ``{"hidden_states" (B, T, C),
+    "attention_mask", "position_ids", …}`` (the batch's own, ``None`` where it gave none), or the
+    logits ``(B, T, V)`` on the last stage.
     """
 
-    def __init__(self, config, layout: str, layers: Sequence[int], first: bool, last: bool):
+    def __init__(self, model: nn.Module, trace: HFTrace, layers: Sequence[int], first: bool, last: bool):
         super().__init__()
-        self.config, self.layout, self.layer_ids = config, layout, tuple(layers)
-        self.first, self.last = first, last
-        types = attention_types(config) if layout == "hf-llama" else ["full_attention"] * config.num_hidden_layers
-        self.attention_types = tuple(types[i] for i in self.layer_ids)
+        for name, child in model.named_children():
+            self.add_module(name, child)
+        # not submodules: the stage's state_dict keys are the model's own names
+        self.__dict__["_model"], self.__dict__["_slot"] = model, _Slot()
+        self.config, self.layer_ids, self.first, self.last = model.config, tuple(layers), first, last
+        self._embedding = trace.embedding
+        # The model builds a cache under config.use_cache; in one forward its only effect is that packed rows
+        # (position ids restarting, no mask) are not read as packed. Elsewhere the stage skips the cache's copies.
+        self._cache_reads_packing = bool(getattr(model.config, "use_cache", False))
+        container = model.get_submodule(trace.layers)
+        if not first:
+            container[self.layer_ids[0]].register_forward_pre_hook(
+                functools.partial(_receive, self._slot, trace.layer_input), with_kwargs=True)
+        if not last:
+            container[self.layer_ids[-1]].register_forward_hook(_hand_off)
 
-    def _layers(self):
-        root = self.transformer.h if self.layout == "hf-gpt2" else self.model.layers
-        return [root[str(i)] for i in self.layer_ids]
-
-    def _masks(self, h: torch.Tensor, mask: Any, pos: torch.Tensor) -> dict[str, Any]:
-        from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
-
-        build = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
-        # The whole model builds a cache when config.use_cache (the default), and HF then reads no
-        # packed rows from the position ids; without one it attends within each packed document.
-        packed = None if getattr(self.config, "use_cache", False) else pos
-        return {kind: build[kind](config=self.config, inputs_embeds=h, attention_mask=mask, position_ids=packed,
-                                  **_no_cache(build[kind])) for kind in sorted(set(self.attention_types))}
+    def train(self, mode: bool = True) -> "HFStage":
+        super().train(mode)
+        self._model.training = mode
+        return self
 
     def forward(self, x: Any) -> Any:
         if self.first:
-            batch = x if isinstance(x, dict) else {"input_ids": x}
-            ids = batch["input_ids"]
-            mask, pos = batch.get("attention_mask"), batch.get("position_ids")
-            if pos is None:  # as the whole model does without a cache
-                pos = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0)
-            if self.layout == "hf-gpt2":
-                t = self.transformer
-                h = t.drop(t.wte(ids) + t.wpe(pos))
-            else:
-                h = self.model.embed_tokens(ids)  # Gemma's scale is the embedding module's own
+            call = dict(x) if isinstance(x, dict) else {"input_ids": x}
+            h = None
         else:
-            h, mask, pos = x["hidden_states"], x["attention_mask"], x["position_ids"]
-        layers = self._layers()
-        if layers:
-            masks = self._masks(h, mask, pos)
-            if self.layout == "hf-gpt2":
-                for block in layers:
-                    h = block(h, None, masks["full_attention"], None, use_cache=False, position_ids=pos)
-            else:
-                rope = self.model.rotary_emb(h, position_ids=pos)  # recomputed on every stage: no parameters
-                for layer, kind in zip(layers, self.attention_types):
-                    h = layer(h, attention_mask=masks[kind], position_embeddings=rope, position_ids=pos, cache=None,
-                              use_cache=False)
-                    if isinstance(h, tuple):  # older transformers return (hidden_states, …)
-                        h = h[0]
-            if isinstance(h, tuple):
-                h = h[0]
-        if self.last:
-            norm = self.transformer.ln_f if self.layout == "hf-gpt2" else self.model.norm
-            logits = self.lm_head(norm(h))
-            cap = getattr(self.config, "final_logit_softcapping", None)
-            if cap is not None:  # as Gemma2ForCausalLM.forward
-                logits = torch.tanh(logits / cap) * cap
-            return logits
-        return {"hidden_states": h, "attention_mask": mask, "position_ids": pos}
+            h = x["hidden_states"]
+            call = {k: v for k, v in x.items() if k != "hidden_states" and v is not None}
+            stand_in = self._model.get_submodule(self._embedding) if self._embedding else None
+            # the model's embeddings on this stage: zeros, which the first layer's hook replaces
+            call["inputs_embeds"] = stand_in.zeros(h.shape[:-1]) if isinstance(stand_in, StandIn) else \
+                torch.zeros_like(h)
+        if not (self._cache_reads_packing and call.get("attention_mask") is None
+                and call.get("position_ids") is not None):
+            call["use_cache"] = False
+        self._slot.received = h
+        try:
+            out = self._model(**call)
+        except _Handoff as stop:
+            h = stop.hidden_states
+        else:
+            if not self.last:
+                raise RuntimeError(f"stage with layers {self.layer_ids} ran the model's forward to its end without its "
+                                   "last layer")
+            return out.logits if hasattr(out, "logits") else out[0]
+        finally:
+            self._slot.received = None
+        carry = {k: v for k, v in call.items() if k not in ("input_ids", "inputs_embeds", "use_cache")}
+        return {"hidden_states": h, "attention_mask": carry.pop("attention_mask", None),
+                "position_ids": carry.pop("position_ids", None), **carry}
+
+
+def _hf_stage(meta: nn.Module, plan: Plan, stage: int) -> HFStage:
+    """Stage ``stage`` of an HF plan: a copy of the (meta-device) model with stand-ins for what the
+    stage does not own (the copy never copies them)."""
+    trace, own, mine = plan.hf, set(plan.names[stage]), set(plan.layers[stage])
+    memo: dict = {}  # one memo per stage: weights tied within a stage stay one tensor
+    for i, layer in enumerate(meta.get_submodule(trace.layers)):
+        if i not in mine:
+            memo[id(layer)] = StandInLayer(layer, trace.layer_returns, trace.layer_input)
+    for name, size, dtype in trace.outputs:
+        if name not in own:
+            memo[id(meta.get_submodule(name))] = StandIn(size, dtype)
+    return HFStage(copy.deepcopy(meta, memo), trace, plan.layers[stage], stage == 0, stage == len(plan.names) - 1)
 
 
 def prune(model: nn.Module, names: Sequence[str], in_place: bool = False) -> nn.Module:
@@ -447,13 +642,7 @@ def build_stage(model: nn.Module, plan: Plan, stage: int, untie: bool = False,
     ``model`` is not changed)."""
     names = plan.names[stage]
     meta = model if tensors is not None else skeleton(model)
-    if plan.layout in ("names", "torchtitan"):
-        out = prune(meta, names)
-    else:
-        out = HFStage(meta.config, plan.layout, plan.layers[stage], stage == 0, stage == len(plan.names) - 1)
-        memo: dict = {}  # one memo per stage: weights tied within a stage stay one tensor
-        for fqn in names:
-            _place(out, fqn, copy.deepcopy(_get(meta, fqn), memo))
+    out = _hf_stage(meta, plan, stage) if plan.layout == "hf" else prune(meta, names)
     return materialize(out, tensors if tensors is not None else tensors_by_name(model))
 
 
@@ -521,11 +710,13 @@ def probe_batch(model: nn.Module, layout: str) -> tuple[Any, torch.Tensor]:
     with a padding mask (row 0 left-padded) and position ids, longer than its sliding window where
     one is set (so a window the split forgot changes the logits); labels ``-100`` on the padding."""
     g = torch.Generator().manual_seed(0)
-    if layout.startswith("hf-"):
-        cfg = model.config
+    if layout == "hf":
+        cfg = _text_config(model.config)
         most = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None) or 64
-        window = getattr(cfg, "sliding_window", None) if layout == "hf-llama" and \
-            "sliding_attention" in attention_types(cfg) else None
+        window = getattr(cfg, "sliding_window", None)
+        types = getattr(cfg, "layer_types", None)
+        used = any("sliding" in str(t) for t in types) if types else getattr(cfg, "use_sliding_window", True)
+        window = window if isinstance(window, int) and used else None
         t = min(most, max(16, (window or 0) + 4))
         ids = torch.randint(0, cfg.vocab_size, (2, t), generator=g)
         mask = torch.ones(2, t, dtype=torch.long)
@@ -547,12 +738,12 @@ def _last_modules(model: nn.Module, plan: Plan) -> list[str | None]:
     """Per stage but the last, the whole model's module whose output is that stage's output."""
     if plan.layout == "names":
         return [names[-1] if names else None for names in plan.names[:-1]]
-    prefix = _parts(model, plan.layout)[0]
+    prefix = plan.hf.layers if plan.layout == "hf" else "layers"
     return [f"{prefix}.{layers[-1]}" if layers else None for layers in plan.layers[:-1]]
 
 
 def verify_split(model: nn.Module, split: "SplitModel") -> Probe:
-    """Checks that the chained stages compute what the whole model computes (DESIGN §11): one
+    """Checks that the chained stages compute what the whole model computes: one
     probe batch (:func:`probe_batch`) through ``model`` and through fresh stages, in eval mode
     without gradients, comparing every stage's output with the whole model's at the same layer,
     the logits and the :func:`causal_lm_loss`. Costs one forward of the whole model and one of the
@@ -629,7 +820,8 @@ def split_model(model: nn.Module, n_stages: int | None = None, *, cuts: Sequence
     """Splits a decoder-only causal LM into pipeline stages ([Note: stages keep the model's names]).
 
     Args:
-        model: an HF ``GPT2LMHeadModel`` or ``LlamaForCausalLM``, a torchtitan-layout model
+        model: a Hugging Face causal LM (``*ForCausalLM``, ``GPT2LMHeadModel``: its decoder layers one list;
+            each stage runs its own forward, [Note: a stage runs the model's own forward]), a torchtitan-layout model
             (``tok_embeddings``, ``layers`` as a ``ModuleDict``, ``norm``, ``output``; its own ``forward``
             must skip modules that are ``None``), or any model with ``module_names_per_stage``.
         n_stages: N: layers split evenly by parameter count.
@@ -646,14 +838,13 @@ def split_model(model: nn.Module, n_stages: int | None = None, *, cuts: Sequence
         A :class:`SplitModel`: ``split(s)`` builds stage s, usable as ``PipelineJob.stage_fn``.
 
     Raises:
-        ConfigError: an unknown layout or ``model_type``, a bad stage count or cut, names that drop,
-            repeat or reorder a layer, a feature no stage can compute locally (MoE router logits),
+        ConfigError: an unknown layout, a bad stage count or cut, names that drop, repeat or reorder a
+            layer, a feature no stage boundary carries (:func:`trace_hf`: per-layer input embeddings,
+            keys and values shared across layers, MoE router logits, encoder-decoder, no layer list),
             weights tied across stages (one line naming both parameters and the fix), or stages that
             do not compute what the whole model computes (``verify``).
     """
     plan = plan_split(model, n_stages, cuts, module_names_per_stage)
-    if plan.layout.startswith("hf-"):
-        _check_hf_features(model)
     for a, b, sa, sb in tied_across_stages(model, plan):
         if not untie:
             raise ConfigError(f"{a} (stage {sa}) and {b} (stage {sb}) are one tied tensor on two stages, which "
