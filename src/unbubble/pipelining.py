@@ -76,9 +76,9 @@ from __future__ import annotations
 import contextlib
 import itertools
 import re
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -116,7 +116,7 @@ except ImportError:  # an older torch lacks some: the same one line as at constr
     _check_torch_version()
     raise
 
-__all__ = ["SchedulePACI", "TreeStage", "clip_grad_norm_pp", "split_torchtitan_model", "pipeline_paci",
+__all__ = ["SchedulePACI", "MicroBatches", "TreeStage", "clip_grad_norm_pp", "split_torchtitan_model", "pipeline_paci",
            "build_pipeline_schedule", "get_schedule_class", "TESTED_TORCH"]
 
 LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
@@ -140,6 +140,9 @@ LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
 #     per boundary, which also carries a TreeStage's output layout to the next stage ([Note: tree
 #     boundaries on torch's stage]);
 #   * PipelineStage.fwd_cache: drain() and eval() drop the graphs of the forwards they discard from it;
+#   * PipelineStage.args_recv_info / grad_recv_info (per chunk id: a tuple of _RecvInfo with a receive buffer and
+#     its _TensorMeta) and _resolve_peer_global_rank: a batch of new shapes re-makes a slot's buffers, and its
+#     shapes travel to the next stage ([Note: changing shapes on torch's stage]);
 #   * torch.distributed._composable.replicate's DDP class: refused inside a stage (it syncs on every backward).
 # tests/unit/test_pipelining.py::test_private_torch_seams_are_as_this_module_expects checks all of them, and
 # the schedule refuses any torch outside TESTED_TORCH at construction (_check_torch_version; at import when torch
@@ -200,6 +203,49 @@ class _torch_private:
         stage._send_meta, stage._recv_meta = send_meta, recv_meta
 
     @staticmethod
+    def shapes_op(stage: PipelineStage, shapes: tuple | None) -> tuple[dist.P2POp, torch.Tensor]:
+        """A point-to-point op carrying a batch's boundary shapes: an isend of ``shapes`` to the next stage
+        (encoded), or with ``shapes=None`` an irecv from the previous one (:func:`_decode_shapes` reads it)."""
+        if shapes is None:
+            buf = torch.empty(_SHAPES_LEN, dtype=torch.int64, device=stage.device)
+            peer = stage._resolve_peer_global_rank(stage.stage_index - 1)
+            return dist.P2POp(dist.irecv, buf, peer, stage.group), buf
+        buf = _encode_shapes(shapes).to(stage.device)
+        return dist.P2POp(dist.isend, buf, stage._resolve_peer_global_rank(stage.stage_index + 1), stage.group), buf
+
+    @staticmethod
+    def fit_buffers(infos: tuple, shapes: tuple) -> tuple:
+        """``infos`` (torch's ``_RecvInfo`` of one slot) with receive buffers of ``shapes`` (None: unchanged)."""
+        import dataclasses
+
+        from torch.distributed.pipelining.stage import _RecvInfo
+
+        out = []
+        for info, shape in zip(infos, shapes):
+            if info.buffer is None or shape is None or tuple(info.buffer.shape) == tuple(shape):
+                out.append(info)
+                continue
+            buffer = torch.empty(shape, dtype=info.buffer.dtype, device=info.buffer.device)
+            meta = info.tensor_meta
+            if dataclasses.is_dataclass(meta) and hasattr(meta, "shape"):
+                meta = dataclasses.replace(meta, shape=buffer.shape, stride=buffer.stride())
+            out.append(_RecvInfo(info.input_name, info.source, buffer, meta, is_root_arg=info.is_root_arg))
+        return tuple(out)
+
+    @staticmethod
+    def fit_act_recv(stage: PipelineStage, slot: int, shapes: tuple) -> None:
+        stage.args_recv_info[slot] = _torch_private.fit_buffers(stage.args_recv_info[slot], shapes)
+
+    @staticmethod
+    def fit_grad_recv(stage: PipelineStage, slot: int, shapes: tuple) -> None:
+        if slot in stage.grad_recv_info:
+            stage.grad_recv_info[slot] = _torch_private.fit_buffers(stage.grad_recv_info[slot], shapes)
+
+    @staticmethod
+    def act_recv_shapes(stage: PipelineStage, slot: int) -> tuple:
+        return tuple(None if i.buffer is None else tuple(i.buffer.shape) for i in stage.args_recv_info[slot])
+
+    @staticmethod
     def drop_forward(stage: PipelineStage, slot: int) -> None:
         stage.fwd_cache.pop(slot, None)
 
@@ -214,6 +260,29 @@ class _torch_private:
 
 
 _LAYOUT_TAG = "unbubble.TreeStage layout"
+_SHAPES_LEN = 64  # int64 words of a shapes message: [n, (ndim, dims…) per boundary tensor]
+
+
+def _encode_shapes(shapes: tuple) -> torch.Tensor:
+    words = [len(shapes)]
+    for shape in shapes:
+        words += [-1] if shape is None else [len(shape), *shape]
+    if len(words) > _SHAPES_LEN:
+        raise ConfigError(f"a stage boundary of {len(shapes)} tensors ({len(words)} shape words) is invalid: "
+                          f"SchedulePACI announces at most {_SHAPES_LEN} words of shapes per batch")
+    return torch.tensor(words + [0] * (_SHAPES_LEN - len(words)), dtype=torch.int64)
+
+
+def _decode_shapes(buf: torch.Tensor) -> tuple:
+    words, out, i = buf.tolist(), [], 1
+    for _ in range(words[0]):
+        if words[i] < 0:
+            out.append(None)
+            i += 1
+        else:
+            out.append(tuple(words[i + 1:i + 1 + words[i]]))
+            i += 1 + words[i]
+    return tuple(out)
 
 
 def _check_int(name: str, value: Any, what: str) -> None:
@@ -291,6 +360,41 @@ def _check_data_parallel(module: nn.Module) -> None:
                               f"gradients would be reduced on every backward; {supported}")
 
 
+class MicroBatches(NamedTuple):
+    """One batch already split into micro-batches, as torch's newest schedules take it (``step(arg_mbs=,
+    kwarg_mbs=, target_mbs=)``; torchtitan 0.3.0's ``pp_forward_backward_step`` builds exactly these lists).
+
+    A data iterator given to :meth:`SchedulePACI.step` may yield these instead of ``(inputs, target)`` pairs
+    (PACI's read-ahead then reaches into the next batch, [Note: the step contract]); ``step(arg_mbs=, …)`` wraps
+    its keywords in one. Every list has n_microbatches entries; a missing list means nothing of that kind.
+
+    Fields:
+        arg_mbs: per micro-batch, the first stage module's positional inputs, a tuple (torchtitan: ``(tokens,)``,
+            ``(B, T)`` int64); with :class:`TreeStage` a 1-tuple holding the inputs (a dict, tuple or tensor).
+        kwarg_mbs: per micro-batch, keyword inputs passed to this rank's stage module on every stage
+            (``positions``, ``attention_masks``: a mask tensor or a flex-attention ``BlockMask``).
+        target_mbs: per micro-batch, the last stage's targets (a tensor or a nest of them).
+        loss_kwargs: keyword arguments of every ``loss_fn`` call on this batch's micro-batches (torchtitan:
+            ``{"global_valid_tokens": n}``).
+    """
+
+    arg_mbs: list | None = None
+    kwarg_mbs: list | None = None
+    target_mbs: list | None = None
+    loss_kwargs: dict | None = None
+
+
+class _Args(tuple):
+    """A pre-split micro-batch's positional inputs (``arg_mbs[j]``), passed to the module as they are."""
+
+
+class _Batch(NamedTuple):
+    inputs: list  # per micro-batch: the first stage's one argument, or an _Args
+    kwargs: list  # per micro-batch: the stage module's keyword inputs
+    targets: list | None
+    loss_kwargs: dict
+
+
 def _merge(outputs: list) -> Any:
     """The micro-batches' outputs as one: tensor leaves concatenated along dim 0 (0-dim ones stacked)."""
     leaves, layout = zip(*(flatten(out) for out in outputs))
@@ -358,12 +462,14 @@ class TreeStage(nn.Module):
         self.in_layout: Layout | None = _UNSET
         self.out_layout: Layout | None = _UNSET  #: None for a tensor output
 
-    def forward(self, *args: torch.Tensor) -> Any:
+    def forward(self, *args: torch.Tensor, **kwargs: Any) -> Any:
         if self.in_layout is _UNSET:
             raise ConfigError(f"TreeStage({type(self.module).__name__}) has no input layout yet: SchedulePACI sets it "
                               "at its first step() (torch's own schedules cannot carry a tree boundary)")
         # one argument, as in unbubble's executor: the inputs or the previous stage's output, rebuilt
-        out = self.module(*args) if self.in_layout is None else self.module(unflatten(list(args), self.in_layout))
+        # a micro-batch's keyword inputs (an attention mask, a BlockMask) reach the module as keywords
+        out = (self.module(*args, **kwargs) if self.in_layout is None
+               else self.module(unflatten(list(args), self.in_layout), **kwargs))
         if isinstance(out, torch.Tensor):
             leaves, layout = out, None
         else:
@@ -493,9 +599,17 @@ class SchedulePACI(PipelineScheduleSingle):
         self._rebuild: Callable[[Any], Any] = self._tree.rebuild if self._tree is not None else (lambda out: out)
         self._fwd_version: dict[int, int] = {}
         self._loss: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # k -> (scaled loss, detached loss)
-        self._batches: dict[int, tuple[list, list | None]] = {}  # b -> (inputs, targets) of its m micro-batches
+        self._batches: dict[int, _Batch] = {}  # b -> its m micro-batches (as far as this stage reads them)
         self._next_batch = 0
         self._data: Iterator | None = None
+        # the pre-split form (step(arg_mbs=, ...)): the batches given and not yet read; the form of the first
+        # step() (None before it)
+        self._queue: deque[MicroBatches] = deque()
+        self._presplit: bool | None = None
+        # [Note: changing shapes on torch's stage]: batch -> the shapes of this stage's outputs (sent) and of
+        # the previous stage's (received)
+        self._send_shapes: dict[Any, tuple] = {}
+        self._recv_shapes: dict[Any, tuple] = {}
         self._sends: dict[str, list] = {"fwd": [], "bwd": []}
         self._hooks: SavedByReference | None = None
         self._initialized = False
@@ -541,50 +655,89 @@ class SchedulePACI(PipelineScheduleSingle):
         resume_state(self._state, state["steps"], self.a)  # next_micro_batch = steps · a
         self._next_batch = self._state.n_bwd // self.m
         self._batches.clear()
+        self._queue.clear()
+        self._send_shapes.clear()
+        self._recv_shapes.clear()
         self.drift = Counter(state.get("drift", {}))
 
     # -- the step -------------------------------------------------------------------------------------
-    def step(self, data: Iterator | None = None, *, losses: list | None = None, **kwargs) -> None:
+    def step(self, data: Iterator | None = None, *, losses: list | None = None, arg_mbs: list | None = None,
+             kwarg_mbs: list | None = None, target_mbs: list | None = None, loss_kwargs: dict | None = None,
+             return_outputs: bool = False, **kwargs) -> None:
         """Runs this stage's next a backwards and the forwards back-pressure admits ([Note: the step contract]).
 
+        Two forms. ``step(data)``: the micro-batches come from an iterator, and PACI's read-ahead into the next
+        batch is served from it. ``step(arg_mbs=, kwarg_mbs=, target_mbs=, losses=, loss_kwargs=)``: torch's
+        pre-split form (torchtitan 0.3.0's training step): one batch of n_microbatches micro-batches per call;
+        a forward the policy admits beyond the micro-batches given so far waits for the next call, so with a = m
+        every call ends drained (1F1B-flush's order and arithmetic) and PACI's read-ahead needs the iterator form
+        (yielding :class:`MicroBatches` for per-micro-batch keyword inputs). A run keeps the form of its first call.
+
         Args:
-            data: iterator of ``(inputs, target)`` batches: ``inputs`` a tensor, or (with :class:`TreeStage`) a
-                dict, tuple or list, the first stage's one argument per micro-batch, ``target`` a tensor or a nest of them; every tensor leaf has m·B rows along dim 0
-                (B the micro-batch size), other leaves pass through ([Note: how a batch is split]). Needed on the
-                first and last stage at the first call (later calls may pass it again or ``None``); ignored
-                elsewhere.
+            data: iterator of batches, each ``(inputs, target)`` or a :class:`MicroBatches`. ``(inputs, target)``:
+                ``inputs`` a tensor, or (with :class:`TreeStage`) a dict, tuple or list, the first stage's one
+                argument per micro-batch, ``target`` a tensor or a nest of them; every tensor leaf has m·B rows
+                along dim 0 (B the micro-batch size), other leaves pass through ([Note: how a batch is split]).
+                Needed on the first and last stage at the first call (later calls may pass it again or ``None``);
+                read on a middle stage when given (the keyword inputs of :class:`MicroBatches` items).
             losses: on the last stage, cleared and filled with this call's a unscaled micro-batch losses
                 (0-dim tensors, oldest first).
+            arg_mbs, kwarg_mbs, target_mbs, loss_kwargs: the pre-split form, as :class:`MicroBatches`' fields;
+                each list given has n_microbatches entries (arg_mbs on the first stage, target_mbs on the last).
+            return_outputs: torch's flag; SchedulePACI returns nothing (``True`` is refused).
 
         Raises:
-            ConfigError: ``data`` missing where it is read, not an iterator, a batch tensor whose dim 0 is not
-                a multiple of m, inputs other than a tensor on a first stage without :class:`TreeStage`, or extra
-                keyword arguments.
+            ConfigError: ``data`` missing where it is read, not an iterator, a batch tensor whose dim 0 is not a
+                multiple of m, inputs other than a tensor on a first stage without :class:`TreeStage`, both forms
+                or a change of form, a pre-split list of the wrong type or length, micro-batches of one batch
+                whose boundary shapes differ, ``return_outputs=True``, or other keyword arguments.
             RuntimeError: called under ``torch.no_grad()``, or the iterator ran out.
         """
         st = self._pp_stage
         if kwargs:
-            raise ConfigError(f"{', '.join(kwargs)}= is invalid for SchedulePACI.step: it takes the data iterator "
-                              "and losses= only (targets, and the first stage's inputs, a tensor or a dict of them, come "
-                              "with the iterator's batches)")
-        if data is not None:
+            raise ConfigError(f"{', '.join(kwargs)}= is invalid for SchedulePACI.step: it takes the data iterator, "
+                              "or torch's pre-split arg_mbs=, kwarg_mbs=, target_mbs=, loss_kwargs=, and losses=")
+        if return_outputs:
+            raise ConfigError("return_outputs=True is invalid for SchedulePACI.step: a call's backwards belong to "
+                              "micro-batches forwarded in earlier calls, so it returns no outputs; evaluate with "
+                              "eval() after drain()")
+        presplit = not (arg_mbs is None and kwarg_mbs is None and target_mbs is None and loss_kwargs is None)
+        if presplit and data is not None:
+            raise ConfigError("data= with arg_mbs=/kwarg_mbs=/target_mbs= is invalid: give the iterator or one "
+                              "pre-split batch per call, not both")
+        if self._presplit is not None and presplit != self._presplit:
+            raise ConfigError(f"a {'pre-split' if presplit else 'data-iterator'} step() after "
+                              f"{'pre-split' if self._presplit else 'data-iterator'} ones is invalid: the schedule "
+                              "reads ahead from one source, so a run keeps the form of its first step()")
+        if presplit:
+            self._queue.append(self._check_presplit(arg_mbs, kwarg_mbs, target_mbs, loss_kwargs))
+        elif data is not None:
             if not isinstance(data, Iterator):
                 raise ConfigError(f"data={type(data).__name__} is invalid: SchedulePACI.step takes an iterator of "
                                   "(inputs, target) batches, because the first stage reads up to N−1 micro-batches "
                                   "ahead of its update (pass iter(batches) or your data loader's iterator)")
             self._data = data
-        if (st.is_first or st.is_last) and self._data is None:
+        if not presplit and (st.is_first or st.is_last) and self._data is None:
             raise ConfigError(f"data=None is invalid on stage {st.stage_index}: the {'first' if st.is_first else 'last'} "
                               "stage reads the micro-batches' inputs or targets; pass the data iterator on every rank")
         if not torch.is_grad_enabled():
             raise RuntimeError("SchedulePACI.step() needs gradients: it was called under torch.no_grad()")
+        self._presplit = presplit
         st.has_backward = True
+        state, end = self._state, (self._state.version + 1) * self.a
+        # pre-split: forwards wait at the micro-batches given so far (every rank counts the same batches)
+        limit = (self._next_batch + len(self._queue)) * self.m if presplit else _ENDLESS
+        if self.flush:
+            limit = min(limit, end)
+        if limit < end:
+            raise ConfigError(f"a={self.a} is invalid with one pre-split batch of {self.m} micro-batches per step(): "
+                              f"update {state.version} needs micro-batches up to {end - 1}, {limit} were given; use "
+                              f"a ≤ n_microbatches ({self.m})")
         if not self._initialized:
             self._initialize()
-        state, end = self._state, (self._state.version + 1) * self.a
         call_losses: list[torch.Tensor] = []
         while True:  # the policy's order until its U ([Note: one PACI order])
-            action = self._policy.next_action(state, forward=not (self.flush and state.n_fwd >= end))
+            action = self._policy.next_action(state, forward=state.n_fwd < limit)
             if action.kind is ActionKind.U:
                 break
             if action.kind is ActionKind.F:
@@ -597,11 +750,34 @@ class SchedulePACI(PipelineScheduleSingle):
         _torch_private.reduce_grad(st)
         state.apply(action)  # U: the loop's optimizer.step() applies it after this call
         # under PACI the previous stage ends each call with exactly one forward more than this one
-        # (n_fwd = a·(t+1) + N − i on stage i − 1, one less here): drain() receives it
-        self._owed = not (st.is_first or self.flush)
+        # (n_fwd = a·(t+1) + N − i on stage i − 1, one less here): drain() receives it. Not when the previous
+        # stage's forwards stop at the same limit (flush, or the pre-split form's last given micro-batch).
+        self._owed = not (st.is_first or state.n_fwd >= limit)
         if st.is_last and losses is not None:
             losses.clear()
             losses.extend(call_losses)
+
+    def _check_presplit(self, arg_mbs: Any, kwarg_mbs: Any, target_mbs: Any, loss_kwargs: Any) -> MicroBatches:
+        """The pre-split keywords as one :class:`MicroBatches`, checked as torch's ``_check_inputs`` checks them."""
+        st = self._pp_stage
+        for name, mbs in (("arg_mbs", arg_mbs), ("kwarg_mbs", kwarg_mbs), ("target_mbs", target_mbs)):
+            if mbs is not None and (not isinstance(mbs, list) or len(mbs) != self.m):
+                got = f"a list of {len(mbs)}" if isinstance(mbs, list) else f"a {type(mbs).__name__}"
+                raise ConfigError(f"{name}= {got} is invalid: a list of n_microbatches={self.m} micro-batches")
+        if kwarg_mbs is not None and not all(isinstance(kw, dict) for kw in kwarg_mbs):
+            raise ConfigError("kwarg_mbs= is invalid: each micro-batch's keyword inputs are a dict")
+        if arg_mbs is not None and not all(isinstance(args, tuple) for args in arg_mbs):
+            raise ConfigError("arg_mbs= is invalid: each micro-batch's positional inputs are a tuple (torchtitan: "
+                              "(tokens,))")
+        if loss_kwargs is not None and not isinstance(loss_kwargs, dict):
+            raise ConfigError(f"loss_kwargs={type(loss_kwargs).__name__} is invalid: a dict of loss_fn keywords")
+        if st.is_first and arg_mbs is None:
+            raise ConfigError("arg_mbs=None is invalid on stage 0: the first stage's module needs each micro-batch's "
+                              "inputs")
+        if st.is_last and target_mbs is None:
+            raise ConfigError(f"target_mbs=None is invalid on stage {st.stage_index}: the last stage's loss needs each "
+                              "micro-batch's target")
+        return MicroBatches(arg_mbs, kwarg_mbs, target_mbs, loss_kwargs)
 
     def drain(self) -> None:
         """Leaves no micro-batch in flight and no send pending ([Note: the step contract]).
@@ -613,7 +789,7 @@ class SchedulePACI(PipelineScheduleSingle):
         """
         st, state = self._pp_stage, self._state
         if self._owed:  # the previous stage read one micro-batch further ahead than this one and sent it
-            self._recv(st.get_fwd_recv_ops(state.n_fwd % self._slots))
+            self._recv_forward(state.n_fwd)
             self._owed = False
         for k in range(state.n_bwd, state.n_fwd):
             _torch_private.drop_forward(st, k % self._slots)
@@ -630,9 +806,8 @@ class SchedulePACI(PipelineScheduleSingle):
         The batch splits into ``n_microbatches`` micro-batches as the training batches do ([Note: how a batch is
         split]); each runs forward on every stage in turn under ``torch.no_grad()``, on the weights of the last
         update the loop applied, and nothing stays in flight (no gradient, no update, ``steps`` unchanged). Every
-        rank calls it: the first stage with the inputs, the last with ``target``, the others with nothing. The
-        micro-batches must have the training micro-batches' shapes (torch's receive buffers are made at the first
-        ``step()``).
+        rank calls it: the first stage with the inputs, the last with ``target``, the others with nothing. Its
+        shapes may differ from the training batches' ([Note: changing shapes on torch's stage]).
 
         Args:
             args, kwargs: on the first stage, the batch's inputs as the data iterator gives them, as one positional
@@ -670,22 +845,25 @@ class SchedulePACI(PipelineScheduleSingle):
                               "SchedulePACI.eval: give the batch's inputs as one argument, as the data iterator gives "
                               "them, or a dict of inputs as keyword arguments")
         inputs = dict(kwargs) if kwargs else args[0] if args else None
-        input_mbs, target_mbs = self._split((inputs, target if st.is_last else None))
+        batch = self._split((inputs, target if st.is_last else None))
+        input_mbs, target_mbs = batch.inputs, batch.targets
         outputs, values = [], []
         with torch.no_grad():
             for j in range(self.m):
                 slot = j % self._slots
                 if not st.is_first:
-                    self._recv(st.get_fwd_recv_ops(slot))
+                    self._recv_forward(j, batch="eval")
                 out = _torch_private.forward(st, slot, self._first_args(input_mbs[j]) if st.is_first else (), {})
                 if st.is_last:
                     outputs.append(self._rebuild(out))
                     if target_mbs is not None:
                         values.append(self._user_loss(outputs[-1], target_mbs[j]).detach())
                 else:
-                    self._send("fwd", st.get_fwd_send_ops(slot))
+                    self._send_forward(j, slot, out, batch="eval")
                 _torch_private.drop_forward(st, slot)
         self._wait("fwd")
+        self._send_shapes.pop("eval", None)
+        self._recv_shapes.pop("eval", None)
         if st.is_last and losses is not None and target_mbs is not None:
             losses.clear()
             losses.extend(values)
@@ -698,22 +876,25 @@ class SchedulePACI(PipelineScheduleSingle):
         target = self._target(k) if st.is_last else None
         # every stage forwards the layout of its output with torch's inference metadata (a plain stage: None)
         _torch_private.carry_layouts(st, self._tree)
-        _torch_private.initialize_stage(self, args, {}, target, self._rebuild)
+        _torch_private.initialize_stage(self, args, self._kwargs(k), target, self._rebuild)
         self._hooks = SavedByReference(st.submod.parameters())
         self._initialized = True
+        # torch made every slot's buffers for micro-batch k's shapes: those of its batch on both sides
+        if not st.is_first:
+            self._recv_shapes[k // self.m] = _torch_private.act_recv_shapes(st, 0)
 
     def _forward(self, k: int) -> None:
         st, slot = self._pp_stage, k % self._slots
         args = self._first_args(self._inputs(k)) if st.is_first else ()
         if not st.is_first:
-            self._recv(st.get_fwd_recv_ops(slot))
+            self._recv_forward(k)
         with self._hooks():
-            out = _torch_private.forward(st, slot, args, {})
+            out = _torch_private.forward(st, slot, args, self._kwargs(k))
             if st.is_last:
-                loss = self._user_loss(self._rebuild(out), self._target(k))
+                loss = self._user_loss(self._rebuild(out), self._target(k), **self._batch_of(k).loss_kwargs)
                 self._loss[k] = (loss if self._scale is None else loss * self._scale, loss.detach())
         if not st.is_last:
-            self._send("fwd", st.get_fwd_send_ops(slot))
+            self._send_forward(k, slot, out)
         self._fwd_version[k] = self._state.version
 
     def _backward(self, k: int, last: bool) -> list[torch.Tensor]:
@@ -726,9 +907,52 @@ class SchedulePACI(PipelineScheduleSingle):
         if not st.is_first:
             self._send("bwd", st.get_bwd_send_ops(slot))
         self.drift[self._state.version - self._fwd_version.pop(k)] += 1
-        for b in [b for b in self._batches if (b + 1) * self.m <= k + 1]:
-            del self._batches[b]  # every micro-batch of batch b is done (a drain re-forwards only later ones)
+        done = [b for b in set(self._batches) | set(self._send_shapes) | set(self._recv_shapes)
+                if isinstance(b, int) and (b + 1) * self.m <= k + 1]
+        for b in done:  # every micro-batch of batch b is done (a drain re-forwards only later ones)
+            self._batches.pop(b, None)
+            self._send_shapes.pop(b, None)
+            self._recv_shapes.pop(b, None)
         return [] if value is None else [value]
+
+    # [Note: changing shapes on torch's stage]
+    # torch's PipelineStage makes its receive buffers once, from the first micro-batch's shapes, and gloo refuses a
+    # message of another size ("Received data size doesn't match expected size"). SchedulePACI lets every batch have
+    # its own shapes (sequence length, micro-batch size): each non-last stage sends the next one the shapes of its
+    # outputs with the first micro-batch of every batch (one small object per batch and boundary, through torch's
+    # metadata send, before the activation), and a stage re-makes a slot's activation receive buffers when the
+    # micro-batch it receives there belongs to a batch of other shapes; the sender re-makes the slot's gradient
+    # receive buffers likewise. A slot is reused only after its previous micro-batch's backward, so the
+    # micro-batches in flight keep their buffers and stay exact (PACI's read-ahead crosses batches of different
+    # shapes). The micro-batches of one batch must share their boundary shapes: one that differs is refused in one
+    # line before it is sent. Shapes are kept per batch until its last backward, so a drain's re-forwards and
+    # eval() (which announces its own batch) find them.
+    def _send_forward(self, k: int, slot: int, out: Any, batch: Any = None) -> None:
+        st = self._pp_stage
+        b = k // self.m if batch is None else batch
+        leaves = out if isinstance(out, tuple) else (out,)
+        shapes = tuple(tuple(t.shape) if isinstance(t, torch.Tensor) else None for t in leaves)
+        ops = st.get_fwd_send_ops(slot)
+        if k % self.m == 0:  # the announcement travels in the same batch of sends, before the activation
+            ops = [_torch_private.shapes_op(st, shapes)[0], *ops]
+            self._send_shapes[b] = shapes
+        elif self._send_shapes.setdefault(b, shapes) != shapes:
+            raise ConfigError(f"micro-batch {k} of batch {b} has boundary shapes {shapes} on stage {st.stage_index}, "
+                              f"micro-batch {b * self.m if isinstance(b, int) else 0}'s are {self._send_shapes[b]}: "
+                              "the micro-batches of one batch must share their shapes (a new shape starts a new batch)")
+        _torch_private.fit_grad_recv(st, slot, shapes)
+        self._send("fwd", ops)
+
+    def _recv_forward(self, k: int, batch: Any = None) -> None:
+        st, slot = self._pp_stage, k % self._slots
+        b = k // self.m if batch is None else batch
+        if k % self.m == 0:
+            op, buf = _torch_private.shapes_op(st, None)
+            self._recv([op])
+            self._recv_shapes[b] = _decode_shapes(buf)
+        if b in self._recv_shapes:
+            _torch_private.fit_act_recv(st, slot, self._recv_shapes[b])
+        self._recv(st.get_fwd_recv_ops(slot))
 
     # -- point to point -------------------------------------------------------------------------------
     @staticmethod
@@ -751,48 +975,81 @@ class SchedulePACI(PipelineScheduleSingle):
             self._sends[kind] = []
 
     # -- data -----------------------------------------------------------------------------------------
-    def _batch(self, k: int) -> tuple[list, list | None]:
+    def _batch_of(self, k: int) -> _Batch:
+        """Micro-batch k's batch, read from the iterator or the pre-split queue as far as needed."""
         b = k // self.m
         while self._next_batch <= b:
-            try:
-                item = next(self._data)
-            except StopIteration:
-                raise RuntimeError(f"the data iterator ran out at batch {self._next_batch} (micro-batch {k}) on stage "
-                                   f"{self._pp_stage.stage_index}: PACI's first stage reads up to N−1 = "
-                                   f"{self._pp_stage.num_stages - 1} micro-batches ahead of its update; give it more "
-                                   "batches or an endless iterator") from None
+            if self._presplit:
+                if not self._queue:  # pragma: no cover - step() stops forwards at the batches given
+                    raise RuntimeError(f"stage {self._pp_stage.stage_index} needs micro-batch {k}, not given yet")
+                item = self._queue.popleft()
+            elif self._data is None:  # a middle stage without the iterator: no keyword inputs
+                item = MicroBatches()
+            else:
+                try:
+                    item = next(self._data)
+                except StopIteration:
+                    raise RuntimeError(f"the data iterator ran out at batch {self._next_batch} (micro-batch {k}) on "
+                                       f"stage {self._pp_stage.stage_index}: PACI's first stage reads up to N−1 = "
+                                       f"{self._pp_stage.num_stages - 1} micro-batches ahead of its update; give it "
+                                       "more batches or an endless iterator") from None
             self._batches[self._next_batch] = self._split(item)
             self._next_batch += 1
+        if b not in self._batches:  # pragma: no cover - a batch is kept until its last backward
+            raise RuntimeError(f"batch {b} of micro-batch {k} is no longer held on stage {self._pp_stage.stage_index}")
         return self._batches[b]
 
-    def _split(self, item: Any) -> tuple[list, list | None]:
-        """``(inputs, targets)`` of the batch's m micro-batches ([Note: how a batch is split])."""
+    def _split(self, item: Any) -> _Batch:
+        """The batch's m micro-batches ([Note: how a batch is split]); a :class:`MicroBatches` as it is."""
+        st = self._pp_stage
+        if isinstance(item, MicroBatches):
+            if item.arg_mbs is None and st.is_first and (item.kwarg_mbs is not None or item.target_mbs is not None):
+                raise ConfigError("a MicroBatches without arg_mbs is invalid on stage 0: the first stage's module needs "
+                                  "each micro-batch's inputs")
+            item = self._check_presplit(*item) if item != MicroBatches() else item
+            inputs = [None] * self.m if item.arg_mbs is None else [_Args(args) for args in item.arg_mbs]
+            kwargs = [{}] * self.m if item.kwarg_mbs is None else list(item.kwarg_mbs)
+            return _Batch(inputs, kwargs, item.target_mbs if st.is_last else None, dict(item.loss_kwargs or {}))
         if not (isinstance(item, (tuple, list)) and len(item) == 2):
             raise ConfigError(f"a batch of type {type(item).__name__} is invalid: the data iterator must yield "
-                              "(inputs, target) pairs")
+                              "(inputs, target) pairs or MicroBatches")
         inputs, target = item
-        if self._pp_stage.is_first and self._tree is None and not isinstance(inputs, torch.Tensor):
+        if st.is_first and self._tree is None and not isinstance(inputs, torch.Tensor):
             raise ConfigError(f"inputs of type {type(inputs).__name__} are invalid on stage 0 without TreeStage: a first "
                               "stage's module gets the batch's inputs as one argument, module(inputs) (docs/"
                               "pipelining.md), and torch's PipelineStage passes it tensors only; wrap the stage module "
                               "in TreeStage, or give the inputs as one tensor")
-        mbs = _chunk(inputs, self.m, "inputs") if self._pp_stage.is_first else [None] * self.m
-        targets = None if target is None else _chunk(target, self.m, "target")
-        return mbs, targets
+        mbs = _chunk(inputs, self.m, "inputs") if st.is_first else [None] * self.m
+        targets = None if target is None or not st.is_last else _chunk(target, self.m, "target")
+        return _Batch(mbs, [{}] * self.m, targets, {})
 
     def _inputs(self, k: int) -> Any:
-        return self._batch(k)[0][k % self.m]
+        return self._batch_of(k).inputs[k % self.m]
+
+    def _kwargs(self, k: int) -> dict:
+        st = self._pp_stage
+        if not (st.is_first or st.is_last or self._presplit or self._data is not None):
+            return {}
+        return self._batch_of(k).kwargs[k % self.m]
 
     def _first_args(self, inputs: Any) -> tuple:
         """What torch's stage passes the first stage's module for one micro-batch's ``inputs``: the tensor, or a
-        TreeStage's tensor leaves, whose layout the TreeStage rebuilds the inputs from ([Note: how a batch is split])."""
+        TreeStage's tensor leaves, whose layout the TreeStage rebuilds the inputs from ([Note: how a batch is
+        split]); a pre-split micro-batch's positional inputs as they are (one, the inputs, with a TreeStage)."""
+        if isinstance(inputs, _Args):
+            if self._tree is None:
+                return tuple(inputs)
+            if len(inputs) != 1:
+                raise ConfigError(f"arg_mbs entries of {len(inputs)} inputs are invalid with TreeStage: its module gets "
+                                  "one argument, give (inputs,)")
+            inputs = inputs[0]
         if self._tree is None:
             return (inputs,)
         leaves, self._tree.in_layout = flatten(inputs)
         return tuple(leaves)
 
     def _target(self, k: int) -> Any:
-        targets = self._batch(k)[1]
+        targets = self._batch_of(k).targets
         if targets is None:
             raise ConfigError("target=None is invalid on the last stage: the data iterator's batches must carry "
                               "the targets the loss needs")
@@ -845,7 +1102,8 @@ def split_torchtitan_model(model: nn.Module, stage: int, n_stages: int,
     """Prunes a torchtitan-layout model, in place, to what ``stage`` owns in ``split_model``'s plan.
 
     The model has ``tok_embeddings``, ``layers`` (an ``nn.ModuleDict`` keyed by the original index),
-    ``norm`` and ``output``, and its ``forward`` skips the parts that are ``None`` (``h =
+    ``norm`` and ``lm_head`` (torchtitan 0.3.0's ``Decoder``: Llama3, Qwen3, DeepSeek-V3, gpt-oss; ``output`` before
+    0.3.0), and its ``forward`` skips the parts that are ``None`` (``h =
     self.tok_embeddings(tokens) if self.tok_embeddings else tokens``), as torchtitan's models do. The cuts are
     :func:`unbubble.models.split.plan_split`'s, the ones ``split_model`` and ``train_model`` make of the same
     model: stage 0 keeps the embeddings, the last stage the norm and the output, the layers are cut contiguously,
@@ -864,16 +1122,22 @@ def split_torchtitan_model(model: nn.Module, stage: int, n_stages: int,
         ``model`` itself, pruned.
 
     Raises:
-        ConfigError: the model lacks the layout, ``stage`` is out of range, more stages than layers,
+        ConfigError: the model lacks the layout, has multi-token prediction layers, ``stage`` is out of range, more stages than layers,
             ``layers_per_stage`` that does not fit, or a weight tied across two stages (each rank would train
             its own copy; untie it in the model).
     """
     from unbubble.models.split import plan_split, prune, tied_across_stages
 
-    for name in ("tok_embeddings", "layers", "norm", "output"):
+    head = "lm_head" if hasattr(model, "lm_head") else "output"  # torchtitan ≥ 0.3.0: lm_head; before: output
+    for name in ("tok_embeddings", "layers", "norm", head):
         if not hasattr(model, name):
             raise ConfigError(f"model={type(model).__name__} is invalid: a torchtitan-layout model has "
-                              f"tok_embeddings, layers (nn.ModuleDict), norm and output; it lacks {name}")
+                              f"tok_embeddings, layers (nn.ModuleDict), norm and lm_head (output before torchtitan "
+                              f"0.3.0); it lacks {name}")
+    if getattr(model, "mtp_layers", None) is not None:
+        raise ConfigError(f"model={type(model).__name__} with multi-token prediction layers (mtp_layers) is invalid: "
+                          "they read the first stage's embeddings and the last stage's head, which asynchronous stages "
+                          "cannot share; build it without MTP (mtp_layers empty)")
     if not isinstance(model.layers, nn.ModuleDict):
         raise ConfigError(f"model.layers={type(model.layers).__name__} is invalid: it must be an nn.ModuleDict keyed "
                           "by layer index (torchtitan's layout), so pruned stages keep the original names")
@@ -953,59 +1217,69 @@ def get_schedule_class(schedule_name: str) -> type:
                           f"torch's ({exc})") from None
 
 
-def build_pipeline_schedule(*, parallelism: Any, num_microbatches: int, stages: list[PipelineStage], loss_fn: Callable,
+def build_pipeline_schedule(*, parallelism: Any, local_batch_size: int, stages: list[PipelineStage], loss_fn: Callable,
                             backward_requires_autograd: bool = True, a: int | None = None, scale_grads: bool = False,
                             loss_kwargs: dict[str, Any] | None = None, fallback: Callable[..., Any] | None = None) -> Any:
-    """A drop-in for torchtitan's ``_build_pipeline_schedule`` (``torchtitan/distributed/pipeline_parallel.py``)
-    that also builds PACI.
+    """A drop-in for torchtitan 0.3.0's ``_build_pipeline_schedule`` (``torchtitan/distributed/pipeline_parallel.py``,
+    which its ``pipeline_llm`` calls with these keywords) that also builds PACI.
 
-    With ``parallelism.pipeline_parallel_schedule == "PACI"`` (any case) it returns ``SchedulePACI(stages[0],
-    n_microbatches=num_microbatches, loss_fn=…, a=a, scale_grads=scale_grads)``. Any other name goes to
-    ``fallback`` (torchtitan's own builder, called with torchtitan's keyword arguments) when given, else is built
-    as torchtitan builds torch's schedules (single-stage or looped, ``scale_grads=False``). As in torchtitan,
-    ``loss_fn`` may return ``(loss, metrics)`` (torchtitan's ``BaseLoss``): the schedule gets the loss. Install it
-    (and :func:`get_schedule_class`, which torchtitan's stage split calls) over torchtitan's before
-    ``pipeline_llm`` runs; docs/pipelining.md has the lines.
+    m = ``local_batch_size // parallelism.pipeline_parallel_microbatch_size``, as torchtitan computes it. With
+    ``parallelism.pipeline_parallel_schedule == "PACI"`` (any case) it returns ``SchedulePACI(stages[0],
+    n_microbatches=m, loss_fn=…, a=a, scale_grads=scale_grads)``. Any other name goes to ``fallback`` (torchtitan's
+    own builder, called with torchtitan's keyword arguments) when given, else is built as torchtitan builds torch's
+    schedules (single-stage or looped, ``scale_grads=False``). As in torchtitan, ``loss_fn`` may return ``(loss,
+    metrics)`` (torchtitan's ``LossFunction``): the schedule gets the loss. Install it (and
+    :func:`get_schedule_class`, which torchtitan's stage split calls) over torchtitan's before ``pipeline_llm`` runs;
+    docs/pipelining.md has the lines. (torchtitan 0.1–0.2.x's ``build_pipeline_schedule(job_config, stages,
+    loss_fn)`` is not taken.)
 
     Args:
         parallelism: torchtitan's ``ParallelismConfig`` (read: ``pipeline_parallel_schedule``,
-            ``pipeline_parallel_schedule_csv``).
-        num_microbatches: m, the micro-batches each batch of the data iterator splits into.
+            ``pipeline_parallel_microbatch_size``, ``pipeline_parallel_schedule_csv``).
+        local_batch_size: samples per step on this data-parallel rank (torchtitan's ``training.local_batch_size``);
+            a multiple of the micro-batch size.
         stages: this rank's stages (PACI: exactly one).
-        loss_fn: ``loss_fn(output, target) -> loss`` or ``-> (loss, metrics)``.
+        loss_fn: ``loss_fn(output, target, **loss_kwargs) -> loss`` or ``-> (loss, metrics)``.
         backward_requires_autograd: torchtitan's flag for looped schedules (Graph PP); must be True for PACI.
         a: PACI's accumulation factor (default m: one update per torchtitan step).
         scale_grads: PACI only, :class:`SchedulePACI`'s: ``False`` (torchtitan's choice) backpropagates the loss as
             ``loss_fn`` returns it, so the update applies the sum of its a micro-batches' gradients and ``loss_fn``
-            must normalise over the update (torchtitan's sum loss divided by the update's token count); ``True``
-            multiplies each loss by 1/a (the mean over the update, for a mean ``loss_fn``).
-        loss_kwargs: PACI only: keyword arguments for every ``loss_fn`` call, e.g. torchtitan's
-            ``{"global_valid_tokens": torch.tensor(a · tokens per micro-batch)}`` (``SchedulePACI.step`` takes none:
-            an update's micro-batches are read across calls).
+            must normalise over the update (torchtitan's sum loss divided by the step's ``global_valid_tokens``,
+            which its step passes per batch as ``loss_kwargs``); ``True`` multiplies each loss by 1/a.
+        loss_kwargs: PACI only: keyword arguments for every ``loss_fn`` call (a batch's own ``loss_kwargs``, given to
+            ``step()`` or in a :class:`MicroBatches`, add to them and win).
         fallback: the builder for every other schedule name (torchtitan's ``_build_pipeline_schedule``).
 
     Returns:
         The schedule (``SchedulePACI`` for ``"PACI"``).
 
     Raises:
-        ConfigError: an unknown schedule name; for PACI more than one stage on the rank, a CSV schedule, or
-            ``backward_requires_autograd=False``; a CSV schedule without ``fallback``; as :class:`SchedulePACI`.
+        ConfigError: an unknown schedule name; a ``local_batch_size`` that is not a multiple of the micro-batch size;
+            for PACI more than one stage on the rank, a CSV schedule, or ``backward_requires_autograd=False``; a CSV
+            schedule without ``fallback``; as :class:`SchedulePACI`.
 
-    Source: torchtitan ``_build_pipeline_schedule`` (pytorch/torchtitan, commit b5bcd76, August 2026).
+    Source: torchtitan 0.3.0 ``_build_pipeline_schedule`` (pytorch/torchtitan, PyPI ``torchtitan==0.3.0``).
     """
     name = parallelism.pipeline_parallel_schedule
     csv = getattr(parallelism, "pipeline_parallel_schedule_csv", None)
+    mbs = getattr(parallelism, "pipeline_parallel_microbatch_size", 1)
+    _check_int("local_batch_size", local_batch_size, "samples per step on this data-parallel rank")
+    _check_int("pipeline_parallel_microbatch_size", mbs, "samples per micro-batch")
+    if local_batch_size % mbs:
+        raise ConfigError(f"local_batch_size={local_batch_size} is invalid with pipeline_parallel_microbatch_size="
+                          f"{mbs}: a multiple of the micro-batch size (m = local_batch_size / micro-batch size)")
+    num_microbatches = local_batch_size // mbs
 
     def scalar_loss(*args: Any, **kwargs: Any) -> torch.Tensor:
         out = loss_fn(*args, **kwargs)
         return out[0] if isinstance(out, tuple) else out
 
-    def paci_loss(output: Any, target: Any) -> torch.Tensor:
-        return scalar_loss(output, target, **(loss_kwargs or {}))
+    def paci_loss(output: Any, target: Any, **batch_kwargs: Any) -> torch.Tensor:
+        return scalar_loss(output, target, **{**(loss_kwargs or {}), **batch_kwargs})
 
     if not (isinstance(name, str) and name.lower() == "paci"):
         if fallback is not None:
-            return fallback(parallelism=parallelism, num_microbatches=num_microbatches, stages=stages, loss_fn=loss_fn,
+            return fallback(parallelism=parallelism, local_batch_size=local_batch_size, stages=stages, loss_fn=loss_fn,
                             backward_requires_autograd=backward_requires_autograd)
         if csv:
             raise ConfigError(f"pipeline_parallel_schedule_csv={csv!r} needs torchtitan's builder: pass "

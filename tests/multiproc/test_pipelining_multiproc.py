@@ -130,11 +130,129 @@ def _scenario(rank: int, n: int, sc: dict) -> dict:
         merged = schedule.eval(*((x,) if rank == 0 else ()), target=y if rank == n - 1 else None, losses=losses)
         return {**out, "state": _state(module), "eval_losses": losses,
                 "eval_shape": None if merged is None else tuple(merged.shape)}
+    if kind == "mask":
+        return _mask_run(rank, n, sc)
     if kind == "hf":
         return _hf_run(rank, n, sc)
     if kind == "dp":
         return _dp_run(rank, n, sc)
     raise ValueError(kind)
+
+
+# -- a model that needs its mask: per-micro-batch keyword inputs, batches of changing shapes ----------------
+
+MASK_VOCAB, MASK_DIM = 32, 16
+
+
+class MaskedBlock(torch.nn.Module):
+    """One stage: [embedding] → masked self-attention (residual) → [head]; ``forward(h, mask)`` with ``mask`` a
+    (B, T, T) bool (True: attend), required. Weights from ``seed``."""
+
+    def __init__(self, first: bool, last: bool, seed: int):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.embed = torch.nn.Embedding(MASK_VOCAB, MASK_DIM) if first else None
+        self.qkv = torch.nn.Linear(MASK_DIM, 3 * MASK_DIM)
+        self.out = torch.nn.Linear(MASK_DIM, MASK_DIM)
+        self.head = torch.nn.Linear(MASK_DIM, MASK_VOCAB) if last else None
+
+    def forward(self, h: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        if mask is None:
+            raise ValueError("MaskedBlock needs its mask")
+        h = self.embed(h) if self.embed is not None else h
+        q, k, v = self.qkv(h).chunk(3, dim=-1)
+        att = (q @ k.transpose(-1, -2) / MASK_DIM ** 0.5).masked_fill(~mask, float("-inf")).softmax(-1)
+        h = h + self.out(att @ v)
+        return self.head(h) if self.head is not None else h
+
+
+class CarryMask(torch.nn.Module):
+    """The emulator's stage (one argument): ``{"h", "mask"}`` in, the block's output with the mask passed on out."""
+
+    def __init__(self, block: MaskedBlock):
+        super().__init__()
+        self.block = block
+
+    def forward(self, x: dict):
+        out = self.block(x["h"], mask=x["mask"])
+        return out if self.block.head is not None else {"h": out, "mask": x["mask"]}
+
+
+def _mask_block(n: int, stage: int) -> MaskedBlock:
+    return MaskedBlock(stage == 0, stage == n - 1, seed=100 + stage)
+
+
+def _mask_emu_stage(n: int, stage: int) -> torch.nn.Module:
+    return CarryMask(_mask_block(n, stage))
+
+
+def _mask_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, MASK_VOCAB), y.reshape(-1))
+
+
+def _mask_opt(named: list, stage: int) -> torch.optim.Optimizer:
+    return torch.optim.AdamW([p for _, p in named], lr=1e-2, weight_decay=0.1)
+
+
+def _mask_mb(m: int, shapes: tuple, k: int):
+    """Micro-batch k: tokens (B, T), a block-diagonal causal mask (B, T, T) (two documents per row, cut at a
+    position of its own) and next tokens; (B, T) = ``shapes[(k // m) % len(shapes)]``, one shape per batch."""
+    b_rows, t = shapes[(k // m) % len(shapes)]
+    g = torch.Generator().manual_seed(5000 + k)
+    x = torch.randint(0, MASK_VOCAB, (b_rows, t), generator=g)
+    y = torch.randint(0, MASK_VOCAB, (b_rows, t), generator=g)
+    cut = torch.randint(1, t, (b_rows,), generator=g) if t > 1 else torch.ones(b_rows, dtype=torch.long)
+    pos = torch.arange(t)
+    doc = (pos[None, :] >= cut[:, None]).long()  # (B, T): 0 before the cut, 1 after
+    mask = (pos[None, :, None] >= pos[None, None, :]) & (doc[:, :, None] == doc[:, None, :])
+    return {"h": x, "mask": mask}, y
+
+
+def _mask_job(name: str, n: int, steps: int, a: int, shapes: tuple) -> PipelineJob:
+    return PipelineJob(stage_fn=functools.partial(_mask_emu_stage, n), loss_fn=_mask_loss,
+                       batch_fn=functools.partial(_mask_mb, a, shapes), optimizer_fn=_mask_opt,
+                       schedule=get_schedule(name, n, steps, **({"m": a} if name == "1f1b-flush" else {"a": a})))
+
+
+def _mask_batches(m: int, shapes: tuple):
+    """Endless MicroBatches of m of :func:`_mask_mb`'s micro-batches: what torchtitan 0.3.0's step hands over."""
+    from unbubble.pipelining import MicroBatches
+
+    for b in itertools.count():
+        mbs = [_mask_mb(m, shapes, b * m + j) for j in range(m)]
+        yield MicroBatches(arg_mbs=[(x["h"],) for x, _ in mbs], kwarg_mbs=[{"mask": x["mask"]} for x, _ in mbs],
+                           target_mbs=[y for _, y in mbs])
+
+
+def _mask_run(rank: int, n: int, sc: dict) -> dict:
+    """SchedulePACI on MaskedBlock stages, the mask a per-micro-batch keyword input on every stage: through an
+    iterator of MicroBatches (``form="iter"``) or torch's pre-split ``step(arg_mbs=, kwarg_mbs=, target_mbs=)``."""
+    from torch.distributed.pipelining import PipelineStage
+
+    from unbubble.pipelining import SchedulePACI
+
+    a, shapes = sc["a"], tuple(sc["shapes"])
+    module = _mask_block(n, rank)
+    opt = _mask_opt(list(module.named_parameters()), rank)
+    schedule = SchedulePACI(PipelineStage(module, rank, n, torch.device("cpu")), a, _mask_loss, a=a)
+    data, losses = _mask_batches(a, shapes), []
+    for _ in range(sc["steps"]):
+        opt.zero_grad()
+        got: list = []
+        if sc["form"] == "iter":
+            schedule.step(data, losses=got)
+        else:
+            mb = next(data)
+            schedule.step(arg_mbs=mb.arg_mbs if rank == 0 else None, kwarg_mbs=mb.kwarg_mbs,
+                          target_mbs=mb.target_mbs if rank == n - 1 else None, losses=got)
+        opt.step()
+        if got:
+            losses.append(_mean(got))
+    in_flight_before = schedule.in_flight
+    schedule.drain()
+    return {"losses": losses, "drift": dict(schedule.drift), "state": {f"block.{k}": v for k, v in _state(module).items()},
+            "in_flight_before": in_flight_before, "in_flight": schedule.in_flight,
+            "fwd_cache": len(schedule._pp_stage.fwd_cache)}
 
 
 def _hf_batches(padded: bool, m: int, start: int = 0):
@@ -163,7 +281,7 @@ def _hf_run(rank: int, n: int, sc: dict) -> dict:
     stage = PipelineStage(TreeStage(part), rank, n, torch.device("cpu"))
     schedule = build_pipeline_schedule(
         parallelism=SimpleNamespace(pipeline_parallel_schedule="PACI", pipeline_parallel_schedule_csv=None),
-        num_microbatches=a, stages=[stage], loss_fn=lambda out, y: (causal_lm_loss(out, y), {}), scale_grads=True)
+        local_batch_size=a, stages=[stage], loss_fn=lambda out, y: (causal_lm_loss(out, y), {}), scale_grads=True)
     losses = _steps(schedule, opt, _hf_batches(padded, a), sc["steps"])
     schedule.drain()
     x, y = next(_hf_batches(padded, a, start=1000))
@@ -297,6 +415,12 @@ EXTRA_2 = [{"kind": "paci", "a": 4, "steps": 3, "flush": True}, {"kind": "torch-
            {"kind": "resume", "a": 2, "m": 2, "steps": 6, "t1": 3},
            {"kind": "example", "steps": 5, "clip": "none"}, {"kind": "example", "steps": 4, "clip": "global"}]
 TREE_2 = [{"kind": "hf", "a": 2, "steps": 4, "padded": True}, {"kind": "eval", "a": 2, "steps": 3}]
+# (B, T) of each batch in turn: fixed; then shorter, longer, a smaller and a larger micro-batch size
+MASK_FIXED, MASK_CHANGING = ((2, 8),), ((2, 8), (2, 4), (2, 12), (1, 12), (3, 6), (2, 8))
+MASK_2 = [{"kind": "mask", "form": "iter", "a": 2, "steps": 5, "shapes": MASK_FIXED},
+          {"kind": "mask", "form": "presplit", "a": 2, "steps": 4, "shapes": MASK_FIXED},
+          {"kind": "mask", "form": "iter", "a": 2, "steps": 7, "shapes": MASK_CHANGING},
+          {"kind": "mask", "form": "presplit", "a": 3, "steps": 6, "shapes": MASK_CHANGING}]
 DP_4 = [{"kind": "dp", "wrap": "ddp", "pp": 2, "a": 2, "m": 3, "steps": 5},
         {"kind": "dp", "wrap": "fsdp", "pp": 2, "a": 2, "m": 3, "steps": 5}]
 
@@ -304,7 +428,7 @@ DP_4 = [{"kind": "dp", "wrap": "ddp", "pp": 2, "a": 2, "m": 3, "steps": 5},
 @pytest.fixture(scope="module")
 def two_processes() -> list[list[dict]]:
     """One launch of 2 gloo processes for every N = 2 scenario (``[rank][scenario]``)."""
-    return _launch(2, PACI_2 + EXTRA_2 + TREE_2)
+    return _launch(2, PACI_2 + EXTRA_2 + TREE_2 + MASK_2)
 
 
 @pytest.fixture(scope="module")
@@ -464,3 +588,28 @@ def test_pp2_dp2_ddp_and_fsdp_stages_equal_unbubbles_own_dp_run_bit_for_bit(four
     # clip_grad_norm_pp over the pipeline sees the same update under both: FSDP2's norm is gathered from shards
     # (another summation order, hence approx)
     assert norms["fsdp"] == pytest.approx(norms["ddp"], rel=1e-6) and all(x > 0 for x in norms["ddp"])
+
+
+def _max_diff(per_rank: list[dict], emu) -> float:
+    return max((per_rank[s]["state"][k] - v).abs().max().item() for s in range(len(per_rank))
+               for k, v in emu.final_states[s].items())
+
+
+def test_two_processes_per_micro_batch_masks_and_changing_shapes_equal_the_emulator(two_processes):
+    """A model that needs its mask (MaskedBlock: masked self-attention, a block-diagonal causal mask per
+    micro-batch) on 2 gloo processes, the mask a per-micro-batch keyword input of every stage's module.
+    Through an iterator of MicroBatches: PACI, bit for bit the emulator's PACI, where the mask crosses the
+    stage boundary inside the activation (CarryMask). Through torch's pre-split step(arg_mbs=, kwarg_mbs=,
+    target_mbs=): with a = m every call ends drained, bit for bit the emulator's 1F1B-flush. Batches whose
+    sequence length gets shorter (8 → 4), longer (4 → 12, 6 → 8), and whose micro-batch size gets smaller
+    (2 → 1) and larger (1 → 3), with micro-batches of the old shape in flight across the change: the same,
+    bit for bit (max weight difference 0), in both forms."""
+    n, first = 2, len(PACI_2) + len(EXTRA_2) + len(TREE_2)
+    for i, sc in enumerate(MASK_2):
+        got = [two_processes[r][first + i] for r in range(n)]
+        name = "paci" if sc["form"] == "iter" else "1f1b-flush"
+        emu = run_emulator(_mask_job(name, n, sc["steps"], sc["a"], sc["shapes"]))
+        what = f"{sc['form']} a={sc['a']} shapes={sc['shapes']}"
+        assert _max_diff(got, emu) == 0.0, what
+        _assert_equals_emulator(got, emu, what)
+        assert got[0]["in_flight_before"] == (1 if sc["form"] == "iter" else 0), what  # PACI's read-ahead, or none

@@ -76,9 +76,9 @@ def test_step_arguments_are_checked(world_of_one):
         sched.step()
     with pytest.raises(ConfigError, match=r"^target= is invalid for SchedulePACI\.step: it takes the data iterator"):
         sched.step(_data(2), target=torch.zeros(4, 4))
-    with pytest.raises(ConfigError, match=r"^input_batch= is invalid for SchedulePACI\.step: it takes the data iterator "
-                                          r"and losses= only \(targets, and the first stage's inputs, a tensor or a "
-                                          r"dict of them, come with the iterator's batches\)$"):
+    with pytest.raises(ConfigError, match=r"^input_batch= is invalid for SchedulePACI\.step: it takes the data iterator, "
+                                          r"or torch's pre-split arg_mbs=, kwarg_mbs=, target_mbs=, loss_kwargs=, and "
+                                          r"losses=$"):
         sched.step(_data(2), input_batch=torch.zeros(4, 4))  # torchtitan's argument (docs/pipelining.md)
     with pytest.raises(ConfigError, match=r"^inputs of shape \(1, 4\) is invalid for n_microbatches=2: every tensor "
                                           r"of a batch splits along dim 0 into 2 equal micro-batches \(dim 0 is 1, "
@@ -215,7 +215,8 @@ def test_split_keeps_names_composes_to_the_whole_model_and_cuts_as_split_model()
 
 @pytest.mark.parametrize("call,message", [
     (lambda: split_torchtitan_model(nn.Linear(2, 2), 0, 2), "model=Linear is invalid: a torchtitan-layout model has "
-     "tok_embeddings, layers (nn.ModuleDict), norm and output; it lacks tok_embeddings"),
+     "tok_embeddings, layers (nn.ModuleDict), norm and lm_head (output before torchtitan 0.3.0); it lacks "
+     "tok_embeddings"),
     (lambda: split_torchtitan_model(_Titan(2), 0, 3), "n_stages=3 is invalid: the model has 2 layers, at most one stage "
      "per layer"),
     (lambda: split_torchtitan_model(_Titan(2), 2, 2), "stage=2 is invalid: must be in 0 … 1 (n_stages=2)"),
@@ -312,6 +313,22 @@ def test_private_torch_seams_are_as_this_module_expects(world_of_one):
     stage = _stage()
     assert isinstance(stage.fwd_cache, dict)
     _torch_private.drop_forward(stage, 0)  # absent slot: no error
+    # changing shapes: per-slot receive infos, re-made with buffers of another shape; the peer's global rank
+    from torch.distributed.pipelining._utils import _TensorMeta
+    from torch.distributed.pipelining.stage import _RecvInfo
+
+    assert isinstance(stage.args_recv_info, dict) and isinstance(stage.grad_recv_info, dict)
+    assert list(inspect.signature(PipelineStage._resolve_peer_global_rank).parameters) == ["self", "stage_idx"]
+    info = _RecvInfo("recv", 0, torch.zeros(2, 3), _TensorMeta.from_tensor(torch.zeros(2, 3)))
+    (fit,) = _torch_private.fit_buffers((info,), ((4, 5),))
+    assert fit.buffer.shape == (4, 5) and tuple(fit.tensor_meta.shape) == (4, 5) and fit.source == 0
+    assert _torch_private.fit_buffers((info,), ((2, 3),))[0] is info  # same shape: kept
+    from unbubble.pipelining import _decode_shapes, _encode_shapes
+
+    shapes = ((2, 8, 16), None, (3,))
+    assert _decode_shapes(_encode_shapes(shapes)) == shapes
+    with pytest.raises(ConfigError, match=r"^a stage boundary of 20 tensors \(81 shape words\) is invalid"):
+        _encode_shapes(((1, 2, 3),) * 20)
 
 
 @pytest.mark.parametrize("version,ok", [("2.13.0+cpu", True), ("2.13.1", True), ("2.12.1", False), ("2.14.0", False),
@@ -495,41 +512,110 @@ def test_the_torchtitan_schedule_builder_and_schedule_class_lookup(world_of_one)
     cfg = lambda name, csv=None: SimpleNamespace(pipeline_parallel_schedule=name,  # noqa: E731
                                                  pipeline_parallel_schedule_csv=csv)
     titan_loss = lambda out, y: (_loss(out, y), {"metric": 1})  # noqa: E731
-    sched = build_pipeline_schedule(parallelism=cfg("paci"), num_microbatches=2, stages=[_stage()], loss_fn=titan_loss)
+    sched = build_pipeline_schedule(parallelism=cfg("paci"), local_batch_size=2, stages=[_stage()], loss_fn=titan_loss)
     assert isinstance(sched, SchedulePACI) and sched.a == 2 and sched.m == 2 and sched.scale_grads is False
     out, y = torch.ones(2, 4), torch.zeros(2, 4)
     assert torch.equal(sched._user_loss(out, y), _loss(out, y))
-    assert build_pipeline_schedule(parallelism=cfg("PACI"), num_microbatches=4, stages=[_stage()], loss_fn=_loss, a=2,
+    assert build_pipeline_schedule(parallelism=cfg("PACI"), local_batch_size=4, stages=[_stage()], loss_fn=_loss, a=2,
                                    scale_grads=True).a == 2
     normalised = build_pipeline_schedule(  # torchtitan's sum loss over a fixed token count per update
-        parallelism=cfg("PACI"), num_microbatches=2, stages=[_stage()], loss_fn=lambda o, y, global_valid_tokens:
+        parallelism=cfg("PACI"), local_batch_size=2, stages=[_stage()], loss_fn=lambda o, y, global_valid_tokens:
         ((o - y).pow(2).sum() / global_valid_tokens, {}), loss_kwargs={"global_valid_tokens": torch.tensor(16.0)})
     assert torch.equal(normalised._user_loss(out, y), (out - y).pow(2).sum() / 16.0)
-    torch_1f1b = build_pipeline_schedule(parallelism=cfg("1F1B"), num_microbatches=2, stages=[_stage()],
+    torch_1f1b = build_pipeline_schedule(parallelism=cfg("1F1B"), local_batch_size=2, stages=[_stage()],
                                          loss_fn=titan_loss)
     assert isinstance(torch_1f1b, Schedule1F1B) and torch_1f1b.scale_grads is False
     calls = []
-    build_pipeline_schedule(parallelism=cfg("GPipe", "s.csv"), num_microbatches=2, stages=["stage"], loss_fn=_loss,
+    build_pipeline_schedule(parallelism=cfg("GPipe", "s.csv"), local_batch_size=2, stages=["stage"], loss_fn=_loss,
                             fallback=lambda **kw: calls.append(kw))
-    assert calls == [{"parallelism": cfg("GPipe", "s.csv"), "num_microbatches": 2, "stages": ["stage"],
+    assert calls == [{"parallelism": cfg("GPipe", "s.csv"), "local_batch_size": 2, "stages": ["stage"],
                       "loss_fn": _loss, "backward_requires_autograd": True}]
     assert get_schedule_class("Paci") is SchedulePACI and get_schedule_class("1f1b") is Schedule1F1B
     for call, message in [
         (lambda: get_schedule_class("PACO"), "pipeline_parallel_schedule='PACO' is invalid: 'PACI' (unbubble) or one "
                                              "of torch's (Unknown schedule name 'PACO'. The valid options are "),
-        (lambda: build_pipeline_schedule(parallelism=cfg("PACI", "s.csv"), num_microbatches=2, stages=[_stage()],
+        (lambda: build_pipeline_schedule(parallelism=cfg("PACI", "s.csv"), local_batch_size=2, stages=[_stage()],
                                          loss_fn=_loss), "pipeline_parallel_schedule_csv='s.csv' is invalid with PACI: "
                                                          "PACI's order is decided at run time by back-pressure; leave "
                                                          "the CSV unset"),
-        (lambda: build_pipeline_schedule(parallelism=cfg("PACI"), num_microbatches=2, stages=[_stage(), _stage()],
+        (lambda: build_pipeline_schedule(parallelism=cfg("PACI"), local_batch_size=2, stages=[_stage(), _stage()],
                                          loss_fn=_loss), "2 stages on this rank are invalid for PACI: SchedulePACI runs "
                                                          "one stage per rank"),
-        (lambda: build_pipeline_schedule(parallelism=cfg("PACI"), num_microbatches=2, stages=[_stage()], loss_fn=_loss,
+        (lambda: build_pipeline_schedule(parallelism=cfg("PACI"), local_batch_size=2, stages=[_stage()], loss_fn=_loss,
                                          backward_requires_autograd=False), "backward_requires_autograd=False is "
                                                                             "invalid for PACI"),
-        (lambda: build_pipeline_schedule(parallelism=cfg("1F1B", "s.csv"), num_microbatches=2, stages=[_stage()],
+        (lambda: build_pipeline_schedule(parallelism=cfg("1F1B", "s.csv"), local_batch_size=2, stages=[_stage()],
                                          loss_fn=_loss), "pipeline_parallel_schedule_csv='s.csv' needs torchtitan's "
                                                          "builder: pass fallback=torchtitan's _build_pipeline_schedule"),
     ]:
         with pytest.raises(ConfigError, match=f"^{re.escape(message)}"):
             call()
+
+
+def test_pre_split_step_checks_its_lists_and_keeps_one_form(world_of_one):
+    """torch's pre-split ``step(arg_mbs=, kwarg_mbs=, target_mbs=)``: lists of n_microbatches checked as torch checks
+    them, one line each; a run keeps the form of its first call; with N = 1 the pre-split run equals the iterator
+    run bit for bit (nothing to read ahead), keyword inputs reaching the module."""
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x, scale=None):
+            return self.lin(x) * scale  # needs its keyword input
+
+    sched = SchedulePACI(PipelineStage(Scaled(), 0, 1, torch.device("cpu")), 2, _loss)
+    x, y, kw = [(torch.ones(2, 4),)] * 2, [torch.zeros(2, 4)] * 2, [{"scale": torch.tensor(2.0)}] * 2
+    for kwargs, message in [
+        ({"arg_mbs": x[:1], "target_mbs": y}, "arg_mbs= a list of 1 is invalid: a list of n_microbatches=2 "
+                                              "micro-batches"),
+        ({"arg_mbs": tuple(x), "target_mbs": y}, "arg_mbs= a tuple is invalid: a list of n_microbatches=2 micro-batches"),
+        ({"arg_mbs": [torch.ones(2, 4)] * 2, "target_mbs": y}, "arg_mbs= is invalid: each micro-batch's positional "
+                                                               "inputs are a tuple (torchtitan: (tokens,))"),
+        ({"arg_mbs": x, "kwarg_mbs": [1, 2], "target_mbs": y}, "kwarg_mbs= is invalid: each micro-batch's keyword "
+                                                               "inputs are a dict"),
+        ({"target_mbs": y, "kwarg_mbs": kw}, "arg_mbs=None is invalid on stage 0: the first stage's module needs each "
+                                             "micro-batch's inputs"),
+        ({"arg_mbs": x, "kwarg_mbs": kw}, "target_mbs=None is invalid on stage 0: the last stage's loss needs each "
+                                          "micro-batch's target"),
+        ({"arg_mbs": x, "target_mbs": y, "return_outputs": True}, "return_outputs=True is invalid for "
+                                                                  "SchedulePACI.step: a call's backwards belong to "),
+        ({"data": iter([]), "arg_mbs": x, "target_mbs": y}, "data= with arg_mbs=/kwarg_mbs=/target_mbs= is invalid"),
+    ]:
+        with pytest.raises(ConfigError, match=f"^{re.escape(message)}"):
+            sched.step(**kwargs)
+    four = SchedulePACI(PipelineStage(Scaled(), 0, 1, torch.device("cpu")), 2, _loss, a=4)
+    with pytest.raises(ConfigError, match=r"^a=4 is invalid with one pre-split batch of 2 micro-batches per step\(\): "
+                                          r"update 0 needs micro-batches up to 3, 2 were given; use a ≤ "
+                                          r"n_microbatches \(2\)$"):
+        four.step(arg_mbs=x, kwarg_mbs=kw, target_mbs=y)
+
+    def run(presplit: bool) -> tuple[list, dict]:
+        module = Scaled()
+        opt = torch.optim.AdamW(module.parameters(), lr=1e-2)
+        sched = SchedulePACI(PipelineStage(module, 0, 1, torch.device("cpu")), 2, _loss)
+        data = ((torch.randn(4, 4, generator=torch.Generator().manual_seed(b)), torch.zeros(4, 4))
+                for b in itertools.count())
+        from unbubble.pipelining import MicroBatches
+
+        mbs = (MicroBatches([(x[:2],), (x[2:],)], [{"scale": torch.tensor(2.0)}] * 2, [y[:2], y[2:]])
+               for x, y in data)
+        out = []
+        for _ in range(3):
+            opt.zero_grad()
+            losses: list = []
+            if presplit:
+                mb = next(mbs)
+                sched.step(arg_mbs=mb.arg_mbs, kwarg_mbs=mb.kwarg_mbs, target_mbs=mb.target_mbs, losses=losses)
+            else:
+                sched.step(mbs, losses=losses)
+            opt.step()
+            out += losses
+        with pytest.raises(ConfigError, match=r"^a (data-iterator|pre-split) step\(\) after (pre-split|data-iterator) "
+                                              r"ones is invalid"):
+            sched.step(mbs) if presplit else sched.step(arg_mbs=x, target_mbs=y)
+        return out, module.state_dict()
+
+    (l1, s1), (l2, s2) = run(True), run(False)
+    assert l1 == l2 and len(l1) == 6 and all(torch.equal(s1[k], s2[k]) for k in s1)

@@ -128,10 +128,12 @@ def detect_layout(model: nn.Module) -> str:
     if _is_hf(model):
         return "hf"
     names = dict(model.named_children())
-    if {"tok_embeddings", "layers", "norm", "output"} <= set(names) and isinstance(model.layers, nn.ModuleDict):
+    # torchtitan's head is ``output`` up to 0.2.x, ``lm_head`` from 0.3.0 (its Llama3 and MoE models alike)
+    if ({"tok_embeddings", "layers", "norm"} <= set(names) and ({"output", "lm_head"} & set(names))
+            and isinstance(model.layers, nn.ModuleDict)):
         return "torchtitan"
     raise ConfigError(f"{type(model).__name__} has none of the layouts split_model knows (a Hugging Face causal LM; "
-                      "torchtitan: tok_embeddings, layers (ModuleDict), norm, output): give "
+                      "torchtitan: tok_embeddings, layers (ModuleDict), norm, output or lm_head): give "
                       "module_names_per_stage=[[names of stage 0], …]")
 
 
@@ -290,7 +292,7 @@ def _parts(model: nn.Module, layout: str, trace: HFTrace | None = None) \
     """``(layer container, first stage's, last stage's, every stage's module names)``; an HF
     model's from its :class:`HFTrace`."""
     if layout == "torchtitan":
-        return "layers", ("tok_embeddings",), ("norm", "output"), ()
+        return "layers", ("tok_embeddings",), ("norm", "lm_head" if hasattr(model, "lm_head") else "output"), ()
     return trace.layers, trace.before, trace.after, ()
 
 
