@@ -14,7 +14,7 @@ from unbubble.schedules.policy import check_order  # [Note: deterministic order]
 from unbubble.schedules.registry import schedule_name
 
 ENGINES = ("emulator", "processes")
-TOKENIZERS = ("byte", "gpt2")
+TOKENIZERS = ("auto", "byte", "gpt2")  # or hf:FOLDER
 #: What a stage does with a non-finite micro-batch ([Note: non-finite guard] in runtime/executor.py).
 NAN_POLICIES = ("skip", "lower-lr", "abort", "off")
 #: Weight prediction modes and the schedules it applies to (current-weights backward with delay).
@@ -121,8 +121,11 @@ class TrainConfig:
     clip_scope: str | None = field(default=None, metadata={"help": "Which norm --clip-grad-norm clips by. Default (auto in a config file): stale on the asynchronous schedules (clip-study, docs/results.md: the same loss as sync at clip 1.0, within the seed spread, and no barrier), sync on the synchronous ones. sync: this update's exact norm over all stages (and --dp replicas), as torchtitan: one all-gather per update, a barrier (PACI's staggered stages stall). stale: the global norm of update t−s, s = ⌈N/a⌉ for the asynchronous schedules, 1 for the flushed ones: no stage waits; updates t < s clip like stage. stage: each stage's own norm against X·√(P_i/P). A non-finite norm skips the update (logged; summary.json's clip). See docs/concepts.md, gradient clipping over the pipeline."})
     model: str = field(default="tiny", metadata={"help": 'Model preset: GPT-2 (tiny, small-cpu, deep-cpu, deep32-cpu, wide-cpu, gpt2, gpt2-medium, gpt2-large, gpt2-xl), Llama-style (llama-tiny, llama-deep-cpu, llama-1b, llama-8b) or mixture of experts (moe-tiny, moe-deep-cpu, mixtral-8x7b); or your own: hf:PATH (a local Hugging Face config.json or model folder; random init without weights; needs the [hf] extra) or module:function (a function of an importable module returning the model), split by unbubble.models.split.'})
     untie: bool = field(default=False, metadata={"help": "With an hf: or module: model whose weights are tied across two stages (GPT-2's embedding and head): give each stage its own copy (warns) instead of refusing the model."})
-    corpus: str = field(default="kjv", metadata={"help": 'kjv, shakespeare, a text file, a folder of .txt files, or a folder with train.bin and val.bin (pre-tokenised uint16 ids of --tokenizer, nanoGPT format).'})
-    tokenizer: Literal["byte", "gpt2"] = field(default="byte", metadata={"help": 'byte (vocabulary 257, fast on CPU) or gpt2 (offline GPT-2 BPE, vocabulary 50257).'})
+    corpus: str = field(default="kjv", metadata={"help": 'kjv, shakespeare, a text file, a folder of .txt files, a .jsonl/.json, .parquet or .arrow file (or a folder of them), a datasets.save_to_disk folder (read with datasets; the text in --text-field), or a folder with train.bin and val.bin (pre-tokenised uint16 ids of --tokenizer, nanoGPT format). Tokenized once into a cache (--cache-dir) keyed by the content and the tokenizer.'})
+    text_field: str = field(default="text", metadata={"help": "The column holding each document's text in a .jsonl/.json/.parquet/.arrow or save_to_disk corpus."})
+    tokenizer: str = field(default="auto", metadata={"help": 'auto (an hf:FOLDER model with tokenizer files: that tokenizer; else byte), byte (vocabulary 257, fast on CPU), gpt2 (offline GPT-2 BPE, vocabulary 50257) or hf:FOLDER (a Hugging Face tokenizer folder, read offline by AutoTokenizer). A model folder with weights refuses another tokenizer than its own unless --allow-tokenizer-mismatch.'})
+    allow_tokenizer_mismatch: bool = field(default=False, metadata={"help": "Train an hf:FOLDER model with pretrained weights on another tokenizer's ids than its own (its embeddings then read ids they were not trained on)."})
+    document_mask: bool = field(default=False, metadata={"help": "Packed documents stay apart: positions restart after each EOS and attention stays within a document (as Hugging Face's packed rows); the prediction of a document's first token from the previous one is not counted. hf: models only (presets refuse it)."})
     engine: Literal["emulator", "processes"] = field(default="processes", metadata={"help": 'processes: one torch.distributed process per stage; emulator: all stages in this process.'})
     order: Literal["deterministic", "dynamic"] = field(default="deterministic", metadata={"help": "Action order of the asynchronous schedules: deterministic (a fixed 1F1B order per stage: the same losses every run, on both engines) or dynamic (a backward runs as soon as its gradient has arrived: on the processes engine the losses differ from run to run). Both keep the drift bound ⌈(N−i)/a⌉; synchronous schedules ignore it."})
     seed: int = field(default=0, metadata={"help": "Seed of the initial weights and of the data order."})
@@ -279,9 +282,16 @@ class TrainConfig:
         if self.run_dir is not None and os.path.exists(self.run_dir) and not os.path.isdir(self.run_dir):
             raise ConfigError(f"run_dir={self.run_dir!r} is a file, not a folder: give a new folder (set --run-dir); "
                               "nothing was overwritten")
-        if self.tokenizer not in TOKENIZERS:
-            raise ConfigError(f"tokenizer={self.tokenizer!r} is unknown{did_you_mean(self.tokenizer, TOKENIZERS)}: valid tokenizers are "
-                              f"{', '.join(TOKENIZERS)} (set --tokenizer)")
+        from unbubble.data.tokenizer import check_tokenizer_spec
+
+        check_tokenizer_spec(self.tokenizer)
+        if not isinstance(self.text_field, str) or not self.text_field:
+            raise ConfigError(f"text_field={self.text_field!r} is invalid: must be a column name such as 'text' "
+                              "(set --text-field)")
+        if self.document_mask and not (self.model.startswith("hf:") or self.model == "python"):
+            raise ConfigError(f"document_mask=True is not supported by model={self.model!r}: the presets' attention "
+                              "spans the whole packed row; --document-mask is for hf:FOLDER models (drop "
+                              "--document-mask, or give --model hf:FOLDER)")
 
     @property
     def mb_per_step(self) -> int:
@@ -312,6 +322,8 @@ class TrainConfig:
             changes["model"] = "hf:" + str(Path(self.model[3:]).expanduser().resolve())
         if self.corpus not in BUILTIN_CORPORA and Path(self.corpus).expanduser().exists():
             changes["corpus"] = str(Path(self.corpus).expanduser().resolve())
+        if self.tokenizer.startswith("hf:"):
+            changes["tokenizer"] = "hf:" + str(Path(self.tokenizer[3:]).expanduser().resolve())
         return dataclasses.replace(self, **changes) if changes else self
 
 

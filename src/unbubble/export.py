@@ -311,6 +311,7 @@ def export(run_dir: str | Path, out: str | Path, step: int | None = None, force:
         out.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}.export-") as tmp:
             model.save_pretrained(tmp, safe_serialization=True)
+            _copy_tokenizer(directory / MODEL_DIR, Path(tmp))
             out.mkdir(exist_ok=True)
             replaced = [f.name for f in sorted(Path(tmp).iterdir()) if (out / f.name).exists()]
             for f in sorted(Path(tmp).iterdir()):
@@ -337,6 +338,16 @@ def export(run_dir: str | Path, out: str | Path, step: int | None = None, force:
     torch.save(state, out)
     _say_replaced(out.parent, [out.name] if existed else [])
     return out
+
+
+def _copy_tokenizer(model_dir: Path, out: Path) -> None:
+    """The run's Hugging Face tokenizer files (``model/``, written by ``unbubble train``) beside the
+    exported weights, so ``AutoTokenizer.from_pretrained(OUT)`` reads the tokenizer the run trained on."""
+    from unbubble.data.tokenizer import _tokenizer_files, has_tokenizer_files
+
+    if has_tokenizer_files(model_dir):
+        for f in _tokenizer_files(model_dir):
+            shutil.copyfile(f, out / f.name)
 
 
 def _say_replaced(folder: Path, names: list[str]) -> None:

@@ -102,13 +102,19 @@ class RunWriter:
             "model": {k: getattr(model, k) for k in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size")},
             "train_tokens": int(tokens.train.size),
             "val_tokens": int(tokens.val.size),
+            # which ids the run trained on: the tokenizer's name (hf:/folder for a model's own), its
+            # vocabulary, EOS and the token files' dtype
+            "tokenizer": {"name": tokens.tokenizer, "vocab_size": int(tokens.vocab_size), "eos_id": int(tokens.eos_id),
+                          "dtype": str(tokens.train.dtype), "fingerprint": tokens.meta.get("tokenizer_fingerprint",
+                                                                                            tokens.tokenizer)},
             "tokens_per_step": self.cfg.mb_per_step * self.cfg.micro_batch_size * self.cfg.seq_len * self.cfg.dp,
         }
         log.info("run folder %s", self.dir)
         log.info("model %s: %.2fM parameters; %s", self.cfg.model, info["n_params"] / 1e6,
                  describe_blocks(info["ranges"]))
-        log.info("corpus %s: %d train / %d val tokens (%s tokenizer); %d tokens per step",
-                 self.cfg.corpus, tokens.train.size, tokens.val.size, self.cfg.tokenizer, self.info["tokens_per_step"])
+        log.info("corpus %s: %d train / %d val tokens (%s tokenizer, %d ids); %d tokens per step",
+                 self.cfg.corpus, tokens.train.size, tokens.val.size, tokens.tokenizer, tokens.vocab_size,
+                 self.info["tokens_per_step"])
 
     # Listener ---------------------------------------------------------------------------
     def on_step(self, step: int, loss: float, info: dict[str, Any]) -> None:

@@ -53,27 +53,52 @@ class _Data:
     seq_len: int
     seed: int
     eval_batches: int
+    dtype: str = "uint16"  # of the token files (uint32 above a vocabulary of 65,536)
+    eos_id: int | None = None  # set: --document-mask (positions restart after each EOS)
 
 
 @functools.lru_cache(maxsize=4)
-def _tokens(path: str) -> np.ndarray:
-    return np.memmap(path, dtype=np.uint16, mode="r")
+def _tokens(path: str, dtype: str = "uint16") -> np.ndarray:
+    return np.memmap(path, dtype=dtype, mode="r")
 
 
 @functools.lru_cache(maxsize=4)
 def _sampler(data: _Data) -> MicroBatchSampler:
-    return MicroBatchSampler(_tokens(data.train_path), data.micro_batch_size, data.seq_len, data.seed)
+    return MicroBatchSampler(_tokens(data.train_path, data.dtype), data.micro_batch_size, data.seq_len, data.seed)
 
 
-def gpt_batch(data: _Data, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Micro-batch k: token ids and targets, each ``(micro_batch_size, seq_len)`` int64."""
-    return _sampler(data).get(k)
+def document_batch(x: torch.Tensor, y: torch.Tensor, eos_id: int) -> tuple[dict, torch.Tensor]:
+    """A packed micro-batch as Hugging Face trains packed rows (``DataCollatorWithFlattening``): position
+    ids restart at 0 after each EOS (and at the row's start), so the model's attention stays within
+    each document; the target of an EOS (the next document's first token) is ``-100``, not counted.
+
+    Args:
+        x, y: ids and targets ``(B, T)`` int64 (``y`` = ``x`` shifted by one).
+        eos_id: the tokenizer's end-of-document id.
+
+    Returns:
+        ``({"input_ids": x, "position_ids": (B, T) int64}, targets (B, T) int64)``.
+    """
+    t = torch.arange(x.shape[1]).expand_as(x)
+    starts = torch.zeros_like(x, dtype=torch.bool)
+    starts[:, 1:] = x[:, :-1] == eos_id  # a document starts after each EOS
+    last_start = torch.where(starts, t, torch.zeros_like(t)).cummax(dim=1).values
+    return {"input_ids": x, "position_ids": t - last_start}, y.masked_fill(x == eos_id, -100)
 
 
-def gpt_val(data: _Data) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def gpt_batch(data: _Data, k: int):
+    """Micro-batch k: token ids and targets, each ``(micro_batch_size, seq_len)`` int64 (with
+    ``--document-mask`` a dict of ids and restarting position ids, :func:`document_batch`)."""
+    x, y = _sampler(data).get(k)
+    return (x, y) if data.eos_id is None else document_batch(x, y, data.eos_id)
+
+
+def gpt_val(data: _Data) -> list:
     """The fixed validation micro-batches."""
     # warned once, up front (build_job), not by every stage that evaluates
-    return val_batches(_tokens(data.val_path), data.micro_batch_size, data.seq_len, data.eval_batches, warn=False)
+    batches = val_batches(_tokens(data.val_path, data.dtype), data.micro_batch_size, data.seq_len, data.eval_batches,
+                          warn=False)
+    return batches if data.eos_id is None else [document_batch(x, y, data.eos_id) for x, y in batches]
 
 
 def gpt_stage(model: ModelConfig, n_stages: int, seed: int, seq_len: int, stage: int,
@@ -112,16 +137,46 @@ def external_stages(cfg: TrainConfig, tokens: TokenData, n_stages: int, model: t
         why = f": {cfg.schedule} needs stages × {chunks} = {n_stages} model chunks" if chunks > 1 else ""
         raise ConfigError(f"stages={cfg.stages} is invalid: model {cfg.model!r} has {n_layer} layers{why} (set "
                           f"{'stages' if given_in_python else '--stages'} ≤ {n_layer // chunks}, or give a deeper model)")
+    check_vocabulary(cfg.model, embedding_rows(model), tokens.tokenizer, tokens.vocab_size)
+    if cfg.document_mask:
+        if not hasattr(getattr(model, "config", None), "to_dict"):
+            raise ConfigError(f"document_mask=True is for Hugging Face models (their attention reads packed rows from "
+                              f"the position ids): model {cfg.model!r} is not one (drop --document-mask)")
+        # The whole model builds a cache when use_cache, and HF then reads no packed rows from the position ids.
+        model.config.use_cache = False
     split = split_model(model, n_stages, untie=cfg.untie, untie_option="untie=True" if given_in_python else "--untie")
     shape = ModelShape.of(model, sum(len(layers) for layers in split.plan.layers))
-    if shape.vocab_size is not None and shape.vocab_size < tokens.vocab_size:
-        raise ConfigError(f"model={cfg.model!r} has vocab_size={shape.vocab_size}, fewer than the {cfg.tokenizer} "
-                          f"tokenizer's {tokens.vocab_size} (give a model with vocab_size ≥ {tokens.vocab_size}, or "
-                          "set --tokenizer)")
     if shape.block_size is not None and cfg.seq_len > shape.block_size:
         raise ConfigError(f"seq_len={cfg.seq_len} is invalid: model {cfg.model!r} has {shape.block_size} positions "
                           f"(set --seq-len ≤ {shape.block_size})")
     return split, shape
+
+
+def embedding_rows(model: torch.nn.Module) -> int | None:
+    """Rows of the model's input token embedding (the ids it can read), or its config's ``vocab_size``."""
+    get = getattr(model, "get_input_embeddings", None)
+    try:
+        emb = get() if callable(get) else None
+    except (NotImplementedError, AttributeError):
+        emb = None
+    if isinstance(emb, torch.nn.Embedding):
+        return int(emb.num_embeddings)
+    emb = next((m for m in model.modules() if isinstance(m, torch.nn.Embedding)), None)
+    if emb is not None:
+        return int(emb.num_embeddings)
+    return getattr(getattr(model, "config", None), "vocab_size", None)
+
+
+def check_vocabulary(model: str, rows: int | None, tokenizer: str, vocab_size: int) -> None:
+    """Refuses a tokenizer whose ids exceed the model's vocabulary, before anything trains.
+
+    Raises:
+        ConfigError: one line naming both numbers.
+    """
+    if rows is not None and rows < vocab_size:
+        raise ConfigError(f"tokenizer {tokenizer!r} has {vocab_size:,} ids (0–{vocab_size - 1:,}) but model={model!r} "
+                          f"has {rows:,} embedding rows: ids ≥ {rows:,} would index past its vocabulary (give a "
+                          f"model with vocab_size ≥ {vocab_size:,}, or the model's own tokenizer with --tokenizer)")
 
 
 def stage_ranges(job: PipelineJob, model, seq_len: int) -> list[range]:
@@ -167,7 +222,8 @@ def build_job(cfg: TrainConfig, tokens: TokenData, model_object: torch.nn.Module
     if not external:
         partition_layers(model, schedule.n_stages, cfg.seq_len)  # raises on stages > layers
     data = _Data(str(tokens.meta["dir"]) + "/train.bin", str(tokens.meta["dir"]) + "/val.bin",
-                 cfg.micro_batch_size, cfg.seq_len, cfg.seed, cfg.eval_batches)
+                 cfg.micro_batch_size, cfg.seq_len, cfg.seed, cfg.eval_batches, str(tokens.train.dtype),
+                 tokens.eos_id if cfg.document_mask else None)
     check_split_sizes(tokens.train.size, tokens.val.size, cfg.seq_len)
     MicroBatchSampler(tokens.train, cfg.micro_batch_size, cfg.seq_len, cfg.seed)  # validates sizes
     if cfg.micro_batch_size * cfg.seq_len > tokens.train.size:
@@ -344,6 +400,40 @@ def run_job(job: PipelineJob, engine: str, listener: Listener | None = None, thr
     return run_processes(job, listener=listener, threads_per_stage=threads_per_stage, timeout_s=timeout_s)
 
 
+def resolve_run_tokenizer(cfg: TrainConfig):
+    """``(cfg with its tokenizer resolved, the Tokenizer)``: ``auto`` becomes the ``hf:`` model folder's own
+    tokenizer or ``byte`` (:func:`~unbubble.data.tokenizer.resolve_tokenizer`), so the run folder's
+    config.yaml names the tokenizer the run used; an ``hf:`` model whose config.json has fewer ids than
+    the tokenizer is refused here, before the corpus is tokenized.
+
+    Raises:
+        ConfigError: a tokenizer that is not the pretrained model folder's own (without
+            ``--allow-tokenizer-mismatch``), an unreadable tokenizer, or too few embedding rows.
+    """
+    from unbubble.data.tokenizer import get_tokenizer, resolve_tokenizer
+    from unbubble.models.external import hf_vocab_size
+
+    name = resolve_tokenizer(cfg.tokenizer, cfg.model, cfg.allow_tokenizer_mismatch)
+    if name != cfg.tokenizer:
+        cfg = dataclasses.replace(cfg, tokenizer=name)
+    tokenizer = get_tokenizer(name)
+    if cfg.model.startswith("hf:"):
+        check_vocabulary(cfg.model, hf_vocab_size(cfg.model), tokenizer.name, tokenizer.vocab_size)
+    log.info("tokenizer %s: %d ids, EOS %d", tokenizer.name, tokenizer.vocab_size, tokenizer.eos_id)
+    return cfg, tokenizer
+
+
+def save_tokenizer(tokenizer, directory: Path) -> None:
+    """Writes a Hugging Face tokenizer's files into ``directory/model/`` beside the model's config, so
+    ``unbubble export`` gives a folder that ``AutoTokenizer.from_pretrained`` reads too; byte and gpt2
+    need no files."""
+    from unbubble.data.tokenizer import HFTokenizer
+    from unbubble.export import MODEL_DIR
+
+    if isinstance(tokenizer, HFTokenizer):
+        tokenizer.save(directory / MODEL_DIR)
+
+
 def train(cfg: TrainConfig | None = None, listener_factory=None, resume: str | Path | None = None,
           resume_overrides: dict | None = None, started_at: float | None = None,
           model: torch.nn.Module | None = None) -> tuple[RunResult | None, Path | None]:
@@ -386,7 +476,8 @@ def train(cfg: TrainConfig | None = None, listener_factory=None, resume: str | P
         run_dir = Path(resume)
     else:
         run_dir = RunWriter.choose_dir(cfg) if rank0 else None
-    tokens = prepare_tokens(cfg.corpus, cfg.tokenizer, Path(cfg.cache_dir).expanduser())
+    cfg, tokenizer = resolve_run_tokenizer(cfg)
+    tokens = prepare_tokens(cfg.corpus, tokenizer, Path(cfg.cache_dir).expanduser(), text_field=cfg.text_field)
     job, model = build_job(cfg, tokens, model)
     if under_torchrun() and cfg.checkpoints and cfg.run_dir is None and resume is None:
         raise ConfigError("checkpoints under torchrun need --run-dir: every rank writes its stage's checkpoint "
@@ -407,6 +498,8 @@ def train(cfg: TrainConfig | None = None, listener_factory=None, resume: str | P
             ranges = stage_ranges(job, model, cfg.seq_len)
             n_params = sum(count_params(job.stage_fn(s)) for s in range(n))
             writer.describe(model=model, n_params=n_params, ranges=ranges, tokens=tokens)
+            if cfg.checkpoints and resume is None:
+                save_tokenizer(tokenizer, run_dir / "checkpoints")
         listener = (listener_factory(writer, cfg.steps) if listener_factory and writer else writer)
         t0 = time.perf_counter()
         result = run_job(job, cfg.engine, listener, cfg.threads_per_stage, cfg.timeout_s)

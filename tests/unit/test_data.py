@@ -135,7 +135,7 @@ def test_round_trip_kjv_sample(kjv_docs, name):
 
 
 def test_unknown_tokenizer():
-    with pytest.raises(ConfigError, match=r"tokenizer='sentencepiece' is unknown: must be one of gpt2, byte"):
+    with pytest.raises(ConfigError, match=r"tokenizer=.sentencepiece. is unknown: must be one of auto, gpt2, byte or hf:FOLDER"):
         get_tokenizer("sentencepiece")
 
 
@@ -196,8 +196,8 @@ def test_bad_corpus_paths(tmp_path):
     with pytest.raises(ConfigError) as e:
         load_documents(str(missing))
     assert str(e.value) == (
-        f"corpus='{missing}' does not exist: give a text file, a folder of .txt files, "
-        "or one of kjv, shakespeare (set --corpus)"
+        f"corpus='{missing}' does not exist: give a text file, a folder of .txt files, a .jsonl/.json/.parquet/.arrow "
+        "file, a datasets.save_to_disk folder, or one of kjv, shakespeare (set --corpus)"
     )
     empty = tmp_path / "empty.txt"
     empty.write_text("")
@@ -252,7 +252,7 @@ def test_prepare_tokens_cache_hit(tmp_path, monkeypatch):
     def no_tokenising(*args, **kwargs):
         raise AssertionError("cache miss: corpus re-read")
 
-    monkeypatch.setattr(memmap_mod, "load_documents", no_tokenising)
+    monkeypatch.setattr(memmap_mod, "open_corpus", no_tokenising)
     second = prepare_tokens(str(root), "gpt2", tmp_path / "cache")
     assert second.meta["from_cache"] is True
     assert {p.name: p.stat().st_mtime_ns for p in folder.iterdir()} == mtimes

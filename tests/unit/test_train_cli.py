@@ -28,7 +28,8 @@ def test_short_real_text_run_lowers_validation_loss(tmp_path, cache_dir):
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["max_drift"] == [1, 1, 1, 0] == summary["drift_bound"]
     assert summary["final_val_loss"] == pytest.approx(last)
-    assert json.loads((run_dir / "config.json").read_text()) == cfg.to_dict()
+    # the tokenizer the run used: --tokenizer auto is byte for a preset
+    assert json.loads((run_dir / "config.json").read_text()) == {**cfg.to_dict(), "tokenizer": "byte"}
     actions = [json.loads(line) for line in (run_dir / "actions.jsonl").read_text().splitlines()]
     assert len(actions) == 4 * (2 * 30 * 4 + 30)  # per stage: F and B per micro-batch, one U per step
     assert max(a.get("drift", 0) for a in actions if a["stage"] == 0) == 1

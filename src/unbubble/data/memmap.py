@@ -1,19 +1,21 @@
-"""Tokenise a corpus once into uint16 ``.bin`` files and memory-map them.
+"""Tokenise a corpus once into ``.bin`` token files and memory-map them.
 
 Layout of a prepared corpus, in ``<cache_dir>/<key>/``:
 
-* ``train.bin``, ``val.bin``: raw little-endian ``uint16`` token ids, no
-  header (the nanoGPT format), each document followed by the EOS id.
-* ``meta.json``: token counts, tokenizer, vocab size, EOS id, corpus
-  fingerprint, split description and sha256 of both bins.
+* ``train.bin``, ``val.bin``: raw little-endian token ids, no header, each
+  document followed by the EOS id; ``uint16`` when every id fits (vocabulary
+  up to 65,536: the nanoGPT format), ``uint32`` above (Llama 3, Qwen, Gemma).
+* ``meta.json``: token counts, dtype, tokenizer, vocab size, EOS id, corpus
+  fingerprint, split description, tokenizing time and sha256 of both bins.
 
-``key`` is a 16-hex-digit sha256 of (format version, corpus fingerprint,
-tokenizer name, val_fraction), so editing a corpus file, or changing the
-tokenizer or split, gives a fresh folder. Every file is written to a temporary
-name, fsynced and moved into place with :func:`os.replace`; ``meta.json`` is
-written last and marks the folder complete, so a crash never leaves a
-half-written file that is later trusted. Processes that prepare the same key
-concurrently write identical bytes, so the race is harmless.
+``key`` is a 16-hex-digit sha256 of (format version, corpus fingerprint (the
+files' contents), tokenizer fingerprint (a Hugging Face tokenizer's file
+contents), text field, val_fraction), so editing a corpus file, or changing
+the tokenizer or split, gives a fresh folder. Tokens are streamed into
+temporary files that are fsynced and moved into place with :func:`os.replace`;
+``meta.json`` is written last and marks the folder complete, so a crash or a bad
+row never leaves a half-written file that is later trusted. Processes that
+prepare the same key concurrently write identical bytes, so the race is harmless.
 """
 
 from __future__ import annotations
@@ -23,18 +25,19 @@ import json
 import logging
 import os
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from unbubble.data.corpus import corpus_fingerprint, load_documents
-from unbubble.data.tokenizer import get_tokenizer
+from unbubble.data.corpus import corpus_fingerprint, corpus_kind, open_corpus
+from unbubble.data.tokenizer import Tokenizer, get_tokenizer
 from unbubble.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: uint32 files, content and tokenizer-file keys, text field
 UINT16_VOCAB_LIMIT = 2**16  # ids 0..65535 fit in uint16
 _ENCODE_CHUNK = 256  # documents per encode_batch call
 
@@ -44,13 +47,13 @@ class TokenData:
     """A prepared, memory-mapped token corpus.
 
     Attributes:
-        train: Training tokens, shape ``(n_train,)``, dtype ``uint16``,
-            read-only ``np.memmap`` of ``train.bin``.
-        val: Validation tokens, shape ``(n_val,)``, dtype ``uint16``,
-            read-only ``np.memmap`` of ``val.bin``; never empty.
+        train: Training tokens, shape ``(n_train,)``, dtype ``uint16`` or ``uint32``
+            (:func:`token_dtype`), read-only ``np.memmap`` of ``train.bin``.
+        val: Validation tokens, shape ``(n_val,)``, same dtype, read-only
+            ``np.memmap`` of ``val.bin``; never empty.
         vocab_size: Number of token ids (all ids are ``< vocab_size``).
         eos_id: End-of-document id, appended after every document.
-        tokenizer: Tokenizer name (``"gpt2"`` or ``"byte"``).
+        tokenizer: Tokenizer name (``"gpt2"``, ``"byte"`` or ``"hf:/folder"``).
         meta: Contents of ``meta.json`` plus ``"dir"`` (the cache folder, str)
             and ``"from_cache"`` (bool: True when nothing was tokenised).
     """
@@ -71,8 +74,14 @@ def _check_uint16_vocab(vocab_size: int, what: str) -> None:
         )
 
 
-def _cache_key(fingerprint: str, tokenizer: str, val_fraction: float) -> str:
-    blob = json.dumps([FORMAT_VERSION, fingerprint, tokenizer, float(val_fraction)])
+def token_dtype(vocab_size: int) -> np.dtype:
+    """The smallest little-endian unsigned dtype holding ids ``0 .. vocab_size - 1``: ``uint16`` up to a
+    vocabulary of 65,536, ``uint32`` above."""
+    return np.dtype("<u2") if vocab_size <= UINT16_VOCAB_LIMIT else np.dtype("<u4")
+
+
+def _cache_key(fingerprint: str, tokenizer: str, val_fraction: float, text_field: str = "text") -> str:
+    blob = json.dumps([FORMAT_VERSION, fingerprint, tokenizer, float(val_fraction), text_field])
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -93,37 +102,6 @@ def _atomic_write_bytes(path: Path, data: bytes | memoryview) -> None:
         raise
 
 
-def _split(doc_tokens: list[np.ndarray], val_fraction: float) -> tuple[np.ndarray, np.ndarray, dict]:
-    """Splits tokenised documents into train and val streams.
-
-    With at least ``1 / val_fraction`` documents, whole documents go to val:
-    ``n_val = round(n_docs * val_fraction)`` of them, evenly spaced through
-    the corpus (indices ``(2j + 1) * n_docs // (2 n_val)``). With fewer
-    documents, the concatenated stream is cut at token
-    ``n - max(1, round(n * val_fraction))``.
-
-    Args:
-        doc_tokens: One uint16 array per document, each ending in EOS.
-        val_fraction: Target share of val, in (0, 1).
-
-    Returns:
-        ``(train, val, info)``: two non-empty uint16 arrays and a dict
-        describing the split (stored in ``meta.json``).
-    """
-    n_docs = len(doc_tokens)
-    if n_docs * val_fraction >= 1 and n_docs >= 2:
-        n_val = min(n_docs - 1, max(1, round(n_docs * val_fraction)))
-        val_idx = sorted({(2 * j + 1) * n_docs // (2 * n_val) for j in range(n_val)})
-        val_set = set(val_idx)
-        train = np.concatenate([t for i, t in enumerate(doc_tokens) if i not in val_set])
-        val = np.concatenate([doc_tokens[i] for i in val_idx])
-        return train, val, {"split": "documents", "val_documents": val_idx}
-    stream = np.concatenate(doc_tokens)
-    n_val = max(1, round(len(stream) * val_fraction))
-    cut = len(stream) - n_val
-    return stream[:cut], stream[cut:], {"split": "tokens", "val_start_token": int(cut)}
-
-
 def _try_load(out: Path, tokenizer: str, vocab_size: int) -> TokenData | None:
     """Memory-maps a complete cache folder, or returns None if it is absent/stale/corrupt."""
     meta_path = out / "meta.json"
@@ -131,12 +109,14 @@ def _try_load(out: Path, tokenizer: str, vocab_size: int) -> TokenData | None:
         return None
     try:
         meta = json.loads(meta_path.read_text(encoding="utf-8"))
+        dtype = token_dtype(vocab_size)
         ok = (
             meta.get("format") == FORMAT_VERSION
             and meta.get("tokenizer") == tokenizer
             and meta.get("vocab_size") == vocab_size
-            and (out / "train.bin").stat().st_size == 2 * meta["train_tokens"]
-            and (out / "val.bin").stat().st_size == 2 * meta["val_tokens"]
+            and meta.get("dtype") == dtype.name
+            and (out / "train.bin").stat().st_size == dtype.itemsize * meta["train_tokens"]
+            and (out / "val.bin").stat().st_size == dtype.itemsize * meta["val_tokens"]
             and meta["train_tokens"] > 0
             and meta["val_tokens"] > 0
         )
@@ -146,8 +126,8 @@ def _try_load(out: Path, tokenizer: str, vocab_size: int) -> TokenData | None:
     if not ok:
         logger.warning("token cache %s does not match its meta.json; rebuilding", out)
         return None
-    train = np.memmap(out / "train.bin", dtype=np.uint16, mode="r")
-    val = np.memmap(out / "val.bin", dtype=np.uint16, mode="r")
+    train = np.memmap(out / "train.bin", dtype=dtype, mode="r")
+    val = np.memmap(out / "val.bin", dtype=dtype, mode="r")
     return TokenData(
         train=train,
         val=val,
@@ -158,32 +138,133 @@ def _try_load(out: Path, tokenizer: str, vocab_size: int) -> TokenData | None:
     )
 
 
+def _val_documents(n_docs: int, val_fraction: float) -> list[int] | None:
+    """The documents held out for validation, or None for a split by tokens.
+
+    With at least ``1 / val_fraction`` documents, whole documents go to val: ``n_val = round(n_docs *
+    val_fraction)`` of them, evenly spaced through the corpus (indices ``(2j + 1) * n_docs // (2 n_val)``).
+    With fewer, the concatenated stream is cut at token ``n - max(1, round(n * val_fraction))``."""
+    if n_docs * val_fraction >= 1 and n_docs >= 2:
+        n_val = min(n_docs - 1, max(1, round(n_docs * val_fraction)))
+        return sorted({(2 * j + 1) * n_docs // (2 * n_val) for j in range(n_val)})
+    return None
+
+
+def _file_sha256(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _progress(total: int, corpus: str):
+    """A tqdm bar over documents on a terminal (stderr), silent otherwise."""
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, unit="doc", desc=f"tokenizing {Path(str(corpus)).name}", disable=None, leave=False)
+
+
+def _tokenize_into(docs, tok: Tokenizer, out: Path, dtype: np.dtype, val_fraction: float, corpus: str
+                   ) -> tuple[Path, Path, dict]:
+    """Streams every document's ids (then EOS) into two temporary files in ``out``; returns their paths and
+    the split info (:func:`_val_documents`: whole documents when there are enough, else the stream's tail).
+
+    Raises:
+        ConfigError: a bad row (:meth:`~unbubble.data.corpus.Documents.batches`), an id outside the
+            tokenizer's vocabulary, or a corpus whose documents are all empty. The temporary files
+            are removed.
+    """
+    n_docs = len(docs)
+    val_idx = _val_documents(n_docs, val_fraction)
+    val_set = set(val_idx or ())
+    eos = np.array([tok.eos_id], dtype=dtype)
+    tmps = []
+    try:
+        for name in ("train", "val"):
+            fd, tmp = tempfile.mkstemp(dir=out, prefix=f".{name}.bin.", suffix=".tmp")
+            tmps.append((os.fdopen(fd, "wb"), Path(tmp)))
+        (ftrain, ptrain), (fval, pval) = tmps
+        n_tokens, kept, limit = 0, 0, np.iinfo(dtype).max
+        with _progress(n_docs, corpus) as bar:
+            for start, texts in docs.batches(_ENCODE_CHUNK):
+                for i, ids in enumerate(tok.encode_batch(texts)):
+                    if not texts[i].strip():  # an empty row adds nothing, not even an EOS
+                        continue
+                    arr = np.asarray(ids, dtype=np.int64)
+                    if arr.size and (arr.max() >= tok.vocab_size or arr.max() > limit or arr.min() < 0):
+                        raise ConfigError(f"tokenizer={tok.name!r} produced id {int(arr.max())} for document "
+                                          f"{start + i} of corpus={corpus!r}, outside its vocab_size="
+                                          f"{tok.vocab_size}: the tokenizer folder is inconsistent")
+                    (fval if start + i in val_set else ftrain).write(np.concatenate([arr.astype(dtype), eos]).tobytes())
+                    n_tokens += arr.size + 1
+                    kept += 1
+                bar.update(len(texts))
+        for f, _ in tmps:
+            f.flush()
+            os.fsync(f.fileno())
+            f.close()
+        if kept == 0:
+            raise ConfigError(f"corpus={corpus!r} is an empty corpus: all {n_docs} documents are empty or whitespace")
+        if val_idx is not None and (ptrain.stat().st_size == 0 or pval.stat().st_size == 0):
+            val_idx = None  # empty documents emptied a side: fall back to the tail of the stream
+            with open(ptrain, "ab") as f:
+                f.write(pval.read_bytes())
+            pval.write_bytes(b"")
+        if val_idx is None:
+            stream = np.memmap(ptrain, dtype=dtype, mode="r")
+            n_val = max(1, round(stream.size * val_fraction))
+            cut = stream.size - n_val
+            with open(pval, "wb") as f:
+                f.write(np.asarray(stream[cut:]).tobytes())
+                f.flush()
+                os.fsync(f.fileno())
+            del stream
+            with open(ptrain, "r+b") as f:
+                f.truncate(cut * dtype.itemsize)
+                os.fsync(f.fileno())
+            info = {"split": "tokens", "val_start_token": int(cut)}
+        else:
+            info = {"split": "documents", "val_documents": val_idx}
+        info["n_tokens"] = int(n_tokens)
+        info["n_documents"] = n_docs
+        info["empty_documents"] = n_docs - kept
+        return ptrain, pval, info
+    except BaseException:
+        for f, tmp in tmps:
+            f.close()
+            tmp.unlink(missing_ok=True)
+        raise
+
+
 def prepare_tokens(
-    corpus: str, tokenizer: str, cache_dir: str | Path, val_fraction: float = 0.05
+    corpus: str, tokenizer: str | Tokenizer, cache_dir: str | Path, val_fraction: float = 0.05,
+    text_field: str = "text",
 ) -> TokenData:
     """Tokenises a corpus once (cached on disk) and memory-maps train/val tokens.
 
     Each document is encoded and followed by the tokenizer's EOS id; the split
-    is deterministic (see :func:`_split`): whole documents, evenly spaced,
+    is deterministic (see :func:`_val_documents`): whole documents, evenly spaced,
     when there are at least ``1 / val_fraction`` of them, else the last
     ``val_fraction`` of the token stream. A later call with the same corpus
     content, tokenizer and ``val_fraction`` loads the cache without tokenising.
+    ``meta.json`` records the tokenizing time (``tokenize_s``, wall clock) and ``tokens_per_s``.
 
     Args:
-        corpus: ``"kjv"``, ``"shakespeare"``, a text file or a folder of
-            ``.txt`` files (see :func:`unbubble.data.corpus.load_documents`).
-        tokenizer: ``"gpt2"`` or ``"byte"``.
+        corpus: ``"kjv"``, ``"shakespeare"``, a text file or folder, a table (``.jsonl``, ``.json``,
+            ``.parquet``, ``.arrow``, a folder of them or a ``save_to_disk`` folder; see
+            :func:`unbubble.data.corpus.open_corpus`), or a folder with ``train.bin`` and ``val.bin``.
+        tokenizer: ``"gpt2"``, ``"byte"``, ``"hf:FOLDER"`` or a :class:`Tokenizer`.
         cache_dir: Folder for prepared corpora; created if missing. Files go
             to ``cache_dir/<key>/{train.bin,val.bin,meta.json}``.
         val_fraction: Target share of tokens held out for validation, in (0, 1).
+        text_field: the column of a table corpus holding the text.
 
     Returns:
-        :class:`TokenData` with uint16 memmaps ``train`` ``(n_train,)`` and
-        ``val`` ``(n_val,)``, both non-empty.
+        :class:`TokenData` with memmaps ``train`` ``(n_train,)`` and ``val`` ``(n_val,)``, both
+        non-empty, of dtype :func:`token_dtype` of the vocabulary.
 
     Raises:
-        ConfigError: Bad corpus, unknown tokenizer, vocab too large for
-            uint16, ``val_fraction`` outside (0, 1), or an unwritable cache_dir.
+        ConfigError: Bad corpus (missing, empty, unreadable, no such text field, non-text rows), unknown
+            tokenizer, ``val_fraction`` outside (0, 1), or an unwritable cache_dir. Nothing half-written
+            is left in the cache.
     """
     try:
         val_fraction = float(val_fraction)
@@ -193,14 +274,13 @@ def prepare_tokens(
         ) from None
     if not 0.0 < val_fraction < 1.0:
         raise ConfigError(f"val_fraction={val_fraction!r} is invalid: must be in (0, 1) (set --val-fraction)")
-    tok = get_tokenizer(tokenizer)
-    _check_uint16_vocab(tok.vocab_size, f"tokenizer={tokenizer!r}")
-    folder = Path(corpus).expanduser()
-    if folder.is_dir() and ((folder / "train.bin").exists() or (folder / "val.bin").exists()):
-        return load_token_folder(folder, tokenizer)
+    tok = tokenizer if isinstance(tokenizer, Tokenizer) else get_tokenizer(tokenizer)
+    if corpus_kind(corpus) == "bin":
+        return load_token_folder(Path(corpus).expanduser(), tok)
     fingerprint = corpus_fingerprint(corpus)
-    key = _cache_key(fingerprint, tok.name, val_fraction)
+    key = _cache_key(fingerprint, tok.fingerprint, val_fraction, text_field)
     out = Path(cache_dir).expanduser() / key
+    dtype = token_dtype(tok.vocab_size)
 
     cached = _try_load(out, tok.name, tok.vocab_size)
     if cached is not None:
@@ -217,43 +297,53 @@ def prepare_tokens(
             f"cache_dir='{cache_dir}' cannot be created ({exc.strerror}): give a writable folder (set --cache-dir)"
         ) from exc
 
-    docs = load_documents(corpus)
-    doc_tokens: list[np.ndarray] = []
-    eos = np.array([tok.eos_id], dtype=np.uint16)
-    for start in range(0, len(docs), _ENCODE_CHUNK):
-        for ids in tok.encode_batch(docs[start:start + _ENCODE_CHUNK]):
-            doc_tokens.append(np.concatenate([np.asarray(ids, dtype=np.uint16), eos]))
-    train, val, split_info = _split(doc_tokens, val_fraction)
-    del doc_tokens
-
+    docs = open_corpus(corpus, text_field, cache_dir)
+    t0 = time.perf_counter()
+    try:
+        ptrain, pval, split_info = _tokenize_into(docs, tok, out, dtype, val_fraction, corpus)
+    except OSError as exc:
+        raise ConfigError(
+            f"cache_dir='{cache_dir}' is not writable ({exc.strerror}): give a writable folder (set --cache-dir)"
+        ) from exc
+    seconds = time.perf_counter() - t0
+    n_train, n_val = ptrain.stat().st_size // dtype.itemsize, pval.stat().st_size // dtype.itemsize
     meta = {
         "format": FORMAT_VERSION,
         "key": key,
         "corpus": str(corpus),
         "corpus_fingerprint": fingerprint,
+        "text_field": text_field,
         "tokenizer": tok.name,
+        "tokenizer_fingerprint": tok.fingerprint,
         "vocab_size": tok.vocab_size,
         "eos_id": tok.eos_id,
-        "dtype": "uint16",
+        "dtype": dtype.name,
         "val_fraction": val_fraction,
-        "n_documents": len(docs),
-        "train_tokens": int(train.size),
-        "val_tokens": int(val.size),
-        **split_info,
-        "train_sha256": hashlib.sha256(train.tobytes()).hexdigest(),
-        "val_sha256": hashlib.sha256(val.tobytes()).hexdigest(),
+        "n_documents": split_info.pop("n_documents"),
+        "empty_documents": split_info.pop("empty_documents"),
+        "train_tokens": int(n_train),
+        "val_tokens": int(n_val),
+        **{k: v for k, v in split_info.items() if k != "n_tokens"},
+        "tokenize_s": round(seconds, 3),
+        "tokens_per_s": round(split_info["n_tokens"] / max(seconds, 1e-9)),
+        "train_sha256": _file_sha256(ptrain),
+        "val_sha256": _file_sha256(pval),
     }
     try:
-        _atomic_write_bytes(out / "train.bin", train.astype("<u2", copy=False).tobytes())
-        _atomic_write_bytes(out / "val.bin", val.astype("<u2", copy=False).tobytes())
+        os.replace(ptrain, out / "train.bin")
+        os.replace(pval, out / "val.bin")
         _atomic_write_bytes(out / "meta.json", (json.dumps(meta, indent=1) + "\n").encode())
     except OSError as exc:
+        for tmp in (ptrain, pval):
+            tmp.unlink(missing_ok=True)
         raise ConfigError(
             f"cache_dir='{cache_dir}' is not writable ({exc.strerror}): give a writable folder (set --cache-dir)"
         ) from exc
     logger.info(
-        "tokenised corpus %r with %s: %d documents -> %d train + %d val tokens (split by %s), cached in %s",
-        corpus, tok.name, len(docs), train.size, val.size, split_info["split"], out,
+        "tokenised corpus %r with %s: %d documents -> %d train + %d val tokens (%s, split by %s) in %.1f s "
+        "(%.0f tokens/s), cached in %s",
+        corpus, tok.name, meta["n_documents"], n_train, n_val, dtype.name, meta["split"], seconds,
+        meta["tokens_per_s"], out,
     )
     data = _try_load(out, tok.name, tok.vocab_size)
     if data is None:  # pragma: no cover - only if another process corrupted it in between
@@ -262,18 +352,21 @@ def prepare_tokens(
                      {**data.meta, "from_cache": False})
 
 
-def load_token_folder(folder: str | Path, tokenizer: str) -> TokenData:
-    """A pre-tokenised corpus: ``folder/train.bin`` and ``folder/val.bin`` (nanoGPT format), ids
+def load_token_folder(folder: str | Path, tokenizer: str | Tokenizer) -> TokenData:
+    """A pre-tokenised corpus: ``folder/train.bin`` and ``folder/val.bin`` (nanoGPT format: uint16), ids
     of ``tokenizer``'s vocabulary; used as is (no cache).
 
     Raises:
-        ConfigError: a file is missing, empty, of odd size or holds an id ≥ the vocabulary.
+        ConfigError: a file is missing, empty, of odd size or holds an id ≥ the vocabulary, or the
+            tokenizer's vocabulary does not fit uint16.
     """
-    tok = get_tokenizer(tokenizer)
+    tok = tokenizer if isinstance(tokenizer, Tokenizer) else get_tokenizer(tokenizer)
     folder = Path(folder).expanduser()
+    _check_uint16_vocab(tok.vocab_size, f"tokenizer={tok.name!r} (pre-tokenised .bin files of corpus='{folder}' "
+                                        "are uint16)")
     train = load_bin(folder / "train.bin", tok.vocab_size, tok.name)
     val = load_bin(folder / "val.bin", tok.vocab_size, tok.name)
-    meta = {"format": FORMAT_VERSION, "tokenizer": tok.name, "vocab_size": tok.vocab_size,
+    meta = {"format": FORMAT_VERSION, "tokenizer": tok.name, "vocab_size": tok.vocab_size, "dtype": "uint16",
             "train_tokens": int(train.size), "val_tokens": int(val.size), "dir": str(folder), "from_cache": True,
             "pretokenized": True}
     return TokenData(train, val, tok.vocab_size, tok.eos_id, tok.name, meta)

@@ -63,6 +63,15 @@ def _hf_config(spec: str) -> dict:
     return config
 
 
+def hf_vocab_size(spec: str) -> int | None:
+    """The ``vocab_size`` of an ``hf:`` model's config.json (its text config's for a multimodal one), or None."""
+    config = _hf_config(spec)
+    for c in (config, config.get("text_config") or {}):
+        if isinstance(c.get("vocab_size"), int):
+            return c["vocab_size"]
+    return None
+
+
 def _current_folder_on_path() -> None:
     """Puts the current folder first on ``sys.path`` (once), as ``python -m`` does, so ``--model
     mymods:build`` finds ``mymods.py`` beside the command: the ``unbubble`` console script's path
@@ -87,6 +96,9 @@ def check_external(spec: str) -> None:
         return
     if spec.startswith("hf:"):
         _hf_config(spec)
+        path = Path(spec[3:]).expanduser()
+        if path.is_dir():  # a damaged weight file is named before anything else is read
+            _check_safetensors(spec, path)
         return
     module, _, name = spec.partition(":")
     _current_folder_on_path()
@@ -120,7 +132,18 @@ def load_external(spec: str, seed: int) -> nn.Module:
         path = Path(spec[3:]).expanduser()
         if path.is_dir() and any((path / w).is_file() for w in _WEIGHTS):
             _check_safetensors(spec, path)
-            return transformers.AutoModelForCausalLM.from_pretrained(path)
+            # fp32 whatever the files hold (bf16 too): --precision decides how the run computes, and
+            # the bf16 mode keeps fp32 master weights of its own
+            bars = transformers.utils.logging.is_progress_bar_enabled()
+            transformers.utils.logging.disable_progress_bar()  # a bar per load would break the one-line errors
+            try:
+                model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+            finally:
+                if bars:
+                    transformers.utils.logging.enable_progress_bar()
+            log.info("%s: pretrained weights loaded (%s parameters)", path,
+                     f"{sum(p.numel() for p in model.parameters()):,}")
+            return model
         config = transformers.AutoConfig.from_pretrained(path)
         log.info("%s holds a config and no weights (%s): random initialization with seed %d", path,
                  ", ".join(_WEIGHTS), seed)
