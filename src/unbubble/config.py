@@ -132,6 +132,7 @@ class TrainConfig:
     eval_interval: int = field(default=50, metadata={"help": 'Evaluate the version-v weights every this many steps (and at the end).'})
     eval_batches: int = field(default=8, metadata={"help": 'Validation micro-batches per evaluation.'})
     checkpoints: bool = field(default=True, metadata={"help": "Save checkpoints into RUN/checkpoints (every --checkpoint-every steps, at the last step unless --no-final-checkpoint, and when SIGINT/SIGTERM stops the run; the newest two are kept); continue with --resume RUN, export the weights with unbubble export RUN OUT."})
+    init_from: str | None = field(default=None, metadata={"help": "Start from another run's checkpoint (its run folder, checkpoints folder or one step-VVVVVVVV folder) under any --schedule, --stages or --dp: weights by the model's parameter names, the optimizer state by name when the optimizer is the same (AdamW/Muon moments), the update counter and the data position continuing from its step; --steps counts from 0 as in the source. Refused in one line for another model. See docs/concepts.md, starting from another layout."})
     checkpoint_every: int = field(default=100, metadata={"help": "Checkpoint after every K-th update, the first after update K (0: none but the last step's and a stop's). Asynchronous schedules drain the pipeline once per K steps for it."})
     final_checkpoint: bool = field(default=True, metadata={"help": "Checkpoint the last step, so unbubble export has the trained weights (as nanoGPT and Hugging Face's Trainer save at the end). --no-final-checkpoint: a run shorter than --checkpoint-every steps then writes none unless a signal stops it (a longer run checkpoints its last step anyway)."})
     nan_policy: Literal["skip", "lower-lr", "abort", "off"] = field(default="skip", metadata={"help": "A micro-batch with a non-finite loss or gradient: skip (it contributes nothing; logged), lower-lr (skip and multiply that stage's lr by --nan-lr-factor), abort (stop with an error), off (no checks)."})
@@ -324,6 +325,8 @@ class TrainConfig:
             changes["corpus"] = str(Path(self.corpus).expanduser().resolve())
         if self.tokenizer.startswith("hf:"):
             changes["tokenizer"] = "hf:" + str(Path(self.tokenizer[3:]).expanduser().resolve())
+        if self.init_from is not None and Path(self.init_from).expanduser().exists():
+            changes["init_from"] = str(Path(self.init_from).expanduser().resolve())
         return dataclasses.replace(self, **changes) if changes else self
 
 

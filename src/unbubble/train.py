@@ -31,7 +31,8 @@ from unbubble.metrics import RunWriter
 from unbubble.models import ModelConfig, build_stages, count_params, gpt_loss, make_config, partition_layers
 from unbubble.models.split import causal_lm_loss
 from unbubble.optim import build_optimizer
-from unbubble.runtime.checkpoint import Checkpointing, DamagedCheckpoint, complete_steps, load_stage
+from unbubble.runtime.checkpoint import (Checkpointing, DamagedCheckpoint, complete_steps, init_checkpoint, load_stage,
+                                         offset_batch)
 from unbubble.runtime.emulator import run_emulator
 from unbubble.runtime.job import PipelineJob
 from unbubble.runtime.launch import (choose_backend, install_stop_handlers, pass_on_late_stop, run_processes,
@@ -314,8 +315,29 @@ def attach_checkpoints(job: PipelineJob, cfg: TrainConfig, run_dir: Path, resume
     if not cfg.checkpoints:
         if resume:
             raise ConfigError(f"run {str(run_dir)!r} was configured with checkpoints=False: there is nothing to resume")
+        if cfg.init_from is not None:
+            raise ConfigError("init_from with checkpoints=False is invalid: the run starts by writing its own "
+                              "checkpoint of the source's step (drop --no-checkpoints)")
         return job
     directory = run_dir / "checkpoints"
+    if cfg.init_from is not None:  # [Note: starting from another layout's checkpoint] in runtime/checkpoint.py
+        record = run_dir / "init_from.json"
+        if not resume:
+            final = cfg.final_checkpoint or 0 < cfg.checkpoint_every <= cfg.steps
+            job = dataclasses.replace(job, checkpoint=Checkpointing(str(directory), cfg.checkpoint_every, 2, None, (),
+                                                                    final))
+            info = init_checkpoint(job, cfg.init_from, directory)
+            record.write_text(json.dumps(dataclasses.asdict(info), indent=2) + "\n")
+            log.info("starting from %s: step %d, micro-batch ids +%d, optimizer state %s", info.source, info.step,
+                     info.data_offset, "carried by parameter name" if info.optimizer_carried else
+                     "restarted (another optimizer)")
+            job = dataclasses.replace(job, batch_fn=functools.partial(offset_batch, job.batch_fn, info.data_offset),
+                                      checkpoint=Checkpointing(str(directory), cfg.checkpoint_every, 2, info.step, (),
+                                                               final))
+            return job
+        if record.is_file():  # a resumed run that started from another's checkpoint keeps its data position
+            offset = json.loads(record.read_text())["data_offset"]
+            job = dataclasses.replace(job, batch_fn=functools.partial(offset_batch, job.batch_fn, offset))
     n = job.schedule.n_stages
     step, extra = None, ()
     if resume:

@@ -102,6 +102,37 @@ def _scenario(rank: int, n: int, sc: dict) -> dict:
                                                sched_state=ckpt["sched"], steps=t2)
         return {"whole": {**whole_out, "state": _state(whole)}, "resumed": {**resumed_out, "state": _state(resumed)},
                 "sched_state": ckpt["sched"]}
+    if kind == "dcp":  # torchtitan's way: drain, then torch.distributed.checkpoint; a fresh stage loads it
+        import os
+        import pickle
+        import tempfile
+
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+        # flattened, as torchtitan's optimizer container: keys per parameter name (unflattened, the stages' param
+        # groups share one key and DCP keeps one rank's)
+        flat = StateDictOptions(flatten_optimizer_state_dict=True)
+
+        folder = os.path.join(tempfile.gettempdir(), f"unbubble-dcp-{os.getppid()}")  # one folder, both ranks
+        t1, t2 = sc["t1"], sc["steps"] - sc["t1"]
+        module, opt, schedule, _ = _paci_run(rank, n, sc, steps=t1)  # ends with schedule.drain()
+        model_sd, optim_sd = get_state_dict(module, opt, options=flat)
+        dcp.save({"model": model_sd, "optim": optim_sd,
+                  f"schedule_{rank}": io.BytesIO(pickle.dumps(schedule.state_dict()))}, checkpoint_id=folder)
+        whole, _, _, whole_out = _paci_run(rank, n, {**sc, "drain_at": t1})
+        job = _job("paci", n, sc["steps"], sc["a"])
+        fresh = job.stage_fn(rank)
+        fresh_opt = job.optimizer_fn(list(fresh.named_parameters()), rank)
+        model_sd, optim_sd = get_state_dict(fresh, fresh_opt, options=flat)
+        state = {"model": model_sd, "optim": optim_sd, f"schedule_{rank}": io.BytesIO()}
+        dcp.load(state, checkpoint_id=folder)
+        set_state_dict(fresh, fresh_opt, model_state_dict=state["model"], optim_state_dict=state["optim"], options=flat)
+        sched_state = pickle.loads(state[f"schedule_{rank}"].getvalue())
+        resumed, _, _, resumed_out = _paci_run(rank, n, sc, module=fresh, opt_state=fresh_opt.state_dict(),
+                                               sched_state=sched_state, steps=t2)
+        return {"whole": {**whole_out, "state": _state(whole)}, "resumed": {**resumed_out, "state": _state(resumed)},
+                "sched_state": sched_state}
     if kind == "torch-1f1b":
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
@@ -421,6 +452,7 @@ MASK_2 = [{"kind": "mask", "form": "iter", "a": 2, "steps": 5, "shapes": MASK_FI
           {"kind": "mask", "form": "presplit", "a": 2, "steps": 4, "shapes": MASK_FIXED},
           {"kind": "mask", "form": "iter", "a": 2, "steps": 7, "shapes": MASK_CHANGING},
           {"kind": "mask", "form": "presplit", "a": 3, "steps": 6, "shapes": MASK_CHANGING}]
+DCP_2 = [{"kind": "dcp", "a": 2, "steps": 6, "t1": 3}]
 DP_4 = [{"kind": "dp", "wrap": "ddp", "pp": 2, "a": 2, "m": 3, "steps": 5},
         {"kind": "dp", "wrap": "fsdp", "pp": 2, "a": 2, "m": 3, "steps": 5}]
 
@@ -428,7 +460,7 @@ DP_4 = [{"kind": "dp", "wrap": "ddp", "pp": 2, "a": 2, "m": 3, "steps": 5},
 @pytest.fixture(scope="module")
 def two_processes() -> list[list[dict]]:
     """One launch of 2 gloo processes for every N = 2 scenario (``[rank][scenario]``)."""
-    return _launch(2, PACI_2 + EXTRA_2 + TREE_2 + MASK_2)
+    return _launch(2, PACI_2 + EXTRA_2 + TREE_2 + MASK_2 + DCP_2)
 
 
 @pytest.fixture(scope="module")
@@ -613,3 +645,19 @@ def test_two_processes_per_micro_batch_masks_and_changing_shapes_equal_the_emula
         assert _max_diff(got, emu) == 0.0, what
         _assert_equals_emulator(got, emu, what)
         assert got[0]["in_flight_before"] == (1 if sc["form"] == "iter" else 0), what  # PACI's read-ahead, or none
+
+
+def test_two_processes_paci_checkpointed_with_dcp_after_drain_continues_as_the_drained_run(two_processes):
+    """torchtitan's checkpointing: PACI for 3 steps on 2 gloo ranks, ``drain()``, then torch.distributed.checkpoint
+    (``get_state_dict`` of the stage and its AdamW, ``dcp.save``, and the schedule's ``state_dict()``); fresh stages
+    and optimizers ``dcp.load`` it (``set_state_dict``) and run 3 more steps. They continue the uninterrupted run
+    drained after step 3 bit for bit: losses and weights, and its drift histogram from the checkpoint on."""
+    n, i = 2, len(PACI_2) + len(EXTRA_2) + len(TREE_2) + len(MASK_2)
+    per_rank = [two_processes[r][i] for r in range(n)]
+    whole, resumed = per_rank[n - 1]["whole"], per_rank[n - 1]["resumed"]
+    assert resumed["losses"] == whole["losses"][3:] and len(resumed["losses"]) == 3
+    for r in range(n):
+        w, got = per_rank[r]["whole"], per_rank[r]["resumed"]
+        assert all(torch.equal(got["state"][k], v) for k, v in w["state"].items()), f"rank {r}"
+        assert got["drift"] == w["drift"] and got["in_flight"] == 0, f"rank {r}"
+        assert per_rank[r]["sched_state"]["steps"] == 3

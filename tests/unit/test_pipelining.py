@@ -7,6 +7,7 @@ inside stages, HF stages in ``TreeStage``) are in ``tests/multiproc/test_pipelin
 from __future__ import annotations
 
 import inspect
+import copy
 import itertools
 import re
 
@@ -619,3 +620,35 @@ def test_pre_split_step_checks_its_lists_and_keeps_one_form(world_of_one):
 
     (l1, s1), (l2, s2) = run(True), run(False)
     assert l1 == l2 and len(l1) == 6 and all(torch.equal(s1[k], s2[k]) for k in s1)
+
+
+class _Titan03(_Titan):
+    """torchtitan 0.3.0's decoder layout: the head is ``lm_head`` (Llama3, Qwen3, DeepSeek-V3, gpt-oss)."""
+
+    def __init__(self, n_layers: int = 4, mtp: bool = False):
+        super().__init__(n_layers)
+        self.lm_head = self.output
+        del self.output
+        self.mtp_layers = nn.ModuleList([nn.Linear(8, 8)]) if mtp else None
+
+    def forward(self, tokens):
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        for layer in self.layers.values():
+            h = layer(h)
+        h = self.norm(h) if self.norm is not None else h
+        return self.lm_head(h) if self.lm_head is not None else h
+
+
+def test_split_takes_torchtitan_030s_lm_head_and_refuses_mtp_layers():
+    """torchtitan 0.3.0 names the head ``lm_head``: the split keeps it on the last stage under its own name, and
+    the stages chained equal the whole model (max difference 0); multi-token prediction layers are refused."""
+    torch.manual_seed(0)
+    whole = _Titan03()
+    parts = [split_torchtitan_model(copy.deepcopy(whole), s, 2) for s in range(2)]
+    assert parts[0].lm_head is None and parts[1].tok_embeddings is None
+    assert "lm_head.weight" in parts[1].state_dict() and "lm_head.weight" not in parts[0].state_dict()
+    x = torch.randint(0, 11, (2, 5))
+    assert torch.equal(parts[1](parts[0](x)), whole(x))
+    with pytest.raises(ConfigError, match=r"^model=_Titan03 with multi-token prediction layers \(mtp_layers\) is "
+                                          r"invalid: they read the first stage's embeddings and the last stage's head"):
+        split_torchtitan_model(_Titan03(mtp=True), 0, 2)
