@@ -15,7 +15,7 @@ from unbubble.data import prepare_tokens
 from unbubble.errors import ConfigError
 from unbubble.runtime.emulator import run_emulator
 from unbubble.schedules import get_schedule
-from unbubble.train import build_job, train
+from unbubble.train import build_job, resolve_run_tokenizer, train
 
 K, T = 3, 7  # phase 1: K updates of 1F1B-flush on N = 2; phase 2: PACI on N = 3 up to update T
 
@@ -74,12 +74,13 @@ def test_paci_from_a_1f1b_checkpoint_at_another_depth_equals_the_two_phases_by_h
     # by hand
     files = _stage_files(run1, K, 2)
     weights = {k: v for f in files for k, v in f["executor"]["model"].items()}
-    tokens = prepare_tokens(cfg2.corpus, cfg2.tokenizer, cfg2.cache_dir)
+    cfg2, tokenizer = resolve_run_tokenizer(cfg2)
+    tokens = prepare_tokens(cfg2.corpus, tokenizer, cfg2.cache_dir)
     job, _ = build_job(dataclasses.replace(cfg2, init_from=None, run_dir=None), tokens)
     # phase 1's optimizers keep their state by position over their groups: name the positions by building the
     # same optimizer over each phase-1 stage's own parameters (its module, as phase 1 built it)
     job1, _ = build_job(dataclasses.replace(_cfg(cache_dir, run1, schedule="1f1b-flush", stages=2, m=4, steps=K),
-                                            run_dir=None), tokens)
+                                            run_dir=None, tokenizer=cfg2.tokenizer), tokens)
     moments = {}
     for s, f in enumerate(files):
         named = [(n, p) for n, p in job1.stage_fn(s).named_parameters()]
