@@ -132,6 +132,8 @@ class TrainConfig:
     eval_interval: int = field(default=50, metadata={"help": 'Evaluate the version-v weights every this many steps (and at the end).'})
     eval_batches: int = field(default=8, metadata={"help": 'Validation micro-batches per evaluation.'})
     checkpoints: bool = field(default=True, metadata={"help": "Save checkpoints into RUN/checkpoints (every --checkpoint-every steps, at the last step unless --no-final-checkpoint, and when SIGINT/SIGTERM stops the run; the newest two are kept); continue with --resume RUN, export the weights with unbubble export RUN OUT."})
+    switch_after: int = field(default=0, metadata={"help": "Train the first K updates synchronously (1F1B-flush with m = a on the same stages), then switch to --schedule at that update boundary; the learning-rate schedule is the whole run's. The synchronous phase is its own run in RUN/synchronous; the asynchronous one starts from its checkpoint as --init-from does (optimizer state carried; error-feedback history, stale clip norms and drift start empty). 0: no switch. See docs/concepts.md, synchronous then asynchronous."})
+    lr_steps: int | None = field(default=None, metadata={"help": "Length of the learning-rate schedule in updates (its warm-up and cosine), default --steps: a run that trains only the first --steps updates of a longer schedule (what --switch-after's synchronous phase does)."})
     init_from: str | None = field(default=None, metadata={"help": "Start from another run's checkpoint (its run folder, checkpoints folder or one step-VVVVVVVV folder) under any --schedule, --stages or --dp: weights by the model's parameter names, the optimizer state by name when the optimizer is the same (AdamW/Muon moments), the update counter and the data position continuing from its step; --steps counts from 0 as in the source. Refused in one line for another model. See docs/concepts.md, starting from another layout."})
     checkpoint_every: int = field(default=100, metadata={"help": "Checkpoint after every K-th update, the first after update K (0: none but the last step's and a stop's). Asynchronous schedules drain the pipeline once per K steps for it."})
     final_checkpoint: bool = field(default=True, metadata={"help": "Checkpoint the last step, so unbubble export has the trained weights (as nanoGPT and Hugging Face's Trainer save at the end). --no-final-checkpoint: a run shorter than --checkpoint-every steps then writes none unless a signal stops it (a longer run checkpoints its last step anyway)."})
@@ -193,6 +195,11 @@ class TrainConfig:
         pos_int("warmup_min", 0)
         pos_int("seed", 0)
         pos_int("checkpoint_every", 0)
+        pos_int("switch_after", 0)
+        if self.lr_steps is not None:
+            pos_int("lr_steps", self.steps)
+        if self.switch_after:
+            self._check_switch()
         if self.nan_policy not in NAN_POLICIES:
             raise ConfigError(f"nan_policy={self.nan_policy!r} is invalid{did_you_mean(self.nan_policy, NAN_POLICIES)}: must be one of {', '.join(NAN_POLICIES)} "
                               "(set --nan-policy)")
@@ -304,8 +311,28 @@ class TrainConfig:
 
     @property
     def warmup_steps(self) -> int:
-        """Linear warm-up updates: max(round(warmup_frac · steps), min(warmup_min, steps // 5))."""
-        return max(round(self.warmup_frac * self.steps), min(self.warmup_min, self.steps // 5))
+        """Linear warm-up updates: max(round(warmup_frac · T), min(warmup_min, T // 5)) with T the
+        learning-rate schedule's length (``lr_steps``, default ``steps``)."""
+        total = self.lr_steps or self.steps
+        return max(round(self.warmup_frac * total), min(self.warmup_min, total // 5))
+
+    def _check_switch(self) -> None:
+        """``switch_after``: an asynchronous schedule that steps after a fixed number of backward passes,
+        0 < K < steps, and a run that can hand its checkpoint on."""
+        k = self.switch_after
+        if self.schedule not in ("paci", "async-1f1b", "paci-stashed", "pipedream", "pipemare"):
+            raise ConfigError(f"switch_after={k} is invalid with schedule={self.schedule!r}: it switches a run from "
+                              "1F1B-flush to an asynchronous schedule (paci, async-1f1b, paci-stashed, pipedream, "
+                              "pipemare; set --schedule)")
+        if k >= self.steps:
+            raise ConfigError(f"switch_after={k} is invalid with steps={self.steps}: the switch must come before the "
+                              f"last update (give 1 … {self.steps - 1}; set --switch-after)")
+        for name, bad in (("init_from", self.init_from is not None), ("checkpoints", not self.checkpoints),
+                          ("lr_steps", self.lr_steps is not None)):
+            if bad:
+                raise ConfigError(f"switch_after={k} cannot be combined with {name}={getattr(self, name)!r}: the "
+                                  "synchronous phase's checkpoint starts the asynchronous one, on the whole run's "
+                                  f"learning-rate schedule (drop --{_flag(name).replace('checkpoints', 'no-checkpoints')})")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -18,6 +18,9 @@ from unbubble.runtime.telemetry import RunResult
 
 log = logging.getLogger(__name__)
 
+#: The synchronous phase's run folder inside a switched run's (``--switch-after``).
+SYNC_PHASE_DIR = "synchronous"
+
 
 def describe_blocks(ranges: list[range]) -> str:
     """Which transformer blocks each stage holds, inclusive and 0-based:
@@ -82,7 +85,9 @@ class RunWriter:
                 path, i = Path(f"{base}-{i}"), i + 1
             return path
         path = Path(cfg.run_dir)
-        if path.exists() and (not path.is_dir() or any(path.iterdir())):
+        # a switched run's asynchronous phase shares its folder with the synchronous phase it starts from
+        ok = {SYNC_PHASE_DIR} if cfg.init_from and Path(cfg.init_from).parent == path.resolve() else set()
+        if path.exists() and (not path.is_dir() or any(p.name not in ok for p in path.iterdir())):
             raise ConfigError(f"run_dir={str(path)!r} already exists and is not empty: choose a new folder "
                               "(set --run-dir); nothing was overwritten")
         parent = path.absolute().parent
@@ -164,6 +169,11 @@ class RunWriter:
         self._metrics.close()
         for lg in self.loggers:
             lg.close()
+        if (self.dir / SYNC_PHASE_DIR).is_dir():  # a switched run keeps its finished synchronous phase
+            for p in self.dir.iterdir():
+                if p.name != SYNC_PHASE_DIR:
+                    shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+            return
         shutil.rmtree(self.dir, ignore_errors=True)
 
     def finish(self, result: RunResult, total_wall_s: float, started_at: float | None = None) -> dict[str, Any]:

@@ -248,7 +248,8 @@ def build_job(cfg: TrainConfig, tokens: TokenData, model_object: torch.nn.Module
              ("br_max_precond_dim", cfg.br_max_precond_dim),
              ("br_allocation", cfg.br_allocation), ("muon_momentum", cfg.muon_momentum))),
         schedule=schedule,
-        lr_lambda=functools.partial(warmup_cosine, total=cfg.steps, warmup=warmup, min_ratio=cfg.min_lr_ratio),
+        lr_lambda=functools.partial(warmup_cosine, total=cfg.lr_steps or cfg.steps, warmup=warmup,
+                                    min_ratio=cfg.min_lr_ratio),
         val_fn=functools.partial(gpt_val, data),
         eval_interval=cfg.eval_interval,
         tokens_per_mb=cfg.micro_batch_size * cfg.seq_len,
@@ -489,6 +490,11 @@ def train(cfg: TrainConfig | None = None, listener_factory=None, resume: str | P
     if resume is not None:
         cfg = resume_config(resume, resume_overrides)
     cfg.validate()
+    if cfg.switch_after and resume is None:
+        from unbubble.switch import train_switched
+
+        return train_switched(cfg, functools.partial(train, listener_factory=listener_factory, started_at=started_at,
+                                                     model=model))
     if resume is None:  # the run folder's config.yaml then works from any folder
         cfg = cfg.with_absolute_paths()
     check_loggers(cfg)

@@ -31,7 +31,7 @@ HELP_SECTIONS: dict[str, tuple[str, ...]] = {
                                "br_allocation", "stage_aware"),
     "Precision and speed": ("engine", "precision", "recompute", "compile", "compile_backend", "threads_per_stage"),
     "Run folder and logging": ("config", "print_config", "run_dir", "tensorboard", "wandb"),
-    "Reliability": ("resume", "init_from", "checkpoints", "checkpoint_every", "final_checkpoint", "nan_policy", "nan_lr_factor",
+    "Reliability": ("resume", "init_from", "switch_after", "lr_steps", "checkpoints", "checkpoint_every", "final_checkpoint", "nan_policy", "nan_lr_factor",
                     "timeout_s"),
 }
 
