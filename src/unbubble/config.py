@@ -125,7 +125,7 @@ class TrainConfig:
     text_field: str = field(default="text", metadata={"help": "The column holding each document's text in a .jsonl/.json/.parquet/.arrow or save_to_disk corpus."})
     tokenizer: str = field(default="auto", metadata={"help": 'auto (an hf:FOLDER model with tokenizer files: that tokenizer; else byte), byte (vocabulary 257, fast on CPU), gpt2 (offline GPT-2 BPE, vocabulary 50257) or hf:FOLDER (a Hugging Face tokenizer folder, read offline by AutoTokenizer). A model folder with weights refuses another tokenizer than its own unless --allow-tokenizer-mismatch.'})
     allow_tokenizer_mismatch: bool = field(default=False, metadata={"help": "Train an hf:FOLDER model with pretrained weights on another tokenizer's ids than its own (its embeddings then read ids they were not trained on)."})
-    document_mask: bool = field(default=False, metadata={"help": "Packed documents stay apart: positions restart after each EOS and attention stays within a document (as Hugging Face's packed rows); the prediction of a document's first token from the previous one is not counted. hf: models only (presets refuse it)."})
+    document_mask: bool = field(default=False, metadata={"help": "Packed documents stay apart: positions restart after each EOS and attention stays within a document (as Hugging Face's packed rows); the prediction of a document's first token from the previous one is not counted. For hf: models and the GPT-2 presets (the Llama and MoE presets refuse it)."})
     engine: Literal["emulator", "processes"] = field(default="processes", metadata={"help": 'processes: one torch.distributed process per stage; emulator: all stages in this process.'})
     order: Literal["deterministic", "dynamic"] = field(default="deterministic", metadata={"help": "Action order of the asynchronous schedules: deterministic (a fixed 1F1B order per stage: the same losses every run, on both engines) or dynamic (a backward runs as soon as its gradient has arrived: on the processes engine the losses differ from run to run). Both keep the drift bound ⌈(N−i)/a⌉; synchronous schedules ignore it."})
     seed: int = field(default=0, metadata={"help": "Seed of the initial weights and of the data order."})
@@ -297,9 +297,14 @@ class TrainConfig:
             raise ConfigError(f"text_field={self.text_field!r} is invalid: must be a column name such as 'text' "
                               "(set --text-field)")
         if self.document_mask and not (self.model.startswith("hf:") or self.model == "python"):
-            raise ConfigError(f"document_mask=True is not supported by model={self.model!r}: the presets' attention "
-                              "spans the whole packed row; --document-mask is for hf:FOLDER models (drop "
-                              "--document-mask, or give --model hf:FOLDER)")
+            from unbubble.models.gpt2 import GPTConfig
+            from unbubble.models.registry import FAMILY_OF, PRESETS
+
+            if FAMILY_OF.get(self.model) is not GPTConfig:
+                gpt = ", ".join(n for n in PRESETS if FAMILY_OF[n] is GPTConfig)
+                raise ConfigError(f"document_mask=True is not supported by model={self.model!r}: its attention spans "
+                                  f"the whole packed row; --document-mask is for the GPT-2 presets ({gpt}) and "
+                                  "hf:FOLDER models (drop --document-mask, or change --model)")
 
     @property
     def mb_per_step(self) -> int:

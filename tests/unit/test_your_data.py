@@ -54,6 +54,15 @@ def jsonl(tmp_path_factory, docs):
     return path
 
 
+@pytest.fixture(scope="module")
+def short(tmp_path_factory):
+    """Documents of 1–3 words (5–12 bytes): every 16-token window packs two or more."""
+    path = tmp_path_factory.mktemp("short") / "short.jsonl"
+    path.write_text("".join(json.dumps({"text": " ".join(tiny.WORDS[i % 40:i % 40 + 1 + i % 3])}) + "\n"
+                            for i in range(600)))
+    return path
+
+
 def _train(*args: str) -> str:
     res = CliRunner().invoke(cli, ["-q", "train", *FAST, *args])
     assert res.exit_code == 0, res.output
@@ -326,30 +335,64 @@ def test_document_batches_restart_positions_and_hf_attends_within_each_document(
     torch.testing.assert_close(packed, alone, rtol=0, atol=1e-5)
 
 
-def test_document_mask_trains_an_hf_model_and_presets_refuse_it(tmp_path, checkpoint, jsonl):
+def test_document_mask_trains_an_hf_model_and_presets_refuse_it(tmp_path, checkpoint, short):
     """A run with --document-mask: its version-0 validation loss is the unsplit model's own on packed rows
     whose documents are apart (each document's windows run alone, EOS targets not counted)."""
     from unbubble.data import val_batches
     from unbubble.train import document_batch
 
     run = tmp_path / "run"
-    _train("--model", f"hf:{checkpoint}", "--corpus", str(jsonl), "--document-mask", "--steps", "2",
+    _train("--model", f"hf:{checkpoint}", "--corpus", str(short), "--document-mask", "--steps", "2",
            "--cache-dir", str(tmp_path / "cache"), "--run-dir", str(run))
     (meta_path,) = (tmp_path / "cache").glob("*/meta.json")
     val = np.memmap(meta_path.parent / "val.bin", dtype=np.uint16, mode="r")
     model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint)
     model.config.use_cache = False
-    total = []
+    total, restarts = [], 0
     with torch.no_grad():
         for x, y in val_batches(val, 2, 16, 2, warn=False):
             batch, targets = document_batch(x, y, 2)
+            restarts += int((batch["position_ids"][:, 1:] == 0).sum())
             logits = model(**batch).logits
             total.append(torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(),
                                                            ignore_index=-100).item())
+    assert restarts >= 1  # the windows do pack documents
     summary = json.loads((run / "summary.json").read_text())
     assert summary["initial_val_loss"] == pytest.approx(sum(total) / len(total), abs=1e-5)
-    assert _error("--document-mask", "--corpus", str(jsonl), "--steps", "1").startswith(
-        "document_mask=True is not supported by model='tiny': the presets' attention spans the whole packed row")
+    assert _error("--document-mask", "--model", "llama-tiny", "--corpus", str(short), "--steps", "1").startswith(
+        "document_mask=True is not supported by model='llama-tiny': its attention spans the whole packed row; "
+        "--document-mask is for the GPT-2 presets (tiny, ")
+
+
+def test_document_mask_on_a_gpt2_preset_equals_each_document_alone(tmp_path, short):
+    """The tiny preset with --document-mask on 2 stages: its version-0 validation loss is the whole model
+    (one stage, the same seed's weights) run on each packed document alone, causal as usual, EOS targets
+    not counted; and a packed row's logits are each document's own."""
+    from unbubble.data import val_batches
+    from unbubble.models import build_stages, make_config
+    from unbubble.train import document_batch
+
+    run = tmp_path / "run"
+    _train("--model", "tiny", "--tokenizer", "byte", "--corpus", str(short), "--document-mask", "--steps", "2",
+           "--cache-dir", str(tmp_path / "cache"), "--run-dir", str(run))
+    (meta_path,) = (tmp_path / "cache").glob("*/meta.json")
+    val = np.memmap(meta_path.parent / "val.bin", dtype=np.uint16, mode="r")
+    whole = build_stages(make_config("tiny", 257), 1, 0, seq_len=16)[0].eval()
+    losses = []
+    with torch.no_grad():
+        for x, y in val_batches(val, 2, 16, 2, warn=False):
+            batch, targets = document_batch(x, y, 256)
+            assert ((batch["position_ids"][:, 1:] == 0).sum(dim=1) >= 1).all()  # every row packs documents
+            rows = []
+            for b in range(x.shape[0]):
+                starts = [*torch.nonzero(batch["position_ids"][b] == 0).flatten().tolist(), x.shape[1]]
+                rows.append(torch.cat([whole(x[b:b + 1, a:e]) for a, e in zip(starts, starts[1:])], dim=1))
+            alone = torch.cat(rows)
+            torch.testing.assert_close(whole(batch), alone, rtol=0, atol=1e-5)
+            losses.append(torch.nn.functional.cross_entropy(alone.flatten(0, 1), targets.flatten(),
+                                                            ignore_index=-100).item())
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["initial_val_loss"] == pytest.approx(sum(losses) / len(losses), abs=1e-5)
 
 
 # -- item 5: continued pretraining ----------------------------------------------------------------------------------

@@ -66,11 +66,13 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)  # residual projection
         self.resid_dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         """Attend causally over the sequence.
 
         Args:
             x: ``(B, T, C)`` float hidden states (already layer-normed).
+            mask: ``None`` (causal over the whole row), or a ``(B, 1, T, T)`` bool mask, True where a
+                query may attend a key (:func:`document_mask`: causal within each packed document).
 
         Returns:
             ``(B, T, C)`` attention output, before the residual add.
@@ -82,7 +84,7 @@ class CausalSelfAttention(nn.Module):
         k = k.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
         v = v.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
         y = F.scaled_dot_product_attention(
-            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
+            q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0, is_causal=mask is None
         )  # (B, nh, T, hs)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C), heads concatenated
         return self.resid_dropout(self.c_proj(y))
@@ -113,9 +115,9 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Args: x ``(B, T, C)``. Returns ``(B, T, C)``."""
-        x = x + self.attn(self.ln_1(x))
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Args: x ``(B, T, C)``; mask as :meth:`CausalSelfAttention.forward`. Returns ``(B, T, C)``."""
+        x = x + self.attn(self.ln_1(x), mask)
         x = x + self.mlp(self.ln_2(x))
         return x
 
@@ -340,19 +342,27 @@ class GPTStage(nn.Module):
                 g = generator(self.seed, EMBEDDING_COMPONENT)
                 self.lm_head.weight.normal_(0.0, INIT_STD, generator=g)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | dict) -> torch.Tensor | dict:
         """Run this stage.
 
         Args:
             x: first stage: token ids ``(B, T)`` int64 in ``[0, V)``; other stages: hidden states
-                ``(B, T, C)`` float32 from the previous stage. T <= ``block_size``.
+                ``(B, T, C)`` float32 from the previous stage. T <= ``block_size``. Packed documents
+                (``--document-mask``): the first stage takes ``{"input_ids", "position_ids"}`` (positions
+                restarting at 0 where a document starts), the others ``{"hidden_states", "position_ids"}``;
+                each document then attends only within itself and reads its own positions.
 
         Returns:
-            Last stage: logits ``(B, T, V)``; other stages: hidden states ``(B, T, C)``.
+            Last stage: logits ``(B, T, V)``; other stages: hidden states ``(B, T, C)``, or
+            ``{"hidden_states", "position_ids"}`` for packed documents.
 
         Raises:
             ValueError: T > ``block_size``.
         """
+        packed = isinstance(x, dict)
+        pos = x["position_ids"] if packed else None
+        if packed:
+            x = x["input_ids"] if self.first else x["hidden_states"]
         T = x.size(1)
         if T > self.config.block_size:
             raise ValueError(
@@ -360,16 +370,34 @@ class GPTStage(nn.Module):
                 f"(use shorter sequences or a larger --block-size)"
             )
         if self.first:
-            pos = torch.arange(T, dtype=torch.long, device=x.device)  # (T,)
-            x = self.drop(self.wte(x) + self.wpe(pos))  # (B, T, C) + (T, C) -> (B, T, C)
+            at = pos if packed else torch.arange(T, dtype=torch.long, device=x.device)  # (B, T) or (T,)
+            x = self.drop(self.wte(x) + self.wpe(at))  # (B, T, C) + (B or 1, T, C) -> (B, T, C)
+        mask = document_mask(pos) if packed else None
         for block in self.h.values():
-            x = block(x)  # (B, T, C)
+            x = block(x, mask)  # (B, T, C)
         if self.last:
-            x = self.lm_head(self.ln_f(x))  # (B, T, V)
-        return x
+            return self.lm_head(self.ln_f(x))  # (B, T, V)
+        return {"hidden_states": x, "position_ids": pos} if packed else x
 
     def extra_repr(self) -> str:
         return f"layers=[{self.layers.start}, {self.layers.stop}), first={self.first}, last={self.last}"
+
+
+def document_mask(position_ids: torch.Tensor) -> torch.Tensor:
+    """The attention mask of packed documents: a query attends to the keys at or before it in its own
+    document, a document starting wherever the position ids restart at 0 (and at the row's start), as
+    Hugging Face reads packed rows from ``position_ids`` (``masking_utils.find_packed_sequence_indices``).
+
+    Args:
+        position_ids: ``(B, T)`` int64, 0 at each document's first token.
+
+    Returns:
+        ``(B, 1, T, T)`` bool, True where attention is allowed.
+    """
+    doc = (position_ids == 0).cumsum(dim=1)  # (B, T): which document each token belongs to
+    T = position_ids.shape[1]
+    causal = torch.ones(T, T, dtype=torch.bool, device=position_ids.device).tril()
+    return ((doc[:, :, None] == doc[:, None, :]) & causal)[:, None]
 
 
 def check_stage_args(n_layer: int, layers: range, first: bool, last: bool, seed: int) -> None:
@@ -411,12 +439,13 @@ def gpt_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
     Args:
         logits: ``(B, T, V)`` float, the last stage's output.
-        targets: ``(B, T)`` int64 token ids in ``[0, V)`` (inputs shifted left by one).
+        targets: ``(B, T)`` int64 token ids in ``[0, V)`` (inputs shifted left by one); ``-100``
+            marks a position not counted (a packed document's EOS, ``--document-mask``).
 
     Returns:
         Scalar tensor. At init it is close to ``ln(V)`` (logits are near zero).
     """
-    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-100)
 
 
 def count_params(module: nn.Module) -> int:
