@@ -31,7 +31,8 @@ model on 4 token ids (:func:`trace_hf`). There is no list of families: the probe
 boundary this way: per-layer input embeddings computed from the token ids (Gemma3n, Gemma4), keys
 and values shared across layers, a router load-balancing loss summed over all layers, encoder-
 decoder models, a model with no list of decoder layers, a module with parameters that runs between
-the layers, and (without ``untie=True``) weights tied across stages.
+the layers, HF's gradient checkpointing (use ``recompute="full"``), and (without ``untie=True``)
+weights tied across stages.
 
 What crosses a boundary of an HF model ([Note: stage boundaries carry pytrees]): a dict
 ``{"hidden_states", "attention_mask", "position_ids"}`` (the batch's own mask and position ids,
@@ -158,6 +159,10 @@ def _check_hf_features(model: nn.Module) -> None:
         raise ConfigError(f"{name} shares keys and values across layers (num_kv_shared_layers="
                           f"{text.num_kv_shared_layers}): a layer reads another layer's keys and values, which no stage "
                           "boundary carries")
+    if getattr(model, "is_gradient_checkpointing", False):
+        raise ConfigError(f"{name} has gradient checkpointing on (gradient_checkpointing_enable()): its recomputation "
+                          "reruns a stage's layers outside the stage's forward; turn it off and recompute with "
+                          "unbubble's recompute='full' (--recompute full)")
     if getattr(config, "output_router_logits", False):
         raise ConfigError(f"{config.model_type} with output_router_logits=True: its load-balancing loss multiplies "
                           "expert counts summed over all layers by router probabilities summed over all layers, so "
@@ -226,7 +231,7 @@ def trace_hf(model: nn.Module) -> HFTrace:
 
     def on_layer(i, module, args, kwargs):
         events.append(("layer", i))
-        kinds.append((-1, "" if args else next(iter(kwargs), "")))
+        kinds.append((-1, "" if args else "hidden_states" if "hidden_states" in kwargs else next(iter(kwargs), "")))
 
     def off_layer(i, module, args, kwargs, out):
         n, how = kinds[-1]
@@ -262,9 +267,9 @@ def trace_hf(model: nn.Module) -> HFTrace:
         for h in hooks:
             h.remove()
     ran = [i for kind, i in events if kind == "layer"]
-    if ran != list(range(len(ran))) or not ran:
-        raise ConfigError(f"{type(model).__name__}'s forward runs its decoder layers {layers_name} in the order {ran}: "
-                          "split_model cuts a list the forward runs once each, in order")
+    if ran != list(range(len(layers))):
+        raise ConfigError(f"{type(model).__name__}'s forward runs the {len(layers)} decoder layers of {layers_name} in "
+                          f"the order {ran}: split_model cuts a list the forward runs once each, in order")
     first = events.index(("layer", 0))
     last = len(events) - 1 - events[::-1].index(("layer", ran[-1]))
     before, after = [], []
@@ -509,7 +514,8 @@ class HFStage(nn.Module):
         # not submodules: the stage's state_dict keys are the model's own names
         self.__dict__["_model"], self.__dict__["_slot"] = model, _Slot()
         self.config, self.layer_ids, self.first, self.last = model.config, tuple(layers), first, last
-        self._embedding = trace.embedding
+        embedding = model.get_submodule(trace.embedding) if trace.embedding else None
+        self.__dict__["_zeros"] = embedding.zeros if isinstance(embedding, StandIn) else None
         # The model builds a cache under config.use_cache; in one forward its only effect is that packed rows
         # (position ids restarting, no mask) are not read as packed. Elsewhere the stage skips the cache's copies.
         self._cache_reads_packing = bool(getattr(model.config, "use_cache", False))
@@ -532,10 +538,8 @@ class HFStage(nn.Module):
         else:
             h = x["hidden_states"]
             call = {k: v for k, v in x.items() if k != "hidden_states" and v is not None}
-            stand_in = self._model.get_submodule(self._embedding) if self._embedding else None
             # the model's embeddings on this stage: zeros, which the first layer's hook replaces
-            call["inputs_embeds"] = stand_in.zeros(h.shape[:-1]) if isinstance(stand_in, StandIn) else \
-                torch.zeros_like(h)
+            call["inputs_embeds"] = self._zeros(h.shape[:-1]) if self._zeros is not None else torch.zeros_like(h)
         if not (self._cache_reads_packing and call.get("attention_mask") is None
                 and call.get("position_ids") is not None):
             call["use_cache"] = False
