@@ -223,3 +223,27 @@ def test_torchtitan_030_llama3_split_by_pipeline_llm_trains_paci_on_two_ranks():
     diff = max((r["presplit"]["state"][k] - ref[k]).abs().max().item() for r in results for k in r["presplit"]["state"])
     print("pre-split (1F1B-flush) vs the unsplit model trained by hand: max weight difference", diff)
     assert diff == 0.0
+
+
+@pytest.mark.parametrize("family,outcome", [("deepseek_v3", "split"), ("gpt_oss", "split"), ("qwen3", "tied")])
+def test_torchtitan_030_moe_decoders_split_by_name_or_are_refused_in_one_line(family, outcome):
+    """torchtitan 0.3.0's MoE decoders (DeepSeek-V3, gpt-oss debugmodels, on the meta device) name their head
+    ``lm_head``: unbubble's torchtitan-layout splitter cuts them, stage 1 keeping norm and lm_head under their own
+    names; Qwen3's debugmodel ties tok_embeddings to lm_head (``enable_weight_tying``): refused in one line."""
+    import importlib
+
+    from unbubble.errors import ConfigError
+    from unbubble.pipelining import split_torchtitan_model
+
+    module = importlib.import_module(f"torchtitan.models.{family}")
+    with torch.device("meta"):
+        model = module.model_registry("debugmodel").model.build()
+    assert [name for name, _ in model.named_children()] == ["tok_embeddings", "layers", "norm", "lm_head"]
+    if outcome == "split":
+        part = split_torchtitan_model(model, 1, 2)
+        assert [name for name, _ in part.named_children()] == ["layers", "norm", "lm_head"]
+        assert all(k.startswith(("layers.", "norm.", "lm_head.")) for k in part.state_dict())
+    else:
+        with pytest.raises(ConfigError, match=r"^tok_embeddings\.weight \(stage 0\) and lm_head\.weight \(stage 1\) "
+                                              r"are one tied tensor on two stages"):
+            split_torchtitan_model(model, 0, 2)
