@@ -652,3 +652,23 @@ def test_split_takes_torchtitan_030s_lm_head_and_refuses_mtp_layers():
     with pytest.raises(ConfigError, match=r"^model=_Titan03 with multi-token prediction layers \(mtp_layers\) is "
                                           r"invalid: they read the first stage's embeddings and the last stage's head"):
         split_torchtitan_model(_Titan03(mtp=True), 0, 2)
+
+
+def test_a_micro_batch_of_other_shapes_inside_a_batch_is_refused_before_it_is_sent(world_of_one, monkeypatch):
+    """[Note: changing shapes on torch's stage]: shapes travel once per batch, so a micro-batch whose boundary shapes
+    differ from its batch's first is refused in one line, and nothing of it is sent."""
+    sched = SchedulePACI(_stage(), 2, _loss)
+    sent = []
+    monkeypatch.setattr(sched._pp_stage, "get_fwd_send_ops", lambda slot: ["an activation"])
+    monkeypatch.setattr(sched, "_send", lambda kind, ops: sent.append(ops))
+    monkeypatch.setattr(_torch_private, "shapes_op", lambda stage, shapes: ("shapes " + str(shapes), None))
+    sched._send_forward(2, 0, torch.zeros(2, 4))  # batch 1's first micro-batch: its shapes, then the activation
+    assert sent == [["shapes ((2, 4),)", "an activation"]]
+    sched._send_forward(3, 1, torch.zeros(2, 4))  # same shapes: the activation alone
+    assert sent[-1] == ["an activation"]
+    with pytest.raises(ConfigError, match=r"^micro-batch 5 of batch 2 has boundary shapes \(\(3, 4\),\) on stage 0, "
+                                          r"micro-batch 4's are \(\(2, 4\),\): the micro-batches of one batch must "
+                                          r"share their shapes \(a new shape starts a new batch\)$"):
+        sched._send_forward(4, 0, torch.zeros(2, 4))
+        sched._send_forward(5, 1, torch.zeros(3, 4))
+    assert len(sent) == 3  # the refused micro-batch sent nothing
