@@ -550,8 +550,8 @@ def train_model(model: torch.nn.Module, schedule: str = "paci", run_dir: str | P
     metrics.jsonl, actions.jsonl, summary.json, loss.png, TensorBoard), checkpoints and resume, the
     non-finite guard, ``unbubble report`` on the folder, and the progress and end lines.
 
-    The model is split by :func:`~unbubble.models.split.split_model` (HF GPT-2 / Llama, torchtitan
-    layout) and trained on ``options["corpus"]`` with ``options["tokenizer"]`` as ``unbubble train``
+    The model is split by :func:`~unbubble.models.split.split_model` (a Hugging Face causal LM,
+    torchtitan layout) and trained on ``options["corpus"]`` with ``options["tokenizer"]`` as ``unbubble train``
     would; its config records ``model: python``.
 
     Args:
