@@ -61,8 +61,9 @@ def test_paci_from_a_1f1b_checkpoint_at_another_depth_equals_the_two_phases_by_h
     PACI on N = 3, a = 2, up to update T = 7. Reference, by hand through the library: phase 1's stage files read with
     torch.load, weights merged by name into phase 2's stages, AdamW moments put in by parameter name, the
     learning-rate schedule shifted by K, the micro-batch ids continuing after phase 1's 12, and the emulator runs
-    PACI for T − K updates. Weight for weight equal (max difference 0), losses too; then a mismatch of model is
-    refused in one line."""
+    PACI for T − K updates. Weight for weight equal (max difference 0), losses too. ``--resume`` of the new run
+    from the checkpoint it started with gives the same again (its data position kept); a mismatch of model, or
+    too few steps, is refused in one line; another optimizer takes the weights and starts from no state."""
     run1, run2 = tmp_path / "flush", tmp_path / "paci"
     train(_cfg(cache_dir, run1, schedule="1f1b-flush", stages=2, m=4, steps=K))
     cfg2 = _cfg(cache_dir, run2, schedule="paci", stages=3, a=2, init_from=str(run1))
@@ -102,6 +103,17 @@ def test_paci_from_a_1f1b_checkpoint_at_another_depth_equals_the_two_phases_by_h
     print(f"PACI N=3 from the 1F1B N=2 checkpoint at step {K}: max weight difference {diff} against the by-hand run")
     assert diff == 0.0
     assert result.step_losses == ref.step_losses
+
+    # --resume of that run, from the checkpoint it started with (step 3): the same data position, the same weights
+    import shutil
+
+    copy = tmp_path / "paci-resumed"
+    shutil.copytree(run2, copy)
+    shutil.rmtree(copy / "checkpoints" / f"step-{T:08d}")
+    (copy / "summary.json").unlink()
+    resumed, _ = train(resume=str(copy))
+    assert resumed.step_losses == result.step_losses
+    assert all(torch.equal(resumed.final_states[s][k], v) for s in range(3) for k, v in result.final_states[s].items())
 
     with pytest.raises(ConfigError, match=r"^init_from='.*step-00000003' holds another model: parameter "
                                           r"'h\.0\.attn\.c_attn\.bias' is \[384\] there and \[192\] in this run "
