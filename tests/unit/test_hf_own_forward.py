@@ -5,6 +5,7 @@ with the features their forward adds (windows, alternating layer types, soft-cap
 multipliers, tuple-returning layers) — among them families the former allowlist refused — and a
 one-line refusal for each feature no stage boundary carries. Tiny random-init configs, eager attention."""
 
+import copy
 import logging
 import warnings
 
@@ -110,10 +111,31 @@ def test_stand_ins_keep_what_the_forward_reads_and_follow_the_stages_dtype():
 def test_what_crosses_a_boundary_is_the_hidden_states_and_the_batchs_own_mask_and_positions():
     model = tiny("llama").eval()
     x = padded_batch()
-    out = chain(split_model(model, 2).stages()[:1], x)
+    first, last = split_model(model, 2).stages()
+    ran = []
+    for name in ("model.layers.2", "model.norm", "lm_head"):  # what the first stage does not own
+        first.get_submodule(name).register_forward_pre_hook(lambda m, a, name=name: ran.append(name))
+    out = chain([first], x)
     assert sorted(out) == ["attention_mask", "hidden_states", "position_ids"]
     assert out["attention_mask"] is x["attention_mask"] and out["position_ids"] is None
     assert out["hidden_states"].shape == (2, T, 32)
+    assert ran == []  # the forward ends at the stage's last layer
+    with torch.no_grad():  # a deep copy of a stage is a working stage (its hooks follow the copy)
+        assert torch.equal(copy.deepcopy(last)(out), last(out))
+
+
+def test_a_compiled_stage_is_one_graph_and_gives_the_eager_stages_output():
+    import torch._dynamo
+
+    model = tiny("llama").eval()
+    first, last = split_model(model, 2).stages()
+    x = padded_batch()
+    with torch.no_grad():
+        eager = first(x)
+        explained = torch._dynamo.explain(first)(x)
+        compiled = torch.compile(first, backend="aot_eager")(x)
+    assert explained.graph_count == 1 and explained.graph_break_count == 0
+    assert torch.equal(compiled["hidden_states"], eager["hidden_states"])
 
 
 class _NoLayerList(nn.Module):

@@ -22,7 +22,10 @@ and keeps the attributes the model's forward reads (``attention_type``). The sta
 model's own ``forward`` (``XForCausalLM.forward`` → ``XModel.forward``): a forward pre-hook on its
 first layer puts the received hidden states in place of that layer's input, a forward hook on its
 last layer ends the forward there (a private exception the stage catches) and hands the layer's
-output on; the last stage lets the forward run to the logits. Masks per layer type, rotary tables,
+output on; the last stage lets the forward run to the logits. Under ``torch.compile``, whose graph
+breaks where an exception leaves a frame, the hook only keeps the output: the forward runs on
+through pass-through stand-ins, and the compiled graph drops what does not lead to the stage's output
+(one graph per stage, no break). Masks per layer type, rotary tables,
 embedding scales and multipliers, the final norm, logit scale and soft-cap are thus the model's own
 code on every stage. Which modules run before the layers (the first stage's) and after them (the
 last stage's), and how a layer takes and returns its hidden states, come from one forward of the
@@ -432,10 +435,12 @@ class _Handoff(Exception):
 
 
 class _Slot:
-    """The hidden states a stage received, which the hook on its first layer puts in place of the layer's input."""
+    """The hidden states a stage received, which the hook on its first layer puts in place of the layer's
+    input, and (under ``torch.compile``) those its last layer handed on."""
 
     def __init__(self):
         self.received: torch.Tensor | None = None
+        self.sent: torch.Tensor | None = None
 
 
 def _receive(slot: _Slot, keyword: str, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -444,8 +449,14 @@ def _receive(slot: _Slot, keyword: str, module: nn.Module, args: tuple, kwargs: 
     return (slot.received, *args[1:]), kwargs
 
 
-def _hand_off(module: nn.Module, args: tuple, output: Any) -> None:
-    raise _Handoff(output[0] if isinstance(output, tuple) else output)
+def _hand_off(slot: _Slot, module: nn.Module, args: tuple, output: Any) -> None:
+    h = output[0] if isinstance(output, tuple) else output
+    if torch.compiler.is_compiling():
+        # Dynamo breaks the graph where an exception leaves a frame: the forward runs on through the
+        # stand-ins instead, and the compiled graph drops what does not lead to the stage's output
+        slot.sent = h
+        return
+    raise _Handoff(h)
 
 
 class StandInLayer(nn.Module):
@@ -467,11 +478,12 @@ class StandInLayer(nn.Module):
 
 
 class StandIn(nn.Module):
-    """A module outside the layers another stage holds (the token embedding on later stages, the
-    final norm and head on earlier ones): returns zeros of the trailing size the module returns
-    (``(…, C)`` for ids ``(…)``, ``(…, C)`` for a float ``(…, C')``), so whatever the model
-    multiplies or adds them to stays what the stage's first layer replaces; or its first input where
-    the module returns no tensor. No parameters; a zero-size non-persistent buffer follows the
+    """A module outside the layers another stage holds. Before the layers (the token embedding on
+    later stages): returns zeros of the trailing size ``size`` the module returns (``(…, C)`` for ids
+    ``(…)``, ``(…, C)`` for a float ``(…, C')``), so whatever the model multiplies or adds them to
+    stays what the stage's first layer replaces. After the layers (the final norm and head on earlier
+    stages, reached only under ``torch.compile``), or where the module returns no tensor
+    (``size=None``): returns its first input. No parameters; a zero-size non-persistent buffer follows the
     stage's dtype and device (``.to(torch.bfloat16)``)."""
 
     def __init__(self, size: int | None, dtype: torch.dtype | None):
@@ -524,7 +536,7 @@ class HFStage(nn.Module):
             container[self.layer_ids[0]].register_forward_pre_hook(
                 functools.partial(_receive, self._slot, trace.layer_input), with_kwargs=True)
         if not last:
-            container[self.layer_ids[-1]].register_forward_hook(_hand_off)
+            container[self.layer_ids[-1]].register_forward_hook(functools.partial(_hand_off, self._slot))
 
     def train(self, mode: bool = True) -> "HFStage":
         super().train(mode)
@@ -543,18 +555,21 @@ class HFStage(nn.Module):
         if not (self._cache_reads_packing and call.get("attention_mask") is None
                 and call.get("position_ids") is not None):
             call["use_cache"] = False
-        self._slot.received = h
+        slot = self._slot
+        slot.received = h
         try:
             out = self._model(**call)
         except _Handoff as stop:
             h = stop.hidden_states
         else:
-            if not self.last:
+            if self.last:
+                return out.logits if hasattr(out, "logits") else out[0]
+            h = slot.sent  # compiled: the forward ran on to its end
+            if h is None:
                 raise RuntimeError(f"stage with layers {self.layer_ids} ran the model's forward to its end without its "
                                    "last layer")
-            return out.logits if hasattr(out, "logits") else out[0]
         finally:
-            self._slot.received = None
+            slot.received = slot.sent = None
         carry = {k: v for k, v in call.items() if k not in ("input_ids", "inputs_embeds", "use_cache")}
         return {"hidden_states": h, "attention_mask": carry.pop("attention_mask", None),
                 "position_ids": carry.pop("position_ids", None), **carry}
@@ -568,9 +583,10 @@ def _hf_stage(meta: nn.Module, plan: Plan, stage: int) -> HFStage:
     for i, layer in enumerate(meta.get_submodule(trace.layers)):
         if i not in mine:
             memo[id(layer)] = StandInLayer(layer, trace.layer_returns, trace.layer_input)
+    after = set(trace.after)  # reached only under torch.compile (_hand_off), and then dropped: pass-through
     for name, size, dtype in trace.outputs:
         if name not in own:
-            memo[id(meta.get_submodule(name))] = StandIn(size, dtype)
+            memo[id(meta.get_submodule(name))] = StandIn(None if name in after else size, dtype)
     return HFStage(copy.deepcopy(meta, memo), trace, plan.layers[stage], stage == 0, stage == len(plan.names) - 1)
 
 
