@@ -93,7 +93,8 @@ def test_tied_weights_across_stages_are_refused_and_untie_trains_two_copies(capl
     assert split_model(model, 1).n_stages == 1  # one stage: the tie is kept
     with caplog.at_level(logging.WARNING, "unbubble.models.split"):
         job = hf_job(model, "1f1b-flush", 2, untie=True)
-    assert [r.getMessage() for r in caplog.records] == [
+    # warnings only: an earlier test may leave the logger at INFO, where the probe's cost line shows too
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == [
         "untie=True: transformer.wte.weight (stage 0) and lm_head.weight (stage 1) were one tied tensor; each stage "
         "now trains its own copy, so they drift apart"]
     result = run_emulator(job)
