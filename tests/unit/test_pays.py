@@ -95,3 +95,20 @@ def test_overhead_is_paired_per_seed_and_marks_mixed_commits():
     assert rows[0]["per seed (paired)"] == "s0 1.22, s1 1.31"
     assert f["commits"] == [["c0ffee"], ["beef01", "c0ffee"]] and f["mixed_commits"]
     assert rows[0]["commits"] == "mixed: beef01, c0ffee"
+
+
+def test_a_switched_methods_clock_counts_its_synchronous_phase_at_flushs_speed():
+    """A run that trained 2 of its 10 updates with 1F1B-flush: on the clock, 20 % of any number of updates
+    run as 1F1B-flush (m = a = 2) and the rest as PACI; 1F1B-flush's updates take longer (its bubble)."""
+    from unbubble.experiments.overhead import Clock
+    from unbubble.experiments.studies import Study
+    from unbubble.experiments.sweep import SweepData
+
+    runs = [_run("flush", 0, 1.0), {**_run("switch", 0, 1.1, schedule="paci"), "switch_after": 2},
+            _run("paci", 0, 1.2, schedule="paci")]
+    clock = Clock(Study(SweepData(runs, {})), 2)
+    flush2, paci8 = clock.makespan("switch", "1f1b-flush", 2, m=2), clock.makespan("switch", "paci", 8, a=2, m=2)
+    assert clock.async_time("switch", 10) == pytest.approx(flush2 + paci8)
+    assert clock.async_time("switch", 15) == pytest.approx(clock.makespan("switch", "1f1b-flush", 3, m=2)
+                                                           + clock.makespan("switch", "paci", 12, a=2, m=2))
+    assert clock.async_time("paci", 10) < clock.async_time("switch", 10) < clock.makespan("flush", "1f1b-flush", 10, m=2)

@@ -101,9 +101,14 @@ class Clock:
         return min(options)
 
     def async_time(self, method: str, steps: float) -> float:
-        """Simulated seconds for ``steps`` updates of ``method``'s asynchronous schedule (rounded up)."""
+        """Simulated seconds for ``steps`` updates of ``method``'s asynchronous schedule (rounded up);
+        a switched method (``switch_after``, :mod:`unbubble.switch`) runs the same fraction of them
+        as 1F1B-flush with m = a first, at that schedule's own speed."""
         run = self.study.by_key[(method, self.n)][0]
-        return self.makespan(method, run["schedule"], max(math.ceil(steps), 1), a=run["a"], m=run["m"])
+        total = max(math.ceil(steps), 1)
+        k = min(round(run.get("switch_after", 0) / run["steps"] * total), total - 1) if run.get("switch_after") else 0
+        sync = self.makespan(method, "1f1b-flush", k, m=run["a"]) if k else 0.0
+        return sync + self.makespan(method, run["schedule"], total - k, a=run["a"], m=run["m"])
 
 
 def _settings(run: dict[str, Any], overrides: dict[str, Any]) -> str:

@@ -283,7 +283,10 @@ def horizon_study_spec(size: str, part: str = "main") -> dict[str, Any]:
 PAYS_BUDGETS = [0.85, 0.92, 1.08, 1.15, 1.3, 1.5]
 
 #: pays-study's parts, in the order they train (issue "where asynchrony pays": 1, 2, 5, 3, 4).
-PAYS_PARTS = ("default", "llama", "deep16", "few")
+PAYS_PARTS = ("default", "llama", "deep16", "few", "switch")
+
+#: The switch part's synchronous fractions: 1F1B-flush for this share of the updates, then PACI.
+SWITCH_FRACTIONS = (0.05, 0.10, 0.25)
 
 
 def pays_study_spec(size: str, part: str = "default") -> dict[str, Any]:
@@ -296,7 +299,11 @@ def pays_study_spec(size: str, part: str = "default") -> dict[str, Any]:
     * ``llama``: the same at 4× on ``llama-deep-cpu`` (RMSNorm, RoPE, SwiGLU, GQA), 2 seeds;
     * ``deep16``: N = 16 on ``deep32-cpu`` (2 blocks per stage), a = m = 4 and a = m = 8, 2×, 3 paired
       seeds, each side's lr bracketed (one round of grid extension), budgets up to 2×;
-    * ``few``: N = 8, a = m = 2, 2×, 2 seeds.
+    * ``few``: N = 8, a = m = 2, 2×, 2 seeds;
+    * ``switch``: synchronous, then asynchronous (:mod:`unbubble.switch`): N = 8, a = m = 4, 1F1B-flush +
+      Muon for 5 %, 10 % or 25 % of the updates, then PACI + Muon + error feedback, at 1× and 4× the
+      horizon, 3 paired seeds, each with its own twin and the unswitched PACI trained at the same commit
+      (lr 1e-2: tuned for both sides at 1× and 4×).
 
     Every lr is checked on seed 0 at the part's horizon (the 1× tuned 1e-2 and one step lower, on
     both sides). ``default`` keeps horizon-study's labels and settings so its published 4× runs are
@@ -342,6 +349,16 @@ def pays_study_spec(size: str, part: str = "default") -> dict[str, Any]:
             # each side's lr bracketed: one round beyond the grid's edge
             return {**h1, "name": "pays-study-deep16", "base": base, "stages": stages, "seeds": seeds,
                     "methods": methods, "extend_grid": 1, "budgets": PAYS_BUDGETS}
+    elif part == "switch":
+        mm, stages = (2 if tiny else 4), h1["stages"]
+        methods = []
+        for h in ((1.0,) if tiny else (1.0, 4.0)):
+            duo = pair(mm, h, " (switch part)")
+            methods += duo
+            for frac in (SWITCH_FRACTIONS[1:2] if tiny else SWITCH_FRACTIONS):
+                methods.append({**duo[1], "label": f"flush {frac:.0%} → " + duo[1]["label"], "switch_at": frac,
+                                "lrs": [lrs[-1]]})
+            duo[0]["lrs"] = duo[1]["lrs"] = [lrs[-1]]
     else:
         methods, stages, seeds = pair(1 if tiny else 2, 1.0 if tiny else 2.0), h1["stages"], [0, 1]
     if tiny and part != "default":  # the suite's time: one seed, half the micro-batches

@@ -59,7 +59,7 @@ SKIP_FACTOR = 1.0
 #: Columns of runs.csv, in order.
 RUN_COLUMNS = ("run_id", "method", "stages", "lr", "seed", "phase", "budget", "schedule", "a", "m", "optimizer", "steps",
                "micro_batches", "tokens", "final_val_loss", "min_val_loss", "final_train_loss", "max_drift",
-               "wall_s", "f_s", "b_s", "u_s", "commit")
+               "wall_s", "f_s", "b_s", "u_s", "commit", "switch_after")
 
 
 def source_commit() -> str:
@@ -98,6 +98,9 @@ class Method:
             (token overhead; the budgets below).
         budgets: token budgets beyond its own, as multiples of them (default: the spec's
             ``budgets`` when a baseline is named); see the module docstring.
+        switch_at: train this fraction of each run's updates with 1F1B-flush first, then the
+            method's asynchronous schedule (``switch_after`` = round(fraction × steps), at least 1;
+            :mod:`unbubble.switch`), at every budget alike.
     """
 
     label: str
@@ -109,6 +112,7 @@ class Method:
     horizon: float = 1.0
     baseline: str | None = None
     budgets: tuple[float, ...] | None = None
+    switch_at: float | None = None
 
 
 @dataclass(frozen=True)
@@ -205,7 +209,8 @@ class SweepSpec:
             methods.append(Method(label, m, tuple(st) if st else None, tuple(float(x) for x in lrs) if lrs else None,
                                   m.pop("lr_from", None), bool(m.pop("extra_seeds", True)),
                                   float(m.pop("horizon", 1.0)), m.pop("baseline", None),
-                                  None if budgets is None else tuple(float(x) for x in budgets)))
+                                  None if budgets is None else tuple(float(x) for x in budgets),
+                                  m.pop("switch_at", None)))
         spec = cls(name=d["name"], base=dict(d.get("base", {})), methods=methods, stages=list(d["stages"]),
                    lrs=[float(x) for x in d["lrs"]], seeds=[int(s) for s in d["seeds"]],
                    micro_batches=int(d["micro_batches"]), evals=int(d.get("evals", 12)), tune=bool(d.get("tune", True)),
@@ -234,6 +239,9 @@ class SweepSpec:
             if m.baseline is not None and (m.baseline not in labels or m.baseline == m.label):
                 raise ConfigError(f"method {m.label!r}: baseline={m.baseline!r} must name another method of this "
                                   f"sweep (one of {', '.join(x for x in labels if x != m.label)})")
+            if m.switch_at is not None and not 0 < m.switch_at < 1:
+                raise ConfigError(f"method {m.label!r}: switch_at={m.switch_at!r} is invalid: must be a fraction of "
+                                  "the run's updates in (0, 1)")
             if not m.horizon > 0:
                 raise ConfigError(f"method {m.label!r}: horizon={m.horizon!r} is invalid: must be > 0 (a multiple "
                                   "of micro_batches)")
@@ -284,6 +292,11 @@ class SweepSpec:
         if steps < 1:
             raise ConfigError(f"micro_batches={self.micro_batches_of(run)} is fewer than one update of "
                               f"{probe.mb_per_step} micro-batches")
+        method = self._method(run.method) if run.method in {m.label for m in self.methods} else None
+        if method is not None and method.switch_at is not None:
+            fields["switch_after"] = min(max(round(method.switch_at * steps), 1), steps - 1)
+            # phase 1's checkpoint starts phase 2 (unbubble.switch); phase 2 writes none
+            fields.update(checkpoints=True, checkpoint_every=0, final_checkpoint=False)
         return TrainConfig(**{**fields, "steps": steps, "eval_interval": max(steps // self.evals, 1),
                               "run_dir": str(out / "runs" / run.run_id)})
 
@@ -386,7 +399,7 @@ def _loss(record: dict[str, Any]) -> float:
 
 
 #: Keys of a method besides TrainConfig fields.
-METHOD_KEYS = ("label", "stages", "lrs", "lr_from", "extra_seeds", "horizon", "baseline", "budgets")
+METHOD_KEYS = ("label", "stages", "lrs", "lr_from", "extra_seeds", "horizon", "baseline", "budgets", "switch_at")
 # TrainConfig fields the sweep sets for every run (from lrs, seeds, micro_batches and evals): a
 # method or base that gave them would be overridden silently, so they are unknown keys there.
 SWEEP_SETS = {"lr": "lrs (or a method's lrs)", "seed": "seeds", "steps": "micro_batches (and a method's horizon)",
@@ -409,7 +422,7 @@ _SPEC_TYPES = {"name": "str", "methods": "dicts", "stages": "ints", "lrs": "numb
                "keep_train_curve": "bool", "extend_grid": "int", "budgets": "numbers"}
 _OPTIONAL = {"seed_stages"}
 _METHOD_TYPES = {"stages": "ints", "lrs": "numbers", "lr_from": "str", "extra_seeds": "bool", "horizon": "number",
-                 "baseline": "str", "budgets": "numbers"}
+                 "baseline": "str", "budgets": "numbers", "switch_at": "number"}
 
 
 def _check_depth(cfg) -> None:
@@ -807,6 +820,7 @@ def execute(run: RunSpec, spec: SweepSpec, out: Path, stop_event=None) -> dict[s
     record = {
         "run_id": run.run_id, "method": run.method, "stages": run.stages, "lr": run.lr, "seed": run.seed,
         "phase": run.phase, "budget": run.budget, "schedule": cfg.schedule, "a": cfg.a, "m": cfg.m, "optimizer": cfg.optimizer,
+        "switch_after": cfg.switch_after,
         "steps": cfg.steps, "micro_batches": cfg.steps * mb_per_update, "tokens": cfg.steps * tokens_per_update,
         "final_val_loss": _finite(vals[-1][1]) if vals else None,
         "min_val_loss": min((_finite(v) for _, v in vals if math.isfinite(v)), default=None),
@@ -1119,12 +1133,13 @@ def read_tables(folder: str | Path) -> SweepData:
         if not (folder / name).is_file():
             raise ConfigError(f"{folder / name} is missing: run the sweep first (or give the folder that holds it)")
     num = {"stages": int, "seed": int, "a": int, "m": int, "steps": int, "micro_batches": int, "tokens": int,
-           "max_drift": int, "lr": float, "wall_s": float, "budget": float}
+           "max_drift": int, "lr": float, "wall_s": float, "budget": float, "switch_after": int}
     runs = []
     with open(folder / "runs.csv") as f:
         for row in csv.DictReader(f):
             row.setdefault("budget", "1.0")  # sweeps written before token budgets
             row.setdefault("commit", "")  # sweeps written before the commit was recorded
+            row["switch_after"] = row.get("switch_after") or "0"  # sweeps written before --switch-after
             for k, conv in num.items():
                 row[k] = conv(row[k])
             for k in ("final_val_loss", "min_val_loss", "final_train_loss"):
