@@ -260,7 +260,7 @@ def test_bad_corpora_are_one_line_each_and_nothing_half_written(tmp_path, checkp
     cache = tmp_path / "cache"
     args = ["--model", f"hf:{checkpoint}", "--cache-dir", str(cache), "--run-dir", str(tmp_path / "run"), "--corpus"]
     messages = {
-        empty: f"corpus='{empty}' is not readable json",
+        empty: f"corpus='{empty}' holds no rows (its files are empty or blank lines only): ",
         blank: f"corpus='{blank}' is an empty corpus: all 2 documents are empty or whitespace",
         fields: f"corpus='{fields}' has no column 'text': its columns are 'content', 'id' (set --text-field to the "
                 "one holding the text)",
@@ -277,6 +277,35 @@ def test_bad_corpora_are_one_line_each_and_nothing_half_written(tmp_path, checkp
     # the text in another column: --text-field
     fields.write_text("".join(json.dumps({"content": f"in the beginning was the word {i}"}) + "\n" for i in range(60)))
     _train(*args, str(fields), "--text-field", "content", "--steps", "1", "--run-dir", str(tmp_path / "ok"))
+
+
+def test_a_folder_mixing_text_and_tables_a_bad_json_line_and_blank_lines_are_named(tmp_path, checkpoint, docs):
+    """A folder of .txt and .jsonl/.parquet files was read as its .txt files alone (the tables silently
+    left out); a broken .jsonl line was reported as datasets' generic "An error occurred"; a file of
+    blank lines as "Instruction 'train' corresponds to no data"."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    mixed = tmp_path / "mixed"
+    mixed.mkdir()
+    (mixed / "a.txt").write_text(docs[0])
+    (mixed / "b.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs[1:60]))
+    pq.write_table(pa.table({"text": docs[60:]}), mixed / "c.parquet")
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs[:50]) + "{not json\n")
+    blank = tmp_path / "blank.jsonl"
+    blank.write_text("\n\n  \n")
+    cache = tmp_path / "cache"
+    args = ["--model", f"hf:{checkpoint}", "--cache-dir", str(cache), "--run-dir", str(tmp_path / "run"), "--corpus"]
+    assert _error(*args, str(mixed)).startswith(
+        f"corpus='{mixed}' is a folder mixing .txt files and table files ('b.jsonl', 'c.parquet') (keep one format "
+        "per corpus): ")
+    assert _error(*args, str(broken)).startswith(
+        f"corpus='{broken}' is not readable json (.jsonl) (ArrowInvalid: JSON parse error: Missing a name for object "
+        "member. in row 50): ")
+    assert _error(*args, str(blank)).startswith(f"corpus='{blank}' holds no rows (its files are empty or blank "
+                                                "lines only): ")
+    assert not (tmp_path / "run").exists()
 
 
 # -- item 3: a vocabulary above 65,535 ------------------------------------------------------------------------------

@@ -161,6 +161,12 @@ def _folder_files(spec: str, folder: Path) -> list[Path]:
         raise _bad(spec, f"cannot be listed ({exc.strerror})") from exc
     if not files:
         raise _bad(spec, "is a folder with no .txt files")
+    # A folder read as text would silently leave its tables out of the corpus.
+    tables = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*")
+                    if p.is_file() and p.suffix.lower() in DATASET_SUFFIXES)
+    if tables:
+        shown = ", ".join(repr(t) for t in tables[:3]) + (f" and {len(tables) - 3} more" if len(tables) > 3 else "")
+        raise _bad(spec, f"is a folder mixing .txt files and table files ({shown}) (keep one format per corpus)")
     return files
 
 
@@ -380,6 +386,8 @@ def _read_table(spec: str, path: Path, cache_dir: str | Path | None):
         what, load = "a datasets.save_to_disk folder", lambda: datasets.load_from_disk(str(path))
     else:
         files = _table_files(spec, path) if path.is_dir() else [path]
+        if all(_blank_file(f) for f in files):
+            raise _bad(spec, "holds no rows (its files are empty or blank lines only)")
         builder = DATASET_SUFFIXES[files[0].suffix.lower()]
         what = f"readable {builder} ({', '.join(sorted({f.suffix for f in files}))})"
         cache = None if cache_dir is None else str(Path(cache_dir).expanduser() / "datasets")
@@ -391,6 +399,9 @@ def _read_table(spec: str, path: Path, cache_dir: str | Path | None):
     except ConfigError:
         raise
     except Exception as exc:  # noqa: BLE001 - pyarrow / datasets raise many kinds for a bad file
+        # datasets wraps the parser's error ("JSON parse error: ... in row 50") in a generic one.
+        while type(exc).__name__ == "DatasetGenerationError" and exc.__cause__ is not None:
+            exc = exc.__cause__
         why = next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
         raise ConfigError(f"corpus={spec!r} is not {what} ({type(exc).__name__}: {why[:160]}): {_VALID}") from None
     if isinstance(ds, datasets.DatasetDict):
@@ -398,6 +409,14 @@ def _read_table(spec: str, path: Path, cache_dir: str | Path | None):
             raise _bad(spec, f"is a DatasetDict without a 'train' split (its splits: {', '.join(ds)})")
         ds = ds["train"]
     return ds
+
+
+def _blank_file(path: Path) -> bool:
+    """A small file of whitespace only (datasets says "Instruction 'train' corresponds to no data")."""
+    try:
+        return path.stat().st_size < (1 << 16) and not path.read_bytes().strip()
+    except OSError:
+        return False  # the load names the error
 
 
 class _quiet_progress:
