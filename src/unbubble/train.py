@@ -577,8 +577,10 @@ def train_model(model: torch.nn.Module, schedule: str = "paci", run_dir: str | P
     listeners: list = []
 
     def factory(writer, total):  # the CLI's progress bar (plain step lines off a terminal)
+        for lst in listeners:  # a switch_after run's first phase has ended (its writer is closed)
+            lst.close()
         listeners.append(ProgressListener(writer, total, max(total // 20, 1), "", writer.resume_step or 0))
-        return listeners[0]
+        return listeners[-1]
 
     root = logging.getLogger("unbubble")
     configured = root.handlers[:], root.level, root.propagate
@@ -598,7 +600,7 @@ def train_model(model: torch.nn.Module, schedule: str = "paci", run_dir: str | P
                               **options)
             result, run_dir = train(cfg, listener_factory=factory if progress else None, model=model)
         if result is not None and listeners:
-            listeners[0].finish(json.loads((run_dir / "summary.json").read_text()))
+            listeners[-1].finish(json.loads((run_dir / "summary.json").read_text()))
     finally:
         for lst in listeners:
             lst.close()

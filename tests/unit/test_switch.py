@@ -84,3 +84,33 @@ def test_bad_switches_are_refused_in_one_line(tmp_path, cache_dir, kw, message):
         train(_cfg(cache_dir, tmp_path / "r", **kw))
     assert str(info.value) == message
     assert not (tmp_path / "r").exists()
+
+
+def test_the_cli_and_train_model_run_a_switch_to_its_end(tmp_path, cache_dir):
+    """``unbubble train --switch-after`` (and ``train_model(switch_after=)``) gave phase 2 phase 1's (closed)
+    progress writer: "ValueError: I/O operation on closed file" at update K + 1, the run folder left without
+    its config. Reference: the same switched run through :func:`train` (checked against the two phases run
+    separately above); the CLI's metrics.jsonl holds its losses of updates K + 1 … T, the synchronous
+    phase's those of 1 … K."""
+    import json
+
+    from click.testing import CliRunner
+
+    from unbubble.cli import cli
+
+    ref, _ = train(_cfg(cache_dir, tmp_path / "ref", schedule="paci", a=2, switch_after=K))
+    run = tmp_path / "cli"
+    res = CliRunner().invoke(cli, [
+        "-q", "train", "--engine", "emulator", "--model", "tiny", "--stages", "2", "--steps", str(T), "--seq-len",
+        "32", "--micro-batch-size", "2", "--eval-interval", "0", "--eval-batches", "1", "--optimizer", "adamw",
+        "--lr", "1e-2", "--warmup-min", "2", "--cache-dir", cache_dir, "--no-tensorboard", "--schedule", "paci",
+        "--a", "2", "--switch-after", str(K), "--run-dir", str(run)])
+    assert res.exit_code == 0, res.output
+
+    def losses(folder):
+        return [json.loads(line)["loss"] for line in (folder / "metrics.jsonl").read_text().splitlines()
+                if "loss" in json.loads(line) and "step" in json.loads(line)]
+
+    assert losses(run / "synchronous") == ref.step_losses[:K] and losses(run) == ref.step_losses[K:]
+    assert (run / "config.yaml").is_file() and (run / "summary.json").is_file()
+

@@ -109,7 +109,7 @@ def _stopped_at_once(signal_: SecondSignal, listeners: list,
     before its first step has been removed), else ``failure`` or the signal's own words."""
     from unbubble.runtime.launch import stopped_at_once
 
-    writer = listeners[0].writer if listeners else None
+    writer = listeners[-1].writer if listeners else None
     if writer is not None and writer.dir.is_dir():
         return PipelineFailure(stopped_at_once(signal_.signame, writer.job.checkpoint, writer.job.schedule.n_stages,
                                                writer.dir))
@@ -170,9 +170,11 @@ def train(print_config: bool, resume: str | None, **kwargs) -> None:
     listeners = []
 
     def factory(writer, total):
+        for lst in listeners:  # a --switch-after run's first phase has ended (its writer is closed)
+            lst.close()
         starting = f"starting {cfg.stages * cfg.dp} stage processes…" if cfg.engine == "processes" else ""
         listeners.append(ProgressListener(writer, total, max(total // 20, 1), starting, writer.resume_step or 0))
-        return listeners[0]
+        return listeners[-1]
 
     try:
         if resume is not None:
@@ -206,8 +208,8 @@ def train(print_config: bool, resume: str | None, **kwargs) -> None:
             lst.close()
         return
     summary = json.loads((run_dir / "summary.json").read_text())  # the whole run, across resumes
+    listeners[-1].finish(summary)
     for lst in listeners:
-        lst.finish(summary)
         lst.close()
     for line in end_lines(cfg, result, run_dir, summary):
         click.echo(line)
