@@ -153,19 +153,28 @@ def break_even_line(cfg: TrainConfig, result, n_layer: int | None = None) -> str
             + " (docs/faq.md#when-does-asynchrony-pay)")
 
 
-def validation_line(summary: dict, eval_interval: int) -> str:
+def validation_line(summary: dict, eval_interval: int, initial: tuple[int, float] | None = None) -> str:
     """The end-of-run validation line from ``summary.json``: the step of the final evaluation when it
     is not the last step done, and no "5.57 -> 5.57" when the run stopped before any evaluation after
-    step 0 (that would read as no progress)."""
+    step 0, or when its only evaluation is its last (a run started with --init-from is not evaluated
+    at its first step): either would read as no progress.
+
+    ``initial``: ``(step, loss)`` of an evaluation before the run folder's first, from the same run (a
+    ``--switch-after`` run's synchronous phase, whose evaluations are in ``RUN/synchronous``)."""
     from unbubble.loggers import perplexity
 
-    last = summary["val_losses"][-1][0]  # the version the final validation loss evaluated
+    first, last = summary["val_losses"][0][0], summary["val_losses"][-1][0]  # the versions evaluated
     if last == 0:
         return (f"validation loss {summary['initial_val_loss']:.4f} at step 0; no evaluation since "
                 f"(--eval-interval {eval_interval})")
     at = "" if last == summary["steps_done"] else f" at step {last}"
-    return (f"validation loss {summary['initial_val_loss']:.4f} -> {summary['final_val_loss']:.4f}{at} "
-            f"(ppl {perplexity(summary['final_val_loss']):.4g})")
+    start = summary["initial_val_loss"]
+    if initial is not None and initial[0] < first:
+        start, first = initial[1], initial[0]
+    ppl = f"(ppl {perplexity(summary['final_val_loss']):.4g})"
+    if first == last:
+        return f"validation loss {summary['final_val_loss']:.4f} at step {last} {ppl}, this run's first evaluation"
+    return f"validation loss {start:.4f} -> {summary['final_val_loss']:.4f}{at} {ppl}"
 
 
 def end_lines(cfg, result, run_dir: Path, summary: dict) -> list[str]:
@@ -174,7 +183,8 @@ def end_lines(cfg, result, run_dir: Path, summary: dict) -> list[str]:
     asynchronous run, and what the non-finite guard dropped."""
     lines = [f"run folder: {run_dir}"]
     if summary["val_losses"]:
-        lines.append(validation_line(summary, cfg.eval_interval))
+        whole = getattr(result, "val_losses", None)  # a switched run's result holds both phases'
+        lines.append(validation_line(summary, cfg.eval_interval, tuple(whole[0]) if whole else None))
     util, kind = result.trace.utilization(), "utilization"
     if result.sim_trace is not None:  # one process: its wall clock is no device's (sim/measured.py)
         util, kind = summary.get("simulated_utilization"), f"utilization on {cfg.stages} devices simulated from " \
