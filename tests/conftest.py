@@ -1,5 +1,6 @@
 """Checks and helpers shared by every test."""
 
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -11,14 +12,28 @@ RUNS = ROOT / "runs"
 
 
 @pytest.fixture(autouse=True)
-def _no_run_folders_in_the_checkout(request):
+def _no_run_folders_in_the_checkout(request, monkeypatch):
     """A test writes its run folders under tmp_path (``--run-dir``, ``--out``), never into the
     checkout's runs/ (the default of ``unbubble train`` and ``unbubble simulate``), where they would
-    be left behind."""
-    before = set(RUNS.iterdir()) if RUNS.is_dir() else set()
+    be left behind. What the test itself creates is checked (every ``os.mkdir`` of this process under
+    runs/, which ``Path.mkdir``, ``os.makedirs`` and ``tempfile`` go through), not the folder's
+    contents: a user training in the same checkout meanwhile adds folders there that are not the
+    test's (issue 42 item 6: that failed whichever test was running)."""
+    made: list[str] = []
+    real_mkdir = os.mkdir
+
+    def mkdir(path, *args, **kwargs):
+        real_mkdir(path, *args, **kwargs)
+        try:
+            resolved = Path(os.fspath(path)).resolve()
+        except (OSError, TypeError, ValueError):
+            return
+        if resolved.is_relative_to(RUNS) and resolved != RUNS:
+            made.append(str(resolved.relative_to(RUNS)))
+
+    monkeypatch.setattr(os, "mkdir", mkdir)
     yield
-    new = sorted(p.name for p in (set(RUNS.iterdir()) if RUNS.is_dir() else set()) - before)
-    assert not new, f"{request.node.nodeid} wrote {new} into {RUNS}: give it --run-dir / --out under tmp_path"
+    assert not made, f"{request.node.nodeid} wrote {made} into {RUNS}: give it --run-dir / --out under tmp_path"
 
 
 @dataclass(frozen=True)

@@ -129,7 +129,7 @@ class TrainConfig:
     engine: Literal["emulator", "processes"] = field(default="processes", metadata={"help": 'processes: one torch.distributed process per stage; emulator: all stages in this process.'})
     order: Literal["deterministic", "dynamic"] = field(default="deterministic", metadata={"help": "Action order of the asynchronous schedules: deterministic (a fixed 1F1B order per stage: the same losses every run, on both engines) or dynamic (a backward runs as soon as its gradient has arrived: on the processes engine the losses differ from run to run). Both keep the drift bound ⌈(N−i)/a⌉; synchronous schedules ignore it."})
     seed: int = field(default=0, metadata={"help": "Seed of the initial weights and of the data order."})
-    eval_interval: int = field(default=50, metadata={"help": 'Evaluate the version-v weights every this many steps (and at the end).'})
+    eval_interval: int = field(default=50, metadata={"help": 'Evaluate the version-v weights every this many steps, at step 0 and at the end (0: at step 0 and the end only).'})
     eval_batches: int = field(default=8, metadata={"help": 'Validation micro-batches per evaluation.'})
     checkpoints: bool = field(default=True, metadata={"help": "Save checkpoints into RUN/checkpoints (every --checkpoint-every steps, at the last step unless --no-final-checkpoint, and when SIGINT/SIGTERM stops the run; the newest two are kept); continue with --resume RUN, export the weights with unbubble export RUN OUT."})
     switch_after: int = field(default=0, metadata={"help": "Train the first K updates synchronously (1F1B-flush with m = a on the same stages), then switch to --schedule at that update boundary; the learning-rate schedule is the whole run's. The synchronous phase is its own run in RUN/synchronous; the asynchronous one starts from its checkpoint as --init-from does (optimizer state carried; error-feedback history, stale clip norms and drift start empty). 0: no switch. See docs/concepts.md, synchronous then asynchronous."})
@@ -192,6 +192,9 @@ class TrainConfig:
         for name in ("stages", "dp", "a", "m", "v", "br_freq", "br_max_precond_dim", "micro_batch_size", "seq_len", "steps", "eval_batches", "threads_per_stage"):
             pos_int(name)
         pos_int("eval_interval", 0)
+        if self.run_dir is not None and not str(self.run_dir).strip():
+            raise ConfigError(f"run_dir={self.run_dir!r} is empty: give a folder name, or leave --run-dir out for "
+                              "runs/<time>-<schedule>-N<stages>")
         pos_int("warmup_min", 0)
         pos_int("seed", 0)
         pos_int("checkpoint_every", 0)

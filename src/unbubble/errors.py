@@ -23,6 +23,12 @@ class PipelineFailure(RuntimeError):
     names the stage and its last action. Every stage process has been terminated."""
 
 
+class Diverged(PipelineFailure):
+    """Training diverged: a non-finite loss, validation loss or weight after the non-finite guard's
+    own skips (``nan_policy``). The run folder's summary.json says ``"status": "diverged"``; the
+    message names the step, what was non-finite and the fix."""
+
+
 class StartupInterrupted(PipelineFailure):
     """A stop signal (Ctrl-C, SIGTERM) arrived before the run's first step: every stage process
     has been ended at once, since there was nothing to save (the newest checkpoint, or step 0,

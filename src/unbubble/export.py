@@ -19,8 +19,16 @@ run also holds ``model/`` (written once by the first checkpoint): the HF ``confi
   model. A ``.pt`` state dict records the untied names in its ``_metadata`` (which ``torch.save``
   keeps and ``load_state_dict`` ignores); :func:`load_export` refuses to load it into a model where
   those names are one tensor (a tied model's ``load_state_dict`` would silently keep only the later
-  one), and the export warns once in one line. Plain ``model.load_state_dict`` cannot be stopped:
-  build the model untied.
+  one), and the export warns once in one line. Plain ``model.load_state_dict`` of a model that is not
+  one of our stages cannot be stopped: build the model untied.
+* **It says what it is.** A ``.pt`` export's ``_metadata`` also records the run's ``model`` (a preset
+  name, ``hf:PATH``), tokenizer, seed and vocabulary (:func:`export_record`); an HF folder gets
+  ``unbubble-export.json`` beside its config.json. :func:`load` builds the matching whole model from
+  that record (a preset's one stage holding every block, untied where the run trained the embedding
+  and the head on two stages, which every multi-stage preset run does) and loads it strictly, and
+  :func:`sample` writes text with it. A preset stage that ties its head refuses, in its own
+  ``load_state_dict``, a state dict whose ``wte.weight`` and ``lm_head.weight`` differ
+  (``models.gpt2.refuse_untied_state``), so even plain ``load_state_dict`` cannot keep one silently.
 * **Nothing is overwritten unasked.** The output may not be inside a run folder (the run exported,
   any folder ``unbubble train`` wrote, any checkpoint folder) or be the run folder itself, whatever
   ``force`` says; an existing non-empty folder or an existing file is refused unless ``force``, and
@@ -31,7 +39,10 @@ run also holds ``model/`` (written once by the first checkpoint): the HF ``confi
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
+import math
+import pickle
 import logging
 import os
 import re
@@ -45,12 +56,17 @@ import torch
 from unbubble.errors import ConfigError
 from unbubble.pipeline import merge_state_dicts
 from unbubble.runtime.checkpoint import complete_steps, load_stage, stage_path
+from unbubble.safety import atomic_save
 
 #: the folder beside the ``step-*`` folders that describes the model (HF runs)
 MODEL_DIR = "model"
 MODEL_INFO = "unbubble-model.json"
 #: the ``_metadata`` key of a ``.pt`` export that lists the weights tied in the model but trained untied
 UNTIED_KEY = "unbubble_untied"
+#: the ``_metadata`` key of a ``.pt`` export that says what model it is (:func:`load` builds it)
+RECORD_KEY = "unbubble_model"
+#: the file beside an HF export's config.json that names the run's tokenizer
+EXPORT_INFO = "unbubble-export.json"
 _STAGE_FILE = re.compile(r"^stage-(\d{3})\.pt$")
 
 log = logging.getLogger(__name__)
@@ -214,6 +230,11 @@ def _with_masters(executor: dict[str, Any], path: Path) -> dict[str, torch.Tenso
     return out
 
 
+#: the embedding and head names of the presets (GPTStage, LlamaStage, MoEStage): one tensor in a
+#: tied single-stage model, two on any multi-stage run ([Note: untied head] in ``models/gpt2.py``)
+PRESET_TIED = ["wte.weight", "lm_head.weight"]
+
+
 def untied_names(run_dir: str | Path, owners: dict[str, int]) -> list[list[str]]:
     """The groups of parameter names that are one tensor in the model but were trained on
     different stages (``untie=True``), from ``model/`` (:func:`save_model_files`); ``[]`` when the
@@ -227,9 +248,10 @@ def untied_names(run_dir: str | Path, owners: dict[str, int]) -> list[list[str]]
         ConfigError: as :func:`checkpoint_dir`.
     """
     info_path = checkpoint_dir(run_dir) / MODEL_DIR / MODEL_INFO
-    if not info_path.is_file():
-        return []
-    groups = json.loads(info_path.read_text()).get("tied", [])
+    if not info_path.is_file():  # a preset's embedding and head are tied unless on two stages
+        groups = [PRESET_TIED] if _run_config(run_dir).get("model") in _preset_names() else []
+    else:
+        groups = json.loads(info_path.read_text()).get("tied", [])
     return [g for g in groups if len({owners[n] for n in g if n in owners}) > 1]
 
 
@@ -312,6 +334,7 @@ def export(run_dir: str | Path, out: str | Path, step: int | None = None, force:
         with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}.export-") as tmp:
             model.save_pretrained(tmp, safe_serialization=True)
             _copy_tokenizer(directory / MODEL_DIR, Path(tmp))
+            (Path(tmp) / EXPORT_INFO).write_text(json.dumps(_record(run_dir, None, [])) + "\n")
             out.mkdir(exist_ok=True)
             replaced = [f.name for f in sorted(Path(tmp).iterdir()) if (out / f.name).exists()]
             for f in sorted(Path(tmp).iterdir()):
@@ -330,12 +353,18 @@ def export(run_dir: str | Path, out: str | Path, step: int | None = None, force:
     else:
         out.parent.mkdir(parents=True, exist_ok=True)
     existed = out.is_file()
-    if untied:
-        state._metadata = collections.OrderedDict({"": {UNTIED_KEY: untied}})  # type: ignore[attr-defined]
-        log.warning("%s: %s were trained untied (separate tensors): load it into a model built untied "
-                    "(tie_word_embeddings=False); a tied model keeps only one of them (unbubble.export.load_export "
-                    "refuses that)", out, "; ".join(" and ".join(g) for g in untied))
-    torch.save(state, out)
+    record = {UNTIED_KEY: untied, RECORD_KEY: _record(run_dir, state, untied)}
+    state._metadata = collections.OrderedDict({"": record})  # type: ignore[attr-defined]
+    atomic_save(state, out)
+    if untied:  # said once the file is there
+        pair = "; ".join(" and ".join(g) for g in untied)
+        if record[RECORD_KEY].get("model") in _preset_names():  # our stages refuse a tied load themselves
+            log.info("%s: %s were trained untied (separate tensors): unbubble.export.load(%r) builds the model "
+                     "untied and loads it", out, pair, str(out))
+        else:
+            log.warning("%s: %s were trained untied (separate tensors): load it into a model built untied "
+                        "(tie_word_embeddings=False); a tied model keeps only one of them (unbubble.export.load_export "
+                        "refuses that)", out, pair)
     _say_replaced(out.parent, [out.name] if existed else [])
     return out
 
@@ -375,3 +404,214 @@ def load_export(model: torch.nn.Module, path: str | Path, strict: bool = True) -
                               f"they are one tied tensor in this {type(model).__name__}: loading would keep only one; "
                               "build the model untied (e.g. tie_word_embeddings=False) and load again")
     return model.load_state_dict(state, strict=strict)
+
+
+def _preset_names() -> set[str]:
+    from unbubble.models import PRESETS
+
+    return set(PRESETS)
+
+
+def _run_config(run_dir: str | Path) -> dict:
+    """The run's config.json (beside its checkpoints/ folder), or ``{}``."""
+    directory = checkpoint_dir(run_dir)
+    for folder in (directory.parent, directory):
+        try:
+            cfg = json.loads((folder / "config.json").read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(cfg, dict) and "model" in cfg:
+            return cfg
+    return {}
+
+
+def _record(run_dir: str | Path, state: dict | None, untied: list[list[str]]) -> dict:
+    """What an export is: the run's ``model`` (a preset name, ``hf:PATH`` or ``module:function``),
+    tokenizer, seed and vocabulary (the embedding's rows), and the untied names."""
+    cfg = _run_config(run_dir)
+    vocab = None
+    if state is not None:
+        emb = next((t for n, t in state.items() if n.endswith(("wte.weight", "embed_tokens.weight"))), None)
+        vocab = None if emb is None else int(emb.shape[0])
+    return {"model": cfg.get("model"), "tokenizer": cfg.get("tokenizer"), "seed": cfg.get("seed"),
+            "vocab_size": vocab, "untied": untied}
+
+
+def export_record(path: str | Path) -> dict:
+    """What a ``.pt`` export says it is (``{}`` for one written before exports recorded it, or
+    not by :func:`export`): ``model``, ``tokenizer``, ``seed``, ``vocab_size``, ``untied``."""
+    state = _load_pt(path)
+    meta = getattr(state, "_metadata", {}).get("", {})
+    return dict(meta.get(RECORD_KEY) or {})
+
+
+def _load_pt(path: str | Path) -> dict:
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except (RuntimeError, pickle.UnpicklingError, EOFError, ValueError) as exc:
+        raise ConfigError(f"{str(path)!r} is not a state dict unbubble export wrote (torch.load: "
+                          f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from None
+
+
+def _whole_preset_model(preset: str, vocab_size: int, untied: bool) -> torch.nn.Module:
+    """The whole model of a preset (one stage holding every block), untied when the run trained
+    its embedding and head apart."""
+    from unbubble.models import make_config, stage_class
+    from unbubble.models.gpt2 import GPTConfig, GPTStage
+
+    config = make_config(preset, vocab_size)
+    layers = range(config.n_layer)
+    if isinstance(config, GPTConfig):
+        return GPTStage(config, layers, True, True, 0, tie=not untied)
+    if untied and getattr(config, "tie_embeddings", False):
+        config = dataclasses.replace(config, tie_embeddings=False)
+    return stage_class(config)(config, layers, True, True, 0)
+
+
+def load(path: str | Path, step: int | None = None) -> torch.nn.Module:
+    """The trained model of an export or a run, built whole and loaded: one call whatever the run
+    trained ([Note: what an export writes]).
+
+    * a ``.pt`` file :func:`export` wrote (or a folder holding ``model.pt``) of a preset run: the
+      preset's whole model (``GPTStage`` / ``LlamaStage`` / ``MoEStage`` holding every block, untied
+      when the run trained the embedding and the head apart), its weights loaded strictly;
+    * an HF folder :func:`export` wrote: ``transformers.AutoModelForCausalLM.from_pretrained``;
+    * a run folder or its ``checkpoints/``: the same, straight from its newest (or ``step``'s)
+      checkpoint.
+
+    The model is in ``eval()`` mode on the CPU; ``model.tokenizer`` is the run's tokenizer
+    (:func:`unbubble.data.get_tokenizer`) when the export names it, for :func:`sample`.
+
+    Args:
+        path: the export or the run.
+        step: with a run folder, the checkpoint's step (default: the newest complete one).
+
+    Returns:
+        The model: called on token ids ``(B, T)`` int64 it returns logits ``(B, T, V)`` (an HF model's
+        output carries them in ``.logits``).
+
+    Raises:
+        ConfigError: no such file or folder, a ``.pt`` file that does not say what model it is (written
+            before exports recorded it: build the model and use :func:`load_export`), a model that is
+            neither a preset nor an HF folder, or weights that do not fit the model.
+    """
+    from unbubble.data import get_tokenizer
+
+    p = Path(path)
+    if not p.exists():
+        raise ConfigError(f"path={str(p)!r} does not exist: give what unbubble export wrote (a .pt file or a folder) "
+                          "or a run folder")
+    if p.is_dir() and (p / "model.pt").is_file():
+        p = p / "model.pt"
+    if p.is_dir() and (p / "config.json").is_file() and any(p.glob("*.safetensors")):
+        model = _from_pretrained(p)
+        info = json.loads((p / EXPORT_INFO).read_text()) if (p / EXPORT_INFO).is_file() else {}
+    elif p.is_dir():
+        directory = checkpoint_dir(p)
+        if _is_hf(directory):
+            model, info = load_model(p, step).eval(), _record(p, None, [])
+        else:
+            owners: dict[str, int] = {}
+            state = merged_state_dict(p, step, owners)
+            info = _record(p, state, untied_names(p, owners))
+            model = _build_and_load(info, state, str(p))
+    else:
+        state = _load_pt(p)
+        info = dict(getattr(state, "_metadata", {}).get("", {}).get(RECORD_KEY) or {})
+        if not info:
+            raise ConfigError(f"{str(p)!r} does not say what model it is (written by an older unbubble export, or not "
+                              "by unbubble export): build the model yourself and load it with "
+                              "unbubble.export.load_export(model, path)")
+        model = _build_and_load(info, state, str(p))
+    if info.get("tokenizer"):
+        model.tokenizer = get_tokenizer(info["tokenizer"])
+    return model
+
+
+def _from_pretrained(folder: Path) -> torch.nn.Module:
+    try:
+        import transformers
+    except ImportError:
+        raise ConfigError("loading a Hugging Face export needs transformers: pip install 'unbubble[hf]'") from None
+    return transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+
+
+def _build_and_load(info: dict, state: dict, where: str) -> torch.nn.Module:
+    """The whole model ``info`` names, ``state`` loaded into it strictly."""
+    from unbubble.models import PRESETS
+
+    name = info.get("model")
+    if name in PRESETS:
+        model = _whole_preset_model(name, int(info["vocab_size"]), bool(info.get("untied")))
+    elif isinstance(name, str) and name.startswith("hf:"):
+        from unbubble.models.external import load_external
+
+        model = load_external(name, int(info.get("seed") or 0))
+        if info.get("untied") and getattr(getattr(model, "config", None), "tie_word_embeddings", False):
+            config = type(model.config).from_dict({**model.config.to_dict(), "tie_word_embeddings": False})
+            model = type(model)(config)
+    else:
+        raise ConfigError(f"{where!r} holds the weights of model={name!r}, which unbubble.export.load cannot build "
+                          "(a preset or hf:FOLDER): build the model yourself and load it with "
+                          "unbubble.export.load_export(model, path)")
+    untied = info.get("untied") or []
+    params = dict(model.named_parameters(remove_duplicate=False))
+    for group in untied:  # the same check as load_export
+        if len({id(params[n]) for n in group if n in params}) == 1 and sum(n in params for n in group) > 1:
+            raise ConfigError(f"{where!r} holds {' and '.join(group)} as separate tensors (trained untied), but they "
+                              f"are one tied tensor in this {type(model).__name__}")
+    try:
+        model.load_state_dict(state, strict=True)
+    except RuntimeError as exc:
+        raise ConfigError(f"{where!r} does not fit model={name!r}: {str(exc).splitlines()[0]}") from None
+    return model.eval()
+
+
+@torch.no_grad()
+def sample(model: torch.nn.Module, prompt: str, tokens: int = 100, temperature: float = 1.0, top_k: int | None = 50,
+           seed: int = 0, tokenizer: Any = None) -> str:
+    """Text the model writes after ``prompt``: ``tokens`` tokens drawn one at a time from
+    softmax(logits / ``temperature``) over the ``top_k`` likeliest (``temperature=0``: the likeliest).
+
+    Args:
+        model: what :func:`load` returns (a stage holding the whole model, or an HF model).
+        prompt: the text to continue (non-empty).
+        tokens: how many tokens to add (≥ 1).
+        temperature: ≥ 0; 0 is greedy.
+        top_k: draw among this many likeliest tokens (None: all).
+        seed: the draws' seed (the same seed, the same text).
+        tokenizer: default ``model.tokenizer`` (set by :func:`load`).
+
+    Returns:
+        The prompt and its continuation, decoded.
+
+    Raises:
+        ConfigError: no tokenizer, an empty prompt, ``tokens`` < 1 or a negative temperature.
+    """
+    tokenizer = tokenizer or getattr(model, "tokenizer", None)
+    if tokenizer is None:
+        raise ConfigError("sample needs a tokenizer: give tokenizer=unbubble.data.get_tokenizer(NAME)")
+    if not prompt:
+        raise ConfigError("prompt='' is invalid: give some text to continue")
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
+        raise ConfigError(f"tokens={tokens!r} is invalid: must be an integer ≥ 1")
+    if not temperature >= 0:
+        raise ConfigError(f"temperature={temperature!r} is invalid: must be ≥ 0 (0: the likeliest token)")
+    config = getattr(model, "config", None)
+    window = getattr(config, "block_size", None) or getattr(config, "n_positions", None) or \
+        getattr(config, "max_position_embeddings", None) or 1024
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.tensor([tokenizer.encode(prompt)], dtype=torch.long)  # (1, T)
+    for _ in range(tokens):
+        out = model(ids[:, -window:])
+        logits = (out.logits if hasattr(out, "logits") else out)[0, -1].float()  # (V,)
+        logits = logits[:tokenizer.vocab_size]  # a padded vocabulary's extra rows never come out
+        if temperature == 0:
+            nxt = int(logits.argmax())
+        else:
+            if top_k is not None and top_k < logits.numel():
+                kth = torch.topk(logits, top_k).values[-1]
+                logits = logits.masked_fill(logits < kth, -math.inf)
+            nxt = int(torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=g))
+        ids = torch.cat([ids, torch.tensor([[nxt]])], dim=1)
+    return tokenizer.decode(ids[0].tolist())

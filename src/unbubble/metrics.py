@@ -1,20 +1,35 @@
-"""The run folder: config, per-step metrics (JSONL), per-action telemetry, summary, plots."""
+"""The run folder: config, per-step metrics (JSONL), per-action telemetry, summary, plots.
+
+[Note: a diverged run fails]
+A run diverged when a step's training loss (the mean of the micro-batches the non-finite guard
+kept, so non-finite only when the guard is off or kept nothing finite), a validation loss (the
+guard never sees an evaluation) or a weight of its final state is not finite. ``unbubble train``
+stops at the first of these with one line naming the step, what was non-finite and how many
+micro-batches the guard had dropped (``nan_policy``), exits 1 and prints no end lines (no
+break-even: a diverged run's throughput says nothing); summary.json says ``"status": "diverged"``.
+The guard's own abort (every micro-batch of ``MAX_DROPPED_UPDATES`` updates dropped, or
+``nan_policy="abort"``) ends the same way. Sweeps that tune the learning rate call
+``train(on_divergence="record")``: the run goes on as before, and its summary still says so.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import math
 import os
 import time
 from pathlib import Path
 from typing import Any
 
 from unbubble.config import TrainConfig, config_to_yaml
-from unbubble.errors import ConfigError
+from unbubble.errors import ConfigError, Diverged, NonFiniteError, SecondSignal
 from unbubble.loggers import open_loggers, perplexity
 from unbubble.models.moe import router_stats
 from unbubble.runtime.job import PipelineJob
 from unbubble.runtime.telemetry import RunResult
+from unbubble.safety import atomic_write_text, os_cause
 
 log = logging.getLogger(__name__)
 
@@ -48,15 +63,14 @@ class RunWriter:
         try:
             run_dir.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
-            raise ConfigError(f"run_dir={str(run_dir)!r} cannot be created ({exc.strerror}): give a writable folder "
-                              "(set --run-dir)") from None
+            raise ConfigError(f"run_dir={str(run_dir)!r} cannot be created: {os_cause(exc)} (set --run-dir)") from None
         self.dir, self.cfg, self.job = run_dir, cfg, job
         self.info: dict[str, Any] = {}
         self.resume_step = resume_step
         self._elapsed_before = 0.0
         if resume_step is None:
-            (run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
-            (run_dir / "config.yaml").write_text(config_to_yaml(cfg))
+            atomic_write_text(run_dir / "config.json", json.dumps(cfg.to_dict(), indent=2) + "\n")
+            atomic_write_text(run_dir / "config.yaml", config_to_yaml(cfg))
         else:  # continuing: keep the config and the metrics up to the checkpoint, drop later ones
             path = run_dir / "metrics.jsonl"
             lines = path.read_text().splitlines(keepends=True) if path.exists() else []
@@ -69,6 +83,8 @@ class RunWriter:
         self.loggers = open_loggers(run_dir, cfg)
         self._metrics = open(run_dir / "metrics.jsonl", "w" if resume_step is None else "a")
         self.last: dict[str, Any] = {}
+        self.stop_on_divergence = True  # train(on_divergence="record") turns it off
+        self.n_dropped = 0  # micro-batches the non-finite guard dropped in this invocation
         self._router_since: dict | None = None  # router counters at the previous snapshot
 
     @staticmethod
@@ -130,11 +146,22 @@ class RunWriter:
         self._metrics.flush()
         for lg in self.loggers:
             lg.step(step, loss, info)
+        if self.stop_on_divergence and not math.isfinite(loss):  # the mean of the micro-batches the guard kept: none could be kept
+            raise Diverged(self.diverged_line(step, f"the training loss is {loss}"))
+
+    def diverged_line(self, step: int, what: str) -> str:
+        """The one line of a diverged run ([Note: a diverged run fails])."""
+        guard = ("" if self.cfg.nan_policy == "off" else
+                 f" after the non-finite guard ({self.cfg.nan_policy}) dropped {self.n_dropped} micro-batch(es)")
+        return (f"training diverged at step {step}: {what}{guard}; start again with a lower --lr (this run: "
+                f"{self.cfg.lr:g}){'' if self.cfg.nan_policy == 'lower-lr' else ' or --nan-policy lower-lr'}; "
+                f"{self.dir}/summary.json says diverged")
 
     def on_event(self, event: dict[str, Any]) -> None:
         """A micro-batch the non-finite guard dropped: one JSONL line."""
         self._metrics.write(json.dumps({"event": "nonfinite", "step": event["version"], **event}) + "\n")
         self._metrics.flush()
+        self.n_dropped += 1
 
     def on_snapshot(self, version: int, states: dict[int, dict]) -> None:
         """Router statistics of a mixture of experts since the previous evaluation: one JSONL line
@@ -159,6 +186,8 @@ class RunWriter:
         for lg in self.loggers:
             lg.eval(version, val_loss)
         log.info("eval at version %d: val loss %.4f, ppl %.2f", version, val_loss, rec["val_ppl"])
+        if self.stop_on_divergence and not math.isfinite(val_loss):  # the guard never sees an evaluation: the weights themselves diverged
+            raise Diverged(self.diverged_line(version, f"the validation loss is {val_loss}"))
 
     # End of run ---------------------------------------------------------------------------
     def discard(self) -> None:
@@ -241,10 +270,44 @@ class RunWriter:
         }
         if summary["final_val_loss"] is not None:
             summary["final_val_ppl"] = perplexity(summary["final_val_loss"])
-        (self.dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        summary.update(_ending(self, result, summary))
+        atomic_write_text(self.dir / "summary.json", json.dumps(summary, indent=2) + "\n")
         self._plot(train, val)
         for lg in self.loggers:
             lg.finish(result, summary)
+        return summary
+
+    def finish_failed(self, exc: BaseException) -> dict[str, Any]:
+        """The summary of a run that ended by an exception after steps were done: what is known
+        (losses from metrics.jsonl, the model) and how it ended: ``status`` ``diverged`` (a
+        :class:`~unbubble.errors.Diverged` or the guard's ``NonFiniteError``), ``stopped`` (a second
+        signal) or ``crashed``, and ``error``, the one line the command printed."""
+        with contextlib.suppress(Exception):
+            self._metrics.close()
+        text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        if isinstance(exc, (Diverged, NonFiniteError)) or "NonFiniteError" in text:
+            status = "diverged"
+        elif isinstance(exc, (KeyboardInterrupt, SecondSignal)) or "second SIG" in text:
+            status = "stopped"
+        else:
+            status = "crashed"
+        train, val = self.history()
+        sched = self.job.schedule
+        summary = {"schedule": sched.name, "stages": sched.n_stages, "mb_per_step": sched.mb_per_step,
+                   "steps": sched.steps, "engine": self.cfg.engine, **self.info,
+                   "optimizer": self.cfg.optimizer, "precision": self.job.precision,
+                   "final_train_loss": train[-1][1] if train else None, "val_losses": val,
+                   "initial_val_loss": val[0][1] if val else None, "final_val_loss": val[-1][1] if val else None,
+                   "steps_done": train[-1][0] if train else 0, "resumed_from_step": self.resume_step,
+                   "stopped_at_step": None, "status": status, "diverged": status == "diverged", "error": text}
+        try:
+            atomic_write_text(self.dir / "summary.json", json.dumps(summary, indent=2) + "\n")
+            self._plot(train, val)
+        except Exception as write_error:  # noqa: BLE001 - the run's own error is the one to report
+            log.warning("%s: summary.json not written (%s)", self.dir, write_error)
+        for lg in self.loggers:
+            with contextlib.suppress(Exception):
+                lg.close()
         return summary
 
     def history(self) -> tuple[list[tuple[int, float]], list[tuple[int, float]]]:
@@ -277,6 +340,32 @@ class RunWriter:
         fig.tight_layout()
         fig.savefig(self.dir / "loss.png", dpi=100)
         plt.close(fig)
+
+
+def _ending(writer: RunWriter, result: RunResult, summary: dict[str, Any]) -> dict[str, Any]:
+    """``status`` (``finished``, ``stopped`` or ``diverged``), ``diverged`` and, when diverged,
+    ``error``: a run diverged when its last training or validation loss, or a weight of its final
+    state, is not finite ([Note: a diverged run fails])."""
+    import torch
+
+    if summary["stopped_at_step"] is not None:
+        return {"status": "stopped", "diverged": False}
+    step = summary["steps_done"]
+    what = None
+    for name in ("final_train_loss", "final_val_loss"):
+        value = summary.get(name)
+        if value is not None and not math.isfinite(value):
+            what = f"the {'training' if name == 'final_train_loss' else 'validation'} loss is {value}"
+    if what is None:
+        for s, state in enumerate(result.final_states or []):
+            bad = next((k for k, t in state.items() if isinstance(t, torch.Tensor) and t.is_floating_point()
+                        and not bool(torch.isfinite(t).all())), None)
+            if bad is not None:
+                what = f"stage {s}'s weight {bad} is not finite"
+                break
+    if what is None:
+        return {"status": "finished", "diverged": False}
+    return {"status": "diverged", "diverged": True, "error": writer.diverged_line(step, what)}
 
 
 def _step_of(line: str) -> float:

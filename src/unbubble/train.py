@@ -24,7 +24,7 @@ from unbubble.config import RESUME_OVERRIDES, TrainConfig
 from unbubble.data import MicroBatchSampler, prepare_tokens, val_batches, val_overlap_warning
 from unbubble.data.memmap import TokenData
 from unbubble.data.sampler import check_split_sizes
-from unbubble.errors import ConfigError, PipelineFailure
+from unbubble.errors import ConfigError, Diverged, PipelineFailure
 from unbubble.lr import warmup_cosine
 from unbubble.loggers import check_loggers
 from unbubble.metrics import RunWriter
@@ -39,6 +39,7 @@ from unbubble.runtime.launch import (choose_backend, install_stop_handlers, pass
                                      run_torchrun, under_torchrun)
 from unbubble.runtime.precision import cpu_has_native_bf16, slow_bf16_warning
 from unbubble.runtime.telemetry import Listener, RunResult
+from unbubble.safety import RunLock, check_memory, os_cause
 from unbubble.schedules.registry import V_SHAPED, get_schedule
 
 log = logging.getLogger(__name__)
@@ -459,7 +460,7 @@ def save_tokenizer(tokenizer, directory: Path) -> None:
 
 def train(cfg: TrainConfig | None = None, listener_factory=None, resume: str | Path | None = None,
           resume_overrides: dict | None = None, started_at: float | None = None,
-          model: torch.nn.Module | None = None) -> tuple[RunResult | None, Path | None]:
+          model: torch.nn.Module | None = None, on_divergence: str = "raise") -> tuple[RunResult | None, Path | None]:
     """Validates ``cfg``, trains, and writes the run folder.
 
     Args:
@@ -474,21 +475,32 @@ def train(cfg: TrainConfig | None = None, listener_factory=None, resume: str | P
             passes its process's start).
         model: a model object to train instead of ``cfg.model`` (``cfg.model`` is then ``"python"``;
             :func:`train_model`).
+        on_divergence: ``"raise"``: a non-finite loss, validation loss or final weight stops the run
+            with :class:`~unbubble.errors.Diverged`; ``"record"``: the run goes on and returns (a
+            sweep tuning the learning rate records a diverged lr). summary.json's ``status`` says
+            ``diverged`` either way ([Note: a diverged run fails] in ``metrics.py``).
 
     Returns:
         ``(result, run_dir)``; both ``None`` on non-zero torchrun ranks. ``result.stopped_at``
         is set when a signal stopped the run (a checkpoint of that step is in the run folder).
 
     Raises:
-        ConfigError: any invalid value, file, checkpoint or combination — raised before the run
-            folder is created or touched, so nothing existing is overwritten.
+        ConfigError: any invalid value, file, checkpoint or combination — raised before anything in
+            the run folder is written, so nothing existing is overwritten; a model that cannot fit
+            this machine's memory (:func:`~unbubble.safety.check_memory`, before it is built); a run
+            folder another live process holds (its ``.lock``: :class:`~unbubble.safety.RunLock`).
+        Diverged: a non-finite loss, validation loss or final weight after the non-finite guard's
+            skips; summary.json says ``"status": "diverged"``.
         PipelineFailure: a stage failed, or a signal stopped the run at once
             (:class:`~unbubble.errors.StartupInterrupted` before the first step). A new run that
-            ends so before its first step removes its run folder.
+            ends so before its first step removes its run folder; one that ends so later writes a
+            summary.json whose ``status`` says how it ended.
     """
     started_at = time.time() if started_at is None else started_at
     if resume is not None:
         cfg = resume_config(resume, resume_overrides)
+    if on_divergence not in ("raise", "record"):
+        raise ConfigError(f"on_divergence={on_divergence!r} is invalid: must be 'raise' or 'record'")
     cfg.validate()
     if cfg.switch_after and resume is None:
         from unbubble.switch import train_switched
@@ -512,6 +524,30 @@ def train(cfg: TrainConfig | None = None, listener_factory=None, resume: str | P
                           "there (a folder all machines share), or give --no-checkpoints")
     if run_dir is None and cfg.run_dir is not None:  # torchrun rank > 0: same folder as rank 0
         run_dir = Path(cfg.run_dir)
+    if not under_torchrun() and isinstance(model, ModelConfig.__args__):  # before any stage is built
+        check_memory(cfg.model, model, job.schedule.n_stages, cfg.seq_len, cfg.micro_batch_size, cfg.optimizer,
+                     cfg.precision, cfg.dp)
+    lock = None
+    if rank0 and run_dir is not None:  # one process writes a run folder ([Note: the run folder's lock])
+        if resume is None:
+            try:
+                run_dir.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise ConfigError(f"run_dir={str(run_dir)!r} cannot be created: {os_cause(exc)} (set --run-dir)"
+                                  ) from None
+        lock = RunLock(run_dir)  # a second writer is refused here, naming the first one's pid
+    try:
+        return _train_locked(cfg, job, model, tokens, run_dir, resume, rank0, listener_factory, started_at,
+                             on_divergence)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _train_locked(cfg: TrainConfig, job: PipelineJob, model, tokens: TokenData, run_dir: Path | None,
+                  resume, rank0: bool, listener_factory, started_at: float, on_divergence: str = "raise"
+                  ) -> tuple[RunResult | None, Path | None]:
+    """:func:`train` once the run folder is this process's: checkpoints attached, the run, its summary."""
     if run_dir is not None:
         job = attach_checkpoints(job, cfg, run_dir, resume is not None)
     if rank0:  # only now: a bad model, corpus or checkpoint has already given its one error line
@@ -522,6 +558,8 @@ def train(cfg: TrainConfig | None = None, listener_factory=None, resume: str | P
         writer = RunWriter(run_dir, cfg, job, resume_step=job.start_step if resume is not None else None) \
             if rank0 else None
         if writer is not None:
+            writer.stop_on_divergence = on_divergence == "raise"
+        if writer is not None:
             n = job.schedule.n_stages
             ranges = stage_ranges(job, model, cfg.seq_len)
             n_params = sum(count_params(job.stage_fn(s)) for s in range(n))
@@ -531,16 +569,20 @@ def train(cfg: TrainConfig | None = None, listener_factory=None, resume: str | P
         listener = (listener_factory(writer, cfg.steps) if listener_factory and writer else writer)
         t0 = time.perf_counter()
         result = run_job(job, cfg.engine, listener, cfg.threads_per_stage, cfg.timeout_s)
-    except BaseException:  # a failure or a stop before the first step of a new run: nothing worth keeping
-        if resume is None and rank0 and not under_torchrun():
-            if writer is not None and not writer.last:
+    except BaseException as exc:  # a failure or a stop before the first step of a new run: nothing worth keeping
+        if resume is None and rank0 and not under_torchrun() and (writer is None or not writer.last):
+            if writer is not None:
                 writer.discard()
-            elif writer is None and run_dir is not None:  # stopped while the folder was being made
+            elif run_dir is not None:  # stopped while the folder was being made
                 shutil.rmtree(run_dir, ignore_errors=True)  # (choose_dir: it was new or empty)
+        elif writer is not None and writer.last:  # steps were done: the summary says how the run ended
+            writer.finish_failed(exc)
         raise
     if writer is None or result is None:
         return None, None
-    writer.finish(result, time.perf_counter() - t0, started_at)
+    summary = writer.finish(result, time.perf_counter() - t0, started_at)
+    if summary.get("status") == "diverged" and on_divergence == "raise":
+        raise Diverged(summary["error"])
     return result, run_dir
 
 

@@ -684,3 +684,77 @@ def test_predict_fits_the_terminal_and_says_what_an_emulator_run_measured(tmp_pa
     rows = [dict(zip(lines[0].split(","), line.split(","))) for line in lines[1:5]]
     reported = json.loads((run / "summary.json").read_text())["simulated_utilization"]
     assert [float(r["predicted_utilization"]) for r in rows] == pytest.approx(reported, rel=1e-9)
+
+
+# issue 42 item 5: the messages a new user met --------------------------------------------------------------------
+
+
+def test_an_empty_run_dir_is_refused_as_empty():
+    """Before: "'.' already exists"."""
+    assert _error(["train", "--run-dir", ""]) == \
+        "run_dir='' is empty: give a folder name, or leave --run-dir out for runs/<time>-<schedule>-N<stages>"
+
+
+def test_a_sequence_too_long_names_flags_that_exist():
+    """Before: "use shorter sequences or a larger --block-size" (there is no --block-size)."""
+    import torch
+
+    from unbubble.models import make_config
+    from unbubble.models.gpt2 import GPTStage
+
+    stage = GPTStage(make_config("tiny", 257), range(4), True, True, 0)
+    with pytest.raises(ValueError) as exc:
+        stage(torch.zeros(1, 129, dtype=torch.long))
+    assert str(exc.value) == ("sequence length T=129 exceeds block_size=128 (set --seq-len ≤ 128, or pick a --model "
+                              "with more positions)")
+
+
+def test_plan_suggests_two_different_batch_sizes():
+    """Before: "e.g. 1024 or 1024" for a batch smaller than one sequence."""
+    assert _error(["plan", "--model", "gpt2", "--gpus", "8xH200", "--global-batch-tokens", "100"]) == \
+        ("global_batch_tokens=100 is not a multiple of seq_len=1024: a batch holds whole sequences, e.g. 1024 (one "
+         "sequence) or more (set --global-batch-tokens or --seq-len)")
+    assert _error(["plan", "--model", "gpt2", "--gpus", "8xH200", "--global-batch-tokens", "3000"]) == \
+        ("global_batch_tokens=3000 is not a multiple of seq_len=1024: a batch holds whole sequences, e.g. 2048 or "
+         "3072 (set --global-batch-tokens or --seq-len)")
+
+
+def test_eval_interval_zero_has_a_documented_meaning():
+    res = CliRunner().invoke(cli, ["train", "--help"], terminal_width=200)
+    assert "Evaluate the version-v weights every this many steps, at step 0 and at the end (0: at step 0 and the " \
+           "end only)." in " ".join(res.output.split())
+
+
+def test_a_factory_that_needs_arguments_is_refused(tmp_path, monkeypatch):
+    """Before: a TypeError traceback from inside the call."""
+    (tmp_path / "needs_args.py").write_text("import torch\ndef make(width, depth=2):\n    return torch.nn.Linear(width, width)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert _error(["train", "--model", "needs_args:make", "--engine", "emulator"]) == \
+        ("model='needs_args:make' is invalid: needs_args.make needs argument(s) width; --model module:function calls "
+         "it with none (give a function that takes no arguments, e.g. one that calls make(...) with yours)")
+
+
+def test_ctrl_c_during_an_experiments_analysis_stops_it_at_once(tmp_path, monkeypatch):
+    """Before: a first Ctrl-C after the last run set a flag nothing read: the analysis went on without a word."""
+    import unbubble.experiments as experiments
+    from unbubble.experiments.sweep import OutsideARun, stop_handlers, training
+
+    def analysis(folder, size, seeds):  # what a study does after its last run
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(2)
+        raise AssertionError("the signal was ignored")
+
+    monkeypatch.setattr(experiments, "get_experiment", lambda name: analysis)
+    res = CliRunner().invoke(cli, ["experiment", "throughput-memory", "--out", str(tmp_path)])
+    assert res.exit_code == 130, res.output
+    assert res.stderr.strip() == ("throughput-memory: stopped at once (SIGINT while no run was training: the plan or "
+                                  f"the analysis); throughput-memory does not resume: remove {tmp_path / 'throughput-memory'} "
+                                  "or choose another --out to start it again")
+    with stop_handlers() as flag, training():  # while a run trains, the first signal asks it to stop at a step
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.2)
+        assert flag.stop_requested
+    with pytest.raises(OutsideARun):
+        with stop_handlers():
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(2)

@@ -65,6 +65,10 @@ class _Group(click.Group):
             abort(str(exc), status=130)
         except (PipelineFailure, NonFiniteError) as exc:
             abort(str(exc), status=1)
+        except OSError as exc:  # a read-only folder, a full disk, a name too long: one line, never a traceback
+            from unbubble.safety import os_error_line
+
+            abort(os_error_line(exc), status=1)
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})

@@ -40,7 +40,7 @@ def experiment(name: str, size: str, seeds: tuple[int, ...], out: Path, write_do
     from unbubble.errors import ConfigError
     from unbubble.experiments import get_experiment, publish, write_section
     from unbubble.experiments.studies import STUDIES
-    from unbubble.experiments.sweep import SweepStopped, stop_handlers
+    from unbubble.experiments.sweep import OutsideARun, SweepStopped, stop_handlers
 
     fn = get_experiment(name)
     if write_docs and size == "tiny":
@@ -72,8 +72,10 @@ def experiment(name: str, size: str, seeds: tuple[int, ...], out: Path, write_do
             f"{name} does not resume: remove {folder} or choose another --out to start it again"
         click.echo(f"{exc}; {again}" if "run the same command again" not in str(exc) else str(exc), err=True)
         sys.exit(130)
-    except KeyboardInterrupt:  # a second stop between two runs
-        click.echo(f"{name}: stopped at once by a second signal; "
+    except KeyboardInterrupt as exc:  # a second stop, or one while no run was training (the analysis)
+        how = f"stopped at once ({exc}: the plan or the analysis)" if isinstance(exc, OutsideARun) else \
+            "stopped at once by a second signal"
+        click.echo(f"{name}: {how}; "
                    + ("run the same command again to continue (finished runs are kept)" if resumable else
                       f"{name} does not resume: remove {folder} or choose another --out to start it again"), err=True)
         sys.exit(130)

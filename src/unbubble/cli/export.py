@@ -19,7 +19,9 @@ def export(run_dir: str, out: str, step: int | None, force: bool) -> None:
     run gives a folder from_pretrained loads (config.json + model.safetensors); any other run, or
     OUT ending in .pt, a torch.save'd state_dict that model.load_state_dict accepts. The weights
     are those a resume would start from (the fp32 masters of a --precision bf16 run); a run trained
-    with --untie exports untied (load it into an untied model). OUT may not be inside a run folder;
+    with --untie, or any preset run on more than one stage, exports untied: in Python,
+    unbubble.export.load(OUT) builds the matching whole model and loads it, and
+    unbubble.export.sample(model, "prompt") writes text with it. OUT may not be inside a run folder;
     an existing non-empty folder or file is refused unless --force.
     """
     from unbubble.export import export as write

@@ -66,13 +66,14 @@ def run(cfg: TrainConfig, what: str = "") -> RunResult:
         SweepStopped: a stop signal came before it (it does not start) or stopped it (a partial
             run must not enter a table); ``what`` ("throughput-memory 3/10") names it.
     """
-    from unbubble.experiments.sweep import SweepStopped, stop_requested
+    from unbubble.experiments.sweep import SweepStopped, stop_requested, training
     from unbubble.train import train
 
     name = what or Path(cfg.run_dir or "run").name
     if stop_requested():
         raise SweepStopped(f"{name}: stopped before this run started")
-    result, _ = train(cfg)
+    with training():
+        result, _ = train(cfg, on_divergence="record")
     if result.stopped_at is not None:
         raise SweepStopped(f"{name}: stopped at step {result.stopped_at} of {cfg.steps}")
     return result

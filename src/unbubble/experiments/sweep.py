@@ -639,7 +639,7 @@ def estimate(spec: SweepSpec, out: Path, workers: int, rows: list[tuple[str, int
             level = quiet.level
             quiet.setLevel(logging.WARNING)
             try:
-                result, _ = train(cfg)
+                result, _ = train(cfg, on_divergence="record")
             finally:
                 quiet.setLevel(level)
         if flag is not None and result.stopped_at is not None:  # its own handlers took the signal
@@ -719,6 +719,26 @@ class _StopFlag:
 
     def __init__(self) -> None:
         self.stop_requested = False
+        self.busy = 0  # runs being trained (their handlers stop them at a step boundary)
+
+
+class OutsideARun(KeyboardInterrupt):
+    """A stop signal while no run was training (the plan, the analysis, between runs): there is
+    nothing to stop gracefully, so it stops at once instead of being ignored."""
+
+
+@contextmanager
+def training():
+    """Marks a run (or a sweep's phase of runs) as training: a first stop signal then stops it at its
+    next step boundary; outside, a stop raises :class:`OutsideARun` at once."""
+    flag = _current_stop
+    if flag is not None:
+        flag.busy += 1
+    try:
+        yield
+    finally:
+        if flag is not None:
+            flag.busy -= 1
 
 
 #: The stop flag of the sweep or experiment this process is running (None: no handlers installed).
@@ -746,6 +766,8 @@ def stop_handlers():
     previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)} if on_main else {}
     if on_main:
         install_stop_handlers(flag, announce=False)  # announced by the sweep, which knows what is running
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, _outside_runs(flag, signal.getsignal(sig)))
     _current_stop = flag
     try:
         yield flag
@@ -753,6 +775,21 @@ def stop_handlers():
         _current_stop = None
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def _outside_runs(flag: _StopFlag, inner):
+    """The stop handler: while no run trains (``flag.busy == 0``), the analysis or the plan stops at
+    once (:class:`OutsideARun`) rather than ignoring the signal; else ``inner`` (stop at the next
+    step boundary, a second signal at once)."""
+    import signal
+
+    def handler(signum, frame):
+        if not flag.busy and not flag.stop_requested:
+            flag.stop_requested = True
+            raise OutsideARun(f"{signal.Signals(signum).name} while no run was training")
+        inner(signum, frame)
+
+    return handler
 
 
 def stop_requested() -> bool:
@@ -805,9 +842,9 @@ def execute(run: RunSpec, spec: SweepSpec, out: Path, stop_event=None) -> dict[s
         shutil.rmtree(cfg.run_dir)
     t0 = time.perf_counter()
     if stop_event is None:
-        result, _ = train(cfg)
+        result, _ = train(cfg, on_divergence="record")
     else:
-        result, _ = train(cfg, listener_factory=lambda writer, total: _StopOnRequest(writer, stop_event))
+        result, _ = train(cfg, on_divergence="record", listener_factory=lambda writer, total: _StopOnRequest(writer, stop_event))
     wall = time.perf_counter() - t0
     if len(result.step_losses) < cfg.steps:  # a stop at the last step boundary cut nothing short
         raise _RunStopped(f"{spec.name}: run {run.run_id} was stopped at step {len(result.step_losses)} of "
@@ -935,9 +972,10 @@ def run_sweep(spec: SweepSpec, out: Path, workers: int = 2,
                 if not more:
                     break
                 records += _run_all(more, spec, out, workers, say, flag)
-        except KeyboardInterrupt:  # a second stop signal: the workers were ended at once
+        except KeyboardInterrupt as exc:  # a second stop signal (the workers were ended at once), or one outside runs
             n = len(list((out / "results").glob("*.json")))
-            raise SweepStopped(f"{spec.name}: stopped at once by a second signal; the running runs are not "
+            how = f"stopped at once ({exc})" if isinstance(exc, OutsideARun) else "stopped at once by a second signal"
+            raise SweepStopped(f"{spec.name}: {how}; the running runs are not "
                                f"recorded, {n} finished run(s) are kept in {out / 'results'}: run the same "
                                "command again to continue") from None
     write_tables(records, out)
@@ -961,7 +999,25 @@ def _run_all(runs: list[RunSpec], spec: SweepSpec, out: Path, workers: int,
             f"{'diverged' if loss is None else format(loss, '.4f')} "
             f"({elapsed(rec['wall_s'])}, {elapsed(time.perf_counter() - t0)} so far)")
 
-    stopped: list[str] = []  # messages of the runs a stop ended
+    with training():
+        stopped = _train_all(todo, spec, out, workers, finished, flag, say)
+    if flag.stop_requested and (stopped or len(done) < len(runs)):
+        left = len(todo) - count[0] - len(stopped)
+        first = stopped[0] if len(stopped) == 1 else (
+            f"{spec.name}: runs stopped before their last step: " + ", ".join(m.split()[2] for m in stopped) +
+            "; they are not recorded: run the same command again to continue (finished runs are kept)"
+            if stopped else f"{spec.name}: stopped before the next run started: run the same command again to "
+                            "continue (finished runs are kept)")
+        raise SweepStopped(f"{first}; this {runs[0].phase} phase: {count[0]} of {len(todo)} finished, {left} not "
+                           f"started; {len(list((out / 'results').glob('*.json')))} finished run(s) in "
+                           f"{out / 'results'}")
+    return [done[r.run_id] for r in runs]
+
+
+def _train_all(todo: list[RunSpec], spec: SweepSpec, out: Path, workers: int, finished: Callable[[dict], None],
+               flag: _StopFlag, say: Callable[[str], None]) -> list[str]:
+    """Trains ``todo`` (here or in worker processes); returns the messages of the runs a stop ended."""
+    stopped: list[str] = []
     if len(todo) == 1 or (todo and workers == 1):  # in this process: no interpreter to start
         for r in todo:
             if flag.stop_requested:
@@ -977,17 +1033,7 @@ def _run_all(runs: list[RunSpec], spec: SweepSpec, out: Path, workers: int,
                 raise
     elif todo:
         stopped = _in_workers(todo, spec, out, workers, finished, flag, say)
-    if flag.stop_requested and (stopped or len(done) < len(runs)):
-        left = len(todo) - count[0] - len(stopped)
-        first = stopped[0] if len(stopped) == 1 else (
-            f"{spec.name}: runs stopped before their last step: " + ", ".join(m.split()[2] for m in stopped) +
-            "; they are not recorded: run the same command again to continue (finished runs are kept)"
-            if stopped else f"{spec.name}: stopped before the next run started: run the same command again to "
-                            "continue (finished runs are kept)")
-        raise SweepStopped(f"{first}; this {runs[0].phase} phase: {count[0]} of {len(todo)} finished, {left} not "
-                           f"started; {len(list((out / 'results').glob('*.json')))} finished run(s) in "
-                           f"{out / 'results'}")
-    return [done[r.run_id] for r in runs]
+    return stopped
 
 
 def _worker(tasks, results, stop, parent: int) -> None:

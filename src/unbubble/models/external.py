@@ -149,7 +149,13 @@ def load_external(spec: str, seed: int) -> nn.Module:
                  ", ".join(_WEIGHTS), seed)
         return transformers.AutoModelForCausalLM.from_config(config)
     module, _, name = spec.partition(":")
-    model = getattr(importlib.import_module(module), name)()
+    factory = getattr(importlib.import_module(module), name)
+    required = _required_parameters(factory)
+    if required:
+        raise ConfigError(f"model={spec!r} is invalid: {module}.{name} needs argument(s) {', '.join(required)}; "
+                          "--model module:function calls it with none (give a function that takes no arguments, e.g. "
+                          f"one that calls {name}(...) with yours)")
+    model = factory()
     if not isinstance(model, nn.Module):
         raise ConfigError(f"model={spec!r} is invalid: {module}.{name}() returned a {type(model).__name__}, not an "
                           "nn.Module")
@@ -181,6 +187,19 @@ def _check_safetensors(spec: str, folder: Path) -> None:
             raise ConfigError(f"model={spec!r} is invalid: {str(file)!r} is not a readable safetensors file (its "
                               "header is damaged or the file is cut short): save or download the weights "
                               "again") from None
+
+
+def _required_parameters(fn) -> list[str]:
+    """The parameters ``fn`` cannot be called without ([] when its signature cannot be read)."""
+    import inspect
+
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return []
+    return [p.name for p in params if p.default is inspect.Parameter.empty
+            and p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                           inspect.Parameter.KEYWORD_ONLY)]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -293,17 +293,23 @@ class GPTStage(nn.Module):
         first: owns ``wte``/``wpe`` and takes token ids; must equal ``layers.start == 0``.
         last: owns ``ln_f``/``lm_head`` and returns logits; must equal ``layers.stop == n_layer``.
         seed: run seed, 0 <= seed < 2**40; the same seed gives the same weights for any partition.
+        tie: a single stage (``first and last``) ties ``lm_head.weight`` to ``wte.weight`` as GPT-2
+            does; ``tie=False`` keeps them two tensors, the whole model of a multi-stage run (whose
+            head trained apart from the embedding: [Note: untied head]; ``unbubble.export.load``).
 
     Raises:
         ConfigError: ``layers`` empty, out of bounds or with step != 1, ``first``/``last`` inconsistent
-            with ``layers``, or a bad seed.
+            with ``layers``, or a bad seed. ``load_state_dict`` of a tied stage raises ConfigError
+            for a state dict whose ``wte.weight`` and ``lm_head.weight`` differ (trained untied:
+            :func:`refuse_untied_state`).
 
     Memory: ``count_params(stage) * 4`` bytes of float32 weights; a single stage (``first and last``)
-    ties ``lm_head.weight`` to ``wte.weight`` as GPT-2 does, otherwise the head is a separate V x C
-    matrix (see [Note: untied head]).
+    ties ``lm_head.weight`` to ``wte.weight`` as GPT-2 does (unless ``tie=False``), otherwise the head
+    is a separate V x C matrix (see [Note: untied head]).
     """
 
-    def __init__(self, config: GPTConfig, layers: range, first: bool, last: bool, seed: int) -> None:
+    def __init__(self, config: GPTConfig, layers: range, first: bool, last: bool, seed: int,
+                 tie: bool = True) -> None:
         super().__init__()
         check_stage_args(config.n_layer, layers, first, last, seed)
         self.config = config
@@ -323,8 +329,10 @@ class GPTStage(nn.Module):
                 self.ln_f = nn.LayerNorm(config.n_embd, bias=config.bias)
                 self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)  # (V, C) weight
         allocate_on_cpu(self)
-        if first and last:
+        self.tied = bool(first and last and tie)
+        if self.tied:
             self.lm_head.weight = self.wte.weight  # GPT-2 weight tying, only possible on one stage
+            self.register_load_state_dict_pre_hook(refuse_untied_state)
         self._init_weights()
 
     @torch.no_grad()
@@ -338,7 +346,7 @@ class GPTStage(nn.Module):
             _init_block(self.h[str(j)], self.config, generator(self.seed, j + 1))
         if self.last:
             _init_layernorm(self.ln_f)
-            if not self.first:  # untied head = replay of the wte draw. See [Note: untied head].
+            if not self.tied:  # untied head = replay of the wte draw. See [Note: untied head].
                 g = generator(self.seed, EMBEDDING_COMPONENT)
                 self.lm_head.weight.normal_(0.0, INIT_STD, generator=g)
 
@@ -367,7 +375,7 @@ class GPTStage(nn.Module):
         if T > self.config.block_size:
             raise ValueError(
                 f"sequence length T={T} exceeds block_size={self.config.block_size} "
-                f"(use shorter sequences or a larger --block-size)"
+                f"(set --seq-len ≤ {self.config.block_size}, or pick a --model with more positions)"
             )
         if self.first:
             at = pos if packed else torch.arange(T, dtype=torch.long, device=x.device)  # (B, T) or (T,)
@@ -398,6 +406,23 @@ def document_mask(position_ids: torch.Tensor) -> torch.Tensor:
     T = position_ids.shape[1]
     causal = torch.ones(T, T, dtype=torch.bool, device=position_ids.device).tril()
     return ((doc[:, :, None] == doc[:, None, :]) & causal)[:, None]
+
+
+def refuse_untied_state(module: nn.Module, state_dict: dict, prefix: str, *args) -> None:
+    """A ``load_state_dict`` pre-hook of a stage that ties ``lm_head.weight`` to ``wte.weight``:
+    a state dict in which the two differ was trained untied (any multi-stage run: [Note: untied
+    head]), and loading it would silently keep only one of them.
+
+    Raises:
+        ConfigError: both names are in ``state_dict`` with different values.
+    """
+    emb, head = state_dict.get(prefix + "wte.weight"), state_dict.get(prefix + "lm_head.weight")
+    if emb is None or head is None or emb is head or emb.shape != head.shape or emb.is_meta or head.is_meta:
+        return
+    if not torch.equal(emb.detach().cpu(), head.detach().cpu().to(emb.dtype)):
+        raise ConfigError(f"this state dict holds {prefix}wte.weight and {prefix}lm_head.weight as two different "
+                          f"tensors (trained untied), but this {type(module).__name__} ties them: loading would keep "
+                          "only one; build the model untied (unbubble.export.load builds it for you)")
 
 
 def check_stage_args(n_layer: int, layers: range, first: bool, last: bool, seed: int) -> None:

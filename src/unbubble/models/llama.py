@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 from unbubble.errors import ConfigError
 from unbubble.models.gpt2 import EMBEDDING_COMPONENT, INIT_STD, allocate_on_cpu, check_stage_args, generator, \
-    meta_embedding
+    meta_embedding, refuse_untied_state
 
 # ----------------------------------------------------------------------------------------------
 # Config
@@ -250,8 +250,10 @@ class LlamaStage(nn.Module):
                 self.norm = nn.RMSNorm(config.n_embd, eps=config.norm_eps)
                 self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)  # (V, C) weight
         allocate_on_cpu(self)
-        if first and last and config.tie_embeddings:
+        self.tied = bool(first and last and config.tie_embeddings)
+        if self.tied:
             self.lm_head.weight = self.wte.weight
+            self.register_load_state_dict_pre_hook(refuse_untied_state)
         cos, sin = rope_tables(config)
         self.register_buffer("rope_cos", cos, persistent=False)  # (T, hs/2), shared by the stage's blocks
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -300,7 +302,7 @@ class LlamaStage(nn.Module):
         T = x.size(1)
         if T > self.config.block_size:
             raise ValueError(f"sequence length T={T} exceeds block_size={self.config.block_size} "
-                             f"(use shorter sequences or a larger --block-size)")
+                             f"(set --seq-len ≤ {self.config.block_size}, or pick a --model with more positions)")
         if self.first:
             x = self.wte(x)  # (B, T, C); positions enter through RoPE only
         for block in self.h.values():

@@ -127,11 +127,15 @@ def save_stage(directory: str | Path, step: int, stage: int, payload: dict[str, 
     path = stage_path(directory, step, stage)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        torch.save({"format": FORMAT, **payload}, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:  # an open file: a full disk raises ENOSPC, not torch's "unexpected pos"
+            torch.save({"format": FORMAT, **payload}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as exc:  # the previous checkpoint stays whole; this one's half is removed
+        tmp.unlink(missing_ok=True)
+        raise OSError(exc.errno, f"checkpoint not written: {exc.strerror}", str(path)) from None
     root = Path(directory)
     mine = sorted(int(m.group(1)) for d in root.iterdir() if (m := _STEP_DIR.match(d.name))
                   and stage_path(root, int(m.group(1)), stage).is_file())

@@ -330,9 +330,9 @@ def candidates(model: "str | ModelConfig", cluster: Cluster, global_batch_tokens
     _check_positive_int("global_batch_tokens", global_batch_tokens, "global-batch-tokens")
     if global_batch_tokens % s_len:
         lo = global_batch_tokens // s_len * s_len
+        near = f"{lo} or {lo + s_len}" if lo else f"{s_len} (one sequence) or more"
         raise ConfigError(f"global_batch_tokens={global_batch_tokens} is not a multiple of seq_len={s_len}: a batch "
-                          f"holds whole sequences, e.g. {max(lo, s_len)} or {lo + s_len} (set --global-batch-tokens "
-                          "or --seq-len)")
+                          f"holds whole sequences, e.g. {near} (set --global-batch-tokens or --seq-len)")
     sequences = global_batch_tokens // s_len
     names = list(SCHEDULES) if schedules is None else [schedule_name(s, "--schedules") for s in schedules]
     if not names:
