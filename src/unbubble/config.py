@@ -13,6 +13,9 @@ from unbubble.errors import ConfigError, did_you_mean
 from unbubble.schedules.policy import check_order  # [Note: deterministic order]
 from unbubble.schedules.registry import schedule_name
 
+#: the largest count option (steps, a, m, sizes): 2^31 − 1, far past any run and within every index type
+MAX_COUNT = 2**31 - 1
+
 ENGINES = ("emulator", "processes")
 TOKENIZERS = ("auto", "byte", "gpt2")  # or hf:FOLDER
 #: What a stage does with a non-finite micro-batch ([Note: non-finite guard] in runtime/executor.py).
@@ -179,10 +182,12 @@ class TrainConfig:
         """
         self._canonical_case()
 
-        def pos_int(name: str, lo: int = 1) -> None:
+        def pos_int(name: str, lo: int = 1, hi: int | None = MAX_COUNT) -> None:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 raise ConfigError(f"{name}={v!r} is invalid: must be an integer ≥ {lo} (set --{_flag(name)})")
+            if hi is not None and v > hi:  # numpy and torch index with int64; no run gets near this
+                raise ConfigError(f"{name}={v} is too large: must be at most {hi:,} (2^31 − 1) (set --{_flag(name)})")
 
         self.schedule = schedule_name(self.schedule)
         if self.stage_aware:
@@ -192,11 +197,16 @@ class TrainConfig:
         for name in ("stages", "dp", "a", "m", "v", "br_freq", "br_max_precond_dim", "micro_batch_size", "seq_len", "steps", "eval_batches", "threads_per_stage"):
             pos_int(name)
         pos_int("eval_interval", 0)
+        per_update = max(self.a if self.a is not None else 1, self.m if self.m is not None else 1)
+        if self.steps * per_update > MAX_COUNT:
+            raise ConfigError(f"steps={self.steps} × {per_update:,} micro-batches per update = "
+                              f"{self.steps * per_update:,} micro-batches is too many: must be at most {MAX_COUNT:,} "
+                              "(lower --steps, --a or --m)")
         if self.run_dir is not None and not str(self.run_dir).strip():
             raise ConfigError(f"run_dir={self.run_dir!r} is empty: give a folder name, or leave --run-dir out for "
                               "runs/<time>-<schedule>-N<stages>")
         pos_int("warmup_min", 0)
-        pos_int("seed", 0)
+        pos_int("seed", 0, hi=None)
         pos_int("checkpoint_every", 0)
         pos_int("switch_after", 0)
         if self.lr_steps is not None:

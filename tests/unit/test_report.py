@@ -43,8 +43,13 @@ def test_report_draws_two_runs(two_runs, tmp_path):
     assert len(rows) == 2 and "| 1.00× |" in rows[0]
     assert "[1, 0] ([1, 0])" in rows[0] and "[0, 0] ([0, 0])" in rows[1]  # max Δ beside the bound
     assert "![drift](drift.png)" in md
-    assert "| paci | tiny | paci | 2 | 2 | muon | emulator | 4/4 |" in res.stdout
+    assert "| paci | tiny | paci | 2 | 2 | muon | emulator | 4/4 |" in md
     assert "(step 4) |" in rows[0] and "Warning" not in md and "WARNING" not in res.stderr  # alike runs
+    table = res.stdout.splitlines()[:3]  # the terminal's table (issue 42: 17 columns wrapped into noise)
+    assert table[0].split() == ["run", "schedule", "N", "steps", "tokens/s", "speed-up", "final", "val", "loss",
+                                "status"]
+    assert table[1].split()[:4] == ["paci", "paci", "2", "4/4"] and table[1].endswith("finished")
+    assert table[2].split()[:4] == ["flush", "1f1b-flush", "2", "4/4"] and max(map(len, table)) <= 100
 
 
 def _copy_run(src, dst, config=None, summary=None, last_step=None):
@@ -67,11 +72,14 @@ def test_report_of_a_stopped_run_shows_steps_done_of_planned_and_the_eval_step(t
                         summary=dict(steps_done=3, stopped_at_step=3, tokens=3 * 512, run_tokens=3 * 512))
     res = CliRunner().invoke(cli, ["report", str(two_runs[0]), str(stopped), "--out", str(tmp_path / "out")])
     assert res.exit_code == 0, res.output
-    (row,) = [line for line in res.stdout.splitlines() if line.startswith("| stopped |")]
+    md = (tmp_path / "out" / "report.md").read_text()
+    (row,) = [line for line in md.splitlines() if line.startswith("| stopped |")]
     assert "| emulator | 3/4 | 1,536 |" in row
     val = dict(json.loads((two_runs[0] / "summary.json").read_text())["val_losses"])  # step -> validation loss
     assert f"| {val[2]:.4f} (step 2) |" in row  # the stopped run's last evaluation, not its planned end
-    assert f"| {val[4]:.4f} (step 4) |" in res.stdout
+    assert f"| {val[4]:.4f} (step 4) |" in md and row.endswith("| stopped at 3 |")
+    lines = res.stdout.splitlines()
+    assert lines[1].endswith("(step 4)  finished") and lines[2].endswith("(step 2)  stopped at 3"), res.stdout
     assert "tokens trained (paci 2,048, stopped 1,536)" in (tmp_path / "out" / "report.md").read_text()
 
 
@@ -82,7 +90,7 @@ def test_report_warns_when_runs_differ_in_model(two_runs, tmp_path):
     warning = "the runs differ in model (paci tiny, llama llama-tiny): their losses and speed-ups do not compare"
     assert warning in " ".join(res.stderr.split())
     assert f"**Warning:** {warning} like for like.\n" in (tmp_path / "out" / "report.md").read_text()
-    assert "| llama | llama-tiny | 1f1b-flush |" in res.stdout
+    assert "| llama | llama-tiny | 1f1b-flush |" in (tmp_path / "out" / "report.md").read_text()
 
 
 def test_report_writes_into_the_run_folder_or_runs_by_default(two_runs, tmp_path, monkeypatch):
@@ -105,7 +113,8 @@ def test_report_of_the_same_folder_twice_gets_distinct_labels(two_runs, tmp_path
 
 @pytest.mark.parametrize("breakage, message", [
     ("missing", "is not a folder: give folders that `unbubble train` wrote"),
-    ("unfinished", "is not a finished run folder: summary.json, actions.jsonl missing"),
+    ("not-a-run", "is not a run folder: config.json missing (a run writes config.json, metrics.jsonl when it "
+                  "starts"),
     ("malformed", "holds malformed JSON"),
     ("no-steps", "records no training step"),
     ("bad-steps", "has steps_done='3': must be an integer ≥ 0"),
@@ -116,9 +125,8 @@ def test_bad_run_folder_one_line_exit_2(two_runs, tmp_path, breakage, message):
         bad.mkdir()
         for name in ("config.json", "summary.json", "metrics.jsonl", "actions.jsonl"):
             (bad / name).write_text((two_runs[0] / name).read_text())
-    if breakage == "unfinished":
-        (bad / "summary.json").unlink()
-        (bad / "actions.jsonl").unlink()
+    if breakage == "not-a-run":
+        (bad / "config.json").unlink()
     elif breakage == "malformed":
         (bad / "metrics.jsonl").write_text("{not json\n")
     elif breakage == "bad-steps":
@@ -134,3 +142,26 @@ def test_bad_run_folder_one_line_exit_2(two_runs, tmp_path, breakage, message):
 def test_report_needs_a_run():
     res = CliRunner().invoke(cli, ["report"])
     assert res.exit_code == 2 and "Missing argument 'RUN_DIRS...'" in res.output
+
+
+def test_report_of_a_crashed_run_says_so(two_runs, tmp_path):
+    """Issue 42 item 5: a run that crashed (no summary.json, no actions.jsonl) was refused."""
+    crashed = _copy_run(two_runs[0], tmp_path / "crashed", last_step=3)
+    (crashed / "summary.json").unlink()
+    (crashed / "actions.jsonl").unlink()
+    res = CliRunner().invoke(cli, ["report", str(two_runs[0]), str(crashed), "--out", str(tmp_path / "out")])
+    assert res.exit_code == 0, res.output
+    assert res.stdout.splitlines()[2].split()[:4] == ["crashed", "paci", "–", "3"] or \
+        res.stdout.splitlines()[2].endswith("crashed"), res.stdout
+    md = (tmp_path / "out" / "report.md").read_text()
+    (row,) = [line for line in md.splitlines() if line.startswith("| crashed |")]
+    assert row.endswith("| crashed |")
+
+
+def test_report_skips_a_simulation_folder_with_a_note(two_runs, tmp_path):
+    sim = tmp_path / "sim"
+    sim.mkdir()
+    (sim / "summary.csv").write_text("schedule\n")
+    res = CliRunner().invoke(cli, ["report", str(two_runs[0]), str(sim), "--out", str(tmp_path / "out")])
+    assert res.exit_code == 0, res.output
+    assert f"skipped {sim}: a simulation (no config.json or metrics.jsonl)" in " ".join(res.stderr.split())

@@ -27,7 +27,8 @@ def _ints(text: str | None, name: str) -> list[int] | None:
                           f"(set --{name.replace('_', '-')})") from None
 
 
-def _overhead_note(rows, given: float | None, error_feedback: bool, predict_weights: bool) -> str:
+def _overhead_note(rows, given: float | None, error_feedback: bool, predict_weights: bool,
+                   updates: int | None = None) -> str:
     """Which token overhead each delayed schedule got: given, measured (with its source), or none."""
     from unbubble.sim import plan as planner
 
@@ -39,11 +40,13 @@ def _overhead_note(rows, given: float | None, error_feedback: bool, predict_weig
                 f"({', '.join(delayed)}); the others compute 1F1B-flush's updates: overhead 1.")
     parts = []
     for name in delayed:
-        found = planner.measured_overhead(name, error_feedback, predict_weights)
+        found = planner.measured_overhead(name, error_feedback, predict_weights, updates)
         if found:
             parts.append(f"{name} {found[1]}")
     missing = [n for n in delayed if planner.measured_overhead(n, error_feedback, predict_weights) is None]
-    line = "Token overhead applied, as measured with Muon (" + planner.MEASURED_SETTING + "): " + (
+    line = (f"Token overhead applied for a run of {updates:,} updates (--updates), the measurement with Muon at the "
+            "nearest measured length (deep-cpu, N=8, a=4; docs/results.md): " if updates else
+            "Token overhead applied, as measured with Muon (" + planner.MEASURED_SETTING + "): ") + (
         "; ".join(parts) if parts else "none of the searched schedules") + "."
     if missing:
         line += (f" Not measured for {', '.join(missing)}: left out of the time-to-target table (give "
@@ -108,9 +111,14 @@ def _print(obj, fmt: str, width: int | None) -> None:
 @click.option("--token-overhead", default=None, type=float,
               help="Tokens an asynchronous run needs to reach the synchronous loss ÷ the synchronous run's, for "
                    "every asynchronous schedule [default: the one measured for the schedule and its remedies with "
-                   "Muon: paci 1.33 with error feedback, 1.41 with --predict-weights alone, 1.79 with neither "
-                   "(deep-cpu, N=8, a=4, 600 updates); the other asynchronous schedules were not measured and are "
+                   "Muon at the --updates nearest measured: paci with error feedback 1.33 (600 updates) or 1.06 "
+                   "(2,400), 1.41/1.23/1.09 with --predict-weights alone (600/1,200/2,400), 1.79 with neither "
+                   "(600; deep-cpu, N=8, a=4); the other asynchronous schedules were not measured and are "
                    "ranked by time to target only with this option].")
+@click.option("--updates", default=2400, type=click.IntRange(1), show_default=True,
+              help="Optimizer updates of the run planned for: the measured token overhead falls with training "
+                   "length (PACI with error feedback: 1.33 at 600 updates, 1.06 at 2,400), so the plan takes the "
+                   "measurement nearest to it and says which.")
 @click.option("--error-feedback/--no-error-feedback", default=True,
               help="Error feedback on the asynchronous schedules (unbubble train's default): its buffers in their "
                    "memory, and the token overhead measured with it.")
@@ -133,7 +141,8 @@ def _print(obj, fmt: str, width: int | None) -> None:
 def plan(model: str, gpus: str, global_batch_tokens: int, seq_len: int | None, memory_gb: float | None,
          link_gb_s: float | None, inter_node_gb_s: float | None, achievable: float | None, precision: str,
          vocab_size: int | None, schedules: str | None, stages: str | None, v_values: str, recompute: str,
-         max_micro_batches: int | None, token_overhead: float | None, error_feedback: bool, predict_weights: bool,
+         max_micro_batches: int | None, token_overhead: float | None, updates: int, error_feedback: bool,
+         predict_weights: bool,
          flash_attention: bool, clip_scope: str, clip_lag: int | None, top: int, all_configs: bool, fmt: str,
          wide: bool) -> None:
     """Which schedule, pipeline depth and micro-batching to run: a search on the simulator.
@@ -162,7 +171,7 @@ def plan(model: str, gpus: str, global_batch_tokens: int, seq_len: int | None, m
                               v_values=_ints(v_values, "v") or planner.DEFAULT_V, recompute=rc, precision=precision,
                               flash_attention=flash_attention, predict_weights=predict_weights,
                               error_feedback=error_feedback,
-                              token_overhead=overhead, max_micro_batches=max_micro_batches,
+                              token_overhead=overhead, updates=updates, max_micro_batches=max_micro_batches,
                               clip_scope=clip_scope, clip_lag=clip_lag)
     ranked = planner.rank(rows)
     elapsed = time.perf_counter() - t0
@@ -206,7 +215,7 @@ def plan(model: str, gpus: str, global_batch_tokens: int, seq_len: int | None, m
     _print(render(t1, _columns(False, barrier), fmt, title=title1, width=width), fmt, width)
     if t2:
         _print(render(t2, _columns(True, barrier), fmt, title=title2, width=width), fmt, width)
-    notes = [_overhead_note(rows, token_overhead, error_feedback, predict_weights),
+    notes = [_overhead_note(rows, token_overhead, error_feedback, predict_weights, updates),
              "Predicted on the analytic cost model (unbubble.sim.analytic) and the simulator's memory model; "
              "data-parallel all-reduce added to each update, not overlapped."]
     if barrier:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,10 +33,13 @@ import click
 import numpy as np
 
 from unbubble.errors import ConfigError
+from unbubble.safety import atomic_write_text
 
 log = logging.getLogger("unbubble.report")
 
 NEEDED = ("config.json", "summary.json", "metrics.jsonl", "actions.jsonl")
+#: what a run folder holds from its start: a stopped, crashed or diverged run is reported from these
+STARTED = ("config.json", "metrics.jsonl")
 
 
 @dataclass
@@ -109,12 +113,13 @@ def load_report_run(path: str | Path) -> ReportRun:
     path = Path(path)
     if not path.is_dir():
         raise ConfigError(f"run_dir={str(path)!r} is not a folder: give folders that `unbubble train` wrote")
-    missing = [name for name in NEEDED if not (path / name).is_file()]
+    missing = [name for name in STARTED if not (path / name).is_file()]
     if missing:
-        raise ConfigError(f"{path} is not a finished run folder: {', '.join(missing)} missing (a run writes "
-                          f"{', '.join(NEEDED)}; summary.json and actions.jsonl appear when it finishes)")
+        raise ConfigError(f"{path} is not a run folder: {', '.join(missing)} missing (a run writes "
+                          f"{', '.join(STARTED)} when it starts, {', '.join(set(NEEDED) - set(STARTED))} when it ends)")
     try:
-        summary = json.loads((path / "summary.json").read_text())
+        summary = json.loads((path / "summary.json").read_text()) if (path / "summary.json").is_file() else \
+            {"status": "crashed", "error": "no summary.json: the process ended without writing one (killed?)"}
         records = [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines() if line.strip()]
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ConfigError(f"{path} holds malformed JSON ({str(exc).splitlines()[0]}): not a run folder of "
@@ -127,7 +132,7 @@ def load_report_run(path: str | Path) -> ReportRun:
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
             raise ConfigError(f"{path / 'summary.json'} has {key}={value!r}: must be an integer ≥ 0 (not a run "
                               "folder of unbubble train)")
-    run = load_run(path)
+    run = load_run(path) if (path / "actions.jsonl").is_file() else None  # a run that ended by an error has none
     try:
         steps = [(int(r["step"]), float(r["loss"]), float(r.get("elapsed_s", math.nan)))
                  for r in records if "loss" in r and "val_loss" not in r]
@@ -137,7 +142,8 @@ def load_report_run(path: str | Path) -> ReportRun:
                           "not a run folder of unbubble train") from None
     if not steps:
         raise ConfigError(f"{path / 'metrics.jsonl'} records no training step: the run did not train")
-    return ReportRun(path, path.name, run.config, summary, steps, evals, run)
+    config = run.config if run is not None else json.loads((path / "config.json").read_text())
+    return ReportRun(path, path.name, config, summary, steps, evals, run)
 
 
 def _unique_labels(runs: list[ReportRun]) -> None:
@@ -170,9 +176,19 @@ def _figure(width: float, height: float):
     return fig
 
 
+def status(r: ReportRun) -> str:
+    """How the run ended: finished, stopped at step k, diverged or crashed (summary.json's ``status``;
+    older summaries: stopped when ``stopped_at_step`` is set, else finished)."""
+    s = r.summary
+    state = "stopped" if s.get("stopped_at_step") is not None else s.get("status") or "finished"
+    return f"stopped at {s['stopped_at_step']}" if state == "stopped" and s.get("stopped_at_step") else state
+
+
 def _describe(r: ReportRun) -> str:
     s = r.summary
-    knob = "a" if r.run.schedule.asynchronous else "m"
+    asynchronous = r.run.schedule.asynchronous if r.run is not None else r.config.get("schedule") not in (
+        "gpipe", "1f1b-flush", "interleaved-1f1b", "zb-h1", "zb-h2", "interleaved-zb", "zbv", "dualpipev")
+    knob = "a" if asynchronous else "m"
     return f"{r.model}, {s.get('schedule', '?')}, N={s.get('stages', '?')}, {knob}={s.get('mb_per_step', '?')}"
 
 
@@ -207,8 +223,10 @@ def plot_loss(runs: list[ReportRun], out: Path, x: str) -> Path:
 
 
 def plot_drift(runs: list[ReportRun], out: Path) -> Path:
-    """Per run, micro-batches per drift value Δ and stage (grouped bars); returns the PNG."""
-    fig = _figure(8, 2.6 * len(runs) + 0.4)
+    """Per run, micro-batches per drift value Δ and stage (grouped bars); returns the PNG (runs that
+    ended without actions.jsonl are left out)."""
+    runs = [r for r in runs if r.run is not None] or runs[:0]
+    fig = _figure(8, 2.6 * max(len(runs), 1) + 0.4)
     for row, r in enumerate(runs):
         ax = fig.add_subplot(len(runs), 1, row + 1)
         hist = r.run.trace.drift_histogram()
@@ -236,6 +254,7 @@ def plot_utilization(runs: list[ReportRun], out: Path, bins: int = 60) -> Path:
     """Per run, a rank × time heat map of the busy fraction (measured wall clock); returns the PNG."""
     from unbubble.analysis import utilization_timeline
 
+    runs = [r for r in runs if r.run is not None]
     fig = _figure(9, 1.0 + sum(0.35 * r.run.trace.ranks + 1.0 for r in runs))
     for row, r in enumerate(runs):
         ax = fig.add_subplot(len(runs), 1, row + 1)
@@ -308,8 +327,8 @@ def summary_markdown(runs: list[ReportRun], pictures: list[Path], warning: str |
     lines = ["# unbubble report", ""] + ([f"**Warning:** {warning}.", ""] if warning else []) + [
              "| run | model | schedule | N | a/m | optimizer | engine | steps done/planned | tokens | wall s "
              "| tokens/s | speed-up | train loss (last 10 %) | final val loss (step) | val ppl "
-             "| max Δ per stage (bound) | utilization per rank |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| max Δ per stage (bound) | utilization per rank | status |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in runs:
         s = r.summary
         tail = [loss for _, loss, _ in r.steps[-max(len(r.steps) // 10, 1):]]
@@ -325,7 +344,8 @@ def summary_markdown(runs: list[ReportRun], pictures: list[Path], warning: str |
             f"{s.get('run_tokens', s.get('tokens', 0)):,}", _fmt(s.get("run_train_wall_s", s.get("train_wall_s")), ".1f"),
             _fmt(tps, ",.0f"),
             _fmt(speed, ".2f") + "×" if speed else "–", _fmt(sum(tail) / len(tail)), *_eval_text(r),
-            f"{r.run.trace.max_drift()} ({s.get('drift_bound', '–')})", util_text]) + " |")
+            f"{r.run.trace.max_drift() if r.run is not None else '–'} ({s.get('drift_bound', '–')})", util_text,
+            status(r)]) + " |")
     lines += ["", "Steps done/planned: fewer done than planned when the run was stopped. Train loss (last 10 %): "
               "mean over the last 10 % of the steps done (summary.json's final_train_loss is the last step's "
               "loss). Final val loss (step): the last evaluation and the weight version (step) it evaluated. "
@@ -343,7 +363,13 @@ def write_report(run_dirs: list[str | Path], out: str | Path) -> Path:
     Raises:
         ConfigError: a bad run folder (see :func:`load_report_run`), or ``out`` is a file.
     """
-    runs = [load_report_run(p) for p in run_dirs]
+    return write_runs_report([load_report_run(p) for p in run_dirs], out)
+
+
+def write_runs_report(runs: list[ReportRun], out: str | Path) -> Path:
+    """:func:`write_report` of runs already read."""
+    if not runs:
+        raise ConfigError("no run folder to report: give folders that `unbubble train` wrote")
     _unique_labels(runs)
     out = Path(out)
     if out.exists() and not out.is_dir():
@@ -355,8 +381,49 @@ def write_report(run_dirs: list[str | Path], out: str | Path) -> Path:
     if warning:
         log.warning("%s", warning)
     md = out / "report.md"
-    md.write_text(summary_markdown(runs, pictures, warning))
+    atomic_write_text(md, summary_markdown(runs, pictures, warning))
     return md
+
+
+def short_table(runs: list[ReportRun]) -> str:
+    """The report's table in the terminal's width: one line per run with the figures most read
+    (report.md has every column)."""
+    base = runs[0].summary.get("tokens_per_s")
+    head = ["run", "schedule", "N", "steps", "tokens/s", "speed-up", "final val loss", "status"]
+    rows = []
+    for r in runs:
+        s = r.summary
+        tps = s.get("tokens_per_s")
+        ev = r.final_eval
+        rows.append([r.label, str(s.get("schedule", r.config.get("schedule", "?"))),
+                     str(s.get("stages", r.config.get("stages", "?"))), _steps_text(r), _fmt(tps, ",.0f"),
+                     _fmt(tps / base, ".2f") + "×" if tps and base else "–",
+                     f"{_fmt(ev[1])} (step {ev[0]})" if ev else "–", status(r)])
+    widths = [max(len(x) for x in col) for col in zip(head, *rows)]
+    width = shutil.get_terminal_size((100, 24)).columns
+    over = sum(widths) + 2 * (len(widths) - 1) - width
+    if over > 0:  # long run names give way first
+        widths[0] = max(widths[0] - over, 12)
+    def line(cells):
+        cells = [c if len(c) <= w else c[:w - 1] + "…" for c, w in zip(cells, widths)]
+        return "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()
+    return "\n".join([line(head), *map(line, rows)])
+
+
+def run_folders(paths: list[str]) -> tuple[list[str], list[str]]:
+    """``(run folders, notes)``: the paths given, less folders that are not runs (``unbubble simulate``'s,
+    a report's: neither config.json nor metrics.jsonl), each with a note. A path that is not a folder
+    stays (it is refused in one line)."""
+    keep, notes = [], []
+    for p in paths:
+        d = Path(p)
+        if d.is_dir() and not any((d / name).is_file() for name in STARTED):
+            what = "a simulation" if (d / "summary.csv").is_file() or (d / "simulate.json").is_file() else \
+                "a report" if (d / "report.md").is_file() else "not a run folder"
+            notes.append(f"skipped {p}: {what} (no config.json or metrics.jsonl)")
+        else:
+            keep.append(p)
+    return keep, notes
 
 
 @click.command(context_settings={"show_default": True})
@@ -364,16 +431,24 @@ def write_report(run_dirs: list[str | Path], out: str | Path) -> Path:
 @click.option("--out", default=None, type=click.Path(), help="Folder for the PNGs and report.md (created) "
               "[default: RUN/report for one run folder, runs/<time>-report for several].")
 def report(run_dirs: tuple[str, ...], out: str | None) -> None:
-    """Plot and summarise finished runs: loss against tokens and wall time, drift, utilization.
+    """Plot and summarise runs: loss against tokens and wall time, drift, utilization.
 
-    RUN_DIRS are folders written by `unbubble train`; the first is the baseline of the speed-up
-    column. Writes loss_vs_tokens.png, loss_vs_time.png, drift.png, utilization.png and report.md
-    into --out, and prints the table.
+    RUN_DIRS are folders written by `unbubble train` (finished, stopped, diverged or crashed: the
+    status column says which); the first is the baseline of the speed-up column. Folders that are
+    not runs (a simulation's, a report's) are skipped with a note. Writes loss_vs_tokens.png,
+    loss_vs_time.png, drift.png, utilization.png and report.md (every column) into --out, and prints
+    a short table that fits the terminal.
     """
+    dirs, notes = run_folders(list(run_dirs))
+    for note in notes:
+        log.warning("%s", note)
+    if not dirs:
+        raise ConfigError(f"no run folder among {', '.join(run_dirs)}: give folders that `unbubble train` wrote")
     if out is None:
-        out = str(Path(run_dirs[0]) / "report") if len(run_dirs) == 1 else \
+        out = str(Path(dirs[0]) / "report") if len(dirs) == 1 else \
             f"runs/{time.strftime('%Y%m%d-%H%M%S')}-report"
-    md = write_report(list(run_dirs), out)
-    text = md.read_text()
-    click.echo(text[text.index("\n| run |") + 1:text.index("\n\nSteps done/planned")])
-    click.echo(f"\nreport: {md} (with loss_vs_tokens.png, loss_vs_time.png, drift.png, utilization.png)")
+    runs = [load_report_run(p) for p in dirs]
+    md = write_runs_report(runs, out)
+    click.echo(short_table(runs))
+    click.echo(f"\nreport: {md} (every column; with loss_vs_tokens.png, loss_vs_time.png, drift.png, "
+               "utilization.png)")

@@ -238,6 +238,7 @@ def paci_plots(study: Study, out: Path, n: int = 8) -> list[Path]:
     plt = figure()
     files = []
     fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    shown: list[tuple[float, float]] = []  # (tokens, loss) plotted: the y-axis is taken from them
     for method in dict.fromkeys(m for (m, d) in study.by_key if d == n):
         curves = study.curves(method, n)
         if len(curves) < 2:
@@ -245,13 +246,18 @@ def paci_plots(study: Study, out: Path, n: int = 8) -> list[Path]:
         mc = mean_curve(curves)
         xs = [x / 1e6 for x, _ in mc]
         ys = [y for _, y in mc]
+        shown += [(x, y) for x, y in zip(xs, ys) if y is not None and math.isfinite(y)]
         sd = [statistics.stdev([c[i][1] for c in curves]) for i in range(len(mc))]
         line, = ax.plot(xs, ys, lw=1.2, label=f"{method} (lr {study.lr(method, n):g})",
                         ls="-" if method.startswith(("1f1b", "paci a=")) and "+" not in method else "--")
         ax.fill_between(xs, [y - s for y, s in zip(ys, sd)], [y + s for y, s in zip(ys, sd)], alpha=0.2,
                         color=line.get_color())
     ax.set(xlabel="tokens (millions; equal for every method)", ylabel="validation loss (mean ± std over seeds)",
-           title=f"PACI study, N={n}, each method at its tuned lr", ylim=(None, 2.6))
+           title=f"PACI study, N={n}, each method at its tuned lr")
+    if shown:  # the curves after their first fifth of tokens: the start (ln V ≈ 5.5) would flatten the rest
+        end = max(x for x, _ in shown)
+        late = [y for x, y in shown if x >= 0.2 * end] or [y for _, y in shown]
+        ax.set_ylim(min(late) - 0.05 * (max(late) - min(late) or 1), max(late) + 0.1 * (max(late) - min(late) or 1))
     files.append(save_figure(fig, ax, out / "paci_study_loss.png"))
 
     fig, ax = plt.subplots(figsize=(6, 4))

@@ -87,17 +87,37 @@ MEASURED_TOKEN_OVERHEADS: dict[tuple[str, bool, bool], tuple[float, str]] = {
     ("paci", False, False): (1.79, "1.79 ± 0.02 without a remedy (overhead-study)"),
 }
 MEASURED_SETTING = "deep-cpu, N=8, a=4, 600 updates, 2 seeds, docs/results.md"
+#: The same overheads at longer training (updates → value and words; docs/results.md, pays-study and
+#: horizon-study): the overhead falls with the run's length, so a plan takes the measurement nearest
+#: (in log updates) to the run it plans for (:func:`measured_overhead`). 600 updates are the rows above.
+MEASURED_BY_UPDATES: dict[tuple[str, bool, bool], dict[int, tuple[float, str]]] = {
+    ("paci", True, False): {2400: (1.06, "1.06 ± 0.03 with error feedback at 2,400 updates (pays-study, 3 seeds)")},
+    ("paci", False, True): {1200: (1.23, "1.23 with prediction at 1,200 updates (horizon-study)"),
+                            2400: (1.09, "1.09 with prediction at 2,400 updates (horizon-study)")},
+}
+#: the run length ``unbubble plan`` plans for unless given (--updates): the longest measured
+DEFAULT_PLAN_UPDATES = 2400
 
 
-def measured_overhead(schedule: str, error_feedback: bool, predict_weights: bool) -> tuple[float, str] | None:
+def measured_overhead(schedule: str, error_feedback: bool, predict_weights: bool,
+                      updates: int | None = None) -> tuple[float, str] | None:
     """The token overhead measured for ``schedule`` with these remedies (each only where the schedule
     takes it: error feedback on :data:`~unbubble.config.ERROR_FEEDBACK_SCHEDULES`, prediction on
-    :data:`~unbubble.config.PREDICT_SCHEDULES`), and its words; ``None`` where none was measured."""
+    :data:`~unbubble.config.PREDICT_SCHEDULES`) at the measured run length nearest to ``updates``
+    optimizer updates (in log updates; ``None``: 600, the overhead-study's), and its words naming
+    that length; ``None`` where none was measured."""
     from unbubble.config import ERROR_FEEDBACK_SCHEDULES, PREDICT_SCHEDULES
 
     key = (schedule, error_feedback and schedule in ERROR_FEEDBACK_SCHEDULES,
            predict_weights and schedule in PREDICT_SCHEDULES)
-    return MEASURED_TOKEN_OVERHEADS.get(key)
+    if key not in MEASURED_TOKEN_OVERHEADS:
+        return None
+    value, words = MEASURED_TOKEN_OVERHEADS[key]
+    by_length = {600: (value, words.replace(" (", " at 600 updates (", 1)), **MEASURED_BY_UPDATES.get(key, {})}
+    if updates is None:
+        return MEASURED_TOKEN_OVERHEADS[key]
+    nearest = min(by_length, key=lambda u: (abs(math.log(updates / u)), -u))
+    return by_length[nearest]
 
 #: Chunks per rank tried for the schedules in ``VIRTUAL`` (v = 1 would repeat their one-chunk
 #: counterparts: interleaved-1f1b v=1 is 1f1b-flush, looped-bfs v=1 gpipe).
@@ -309,7 +329,7 @@ def candidates(model: "str | ModelConfig", cluster: Cluster, global_batch_tokens
                v_values: Sequence[int] = DEFAULT_V, recompute: Sequence[bool] = (False, True),
                precision: str = "bf16", vocab_size: int | None = None, flash_attention: bool = False,
                predict_weights: bool = False, error_feedback: bool = True,
-               token_overhead: float | str | None = "measured",
+               token_overhead: float | str | None = "measured", updates: int | None = None,
                max_micro_batches: int | None = None, clip_scope: str = "none",
                clip_lag: int | None = None) -> list[PlanRow]:
     """Every configuration of the search, simulated, whether it fits in memory or not (see the
@@ -417,7 +437,7 @@ def candidates(model: "str | ModelConfig", cluster: Cluster, global_batch_tokens
                         if delay == 0 or token_overhead is None:
                             overhead = 1.0
                         elif token_overhead == "measured":
-                            found = measured_overhead(name, error_feedback, predict_weights)
+                            found = measured_overhead(name, error_feedback, predict_weights, updates)
                             overhead = found[0] if found else None
                         else:
                             overhead = token_overhead
@@ -441,7 +461,7 @@ def plan(model: "str | ModelConfig", cluster: Cluster, global_batch_tokens: int,
          schedules: Sequence[str] | None = None, stages: Sequence[int] | None = None,
          v_values: Sequence[int] = DEFAULT_V, recompute: Sequence[bool] = (False, True), precision: str = "bf16",
          vocab_size: int | None = None, flash_attention: bool = False, predict_weights: bool = False,
-         error_feedback: bool = True, token_overhead: float | str | None = "measured",
+         error_feedback: bool = True, token_overhead: float | str | None = "measured", updates: int | None = None,
          max_micro_batches: int | None = None, clip_scope: str = "none", clip_lag: int | None = None) -> list[PlanRow]:
     """The configurations that fit in memory, fastest first.
 
@@ -465,6 +485,9 @@ def plan(model: "str | ModelConfig", cluster: Cluster, global_batch_tokens: int,
             synchronous run's: ``"measured"`` (the default) takes each schedule's and remedy's
             measurement (:func:`measured_overhead`; ``None`` in a row where there is none), a number
             applies to every delayed row, ``None`` counts 1.
+        updates: the optimizer updates of the run planned for: ``"measured"`` takes the measurement at
+            the nearest measured length (the overhead falls with training: PACI with error feedback
+            1.33 at 600 updates, 1.06 at 2,400); ``None``: 600.
         max_micro_batches: largest m (or a) tried (default: every divisor of the sequences per replica).
         clip_scope: the per-update global operation of every configuration (``none``; ``stage``, ``sync``
             or ``stale`` as ``unbubble train --clip-scope``; see the module docstring).
@@ -484,7 +507,8 @@ def plan(model: "str | ModelConfig", cluster: Cluster, global_batch_tokens: int,
     rows = candidates(model, cluster, global_batch_tokens, seq_len, schedules=schedules, stages=stages,
                       v_values=v_values, recompute=recompute, precision=precision, vocab_size=vocab_size,
                       flash_attention=flash_attention, predict_weights=predict_weights,
-                      error_feedback=error_feedback, token_overhead=token_overhead, max_micro_batches=max_micro_batches,
+                      error_feedback=error_feedback, token_overhead=token_overhead, updates=updates,
+                      max_micro_batches=max_micro_batches,
                       clip_scope=clip_scope, clip_lag=clip_lag)
     return rank(rows)
 
