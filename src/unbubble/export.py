@@ -523,8 +523,14 @@ def load(path: str | Path, step: int | None = None) -> torch.nn.Module:
                               "by unbubble export): build the model yourself and load it with "
                               "unbubble.export.load_export(model, path)")
         model = _build_and_load(info, state, str(p))
-    if info.get("tokenizer"):
-        model.tokenizer = get_tokenizer(info["tokenizer"])
+    name = info.get("tokenizer")
+    if name == "auto":  # recorded before the run resolved it: a preset's auto is the byte tokenizer
+        name = "byte" if info.get("model") in _preset_names() else None
+    if name:
+        try:
+            model.tokenizer = get_tokenizer(name)
+        except ConfigError as exc:  # e.g. an hf: tokenizer folder that has moved: the weights still load
+            log.warning("%s: the run's tokenizer is not available (%s); give sample() a tokenizer", path, exc)
     return model
 
 

@@ -528,6 +528,7 @@ def train(cfg: TrainConfig | None = None, listener_factory=None, resume: str | P
         check_memory(cfg.model, model, job.schedule.n_stages, cfg.seq_len, cfg.micro_batch_size, cfg.optimizer,
                      cfg.precision, cfg.dp)
     lock = None
+    created = resume is None and rank0 and run_dir is not None and not run_dir.exists()
     if rank0 and run_dir is not None:  # one process writes a run folder ([Note: the run folder's lock])
         if resume is None:
             try:
@@ -537,14 +538,20 @@ def train(cfg: TrainConfig | None = None, listener_factory=None, resume: str | P
                                   ) from None
         lock = RunLock(run_dir)  # a second writer is refused here, naming the first one's pid
     try:
-        return _train_locked(cfg, job, model, tokens, run_dir, resume, rank0, listener_factory, started_at,
-                             on_divergence)
+        return _train_locked(cfg, job, model, tokens, tokenizer, run_dir, resume, rank0, listener_factory,
+                             started_at, on_divergence)
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        if created and run_dir.is_dir() and not any(run_dir.iterdir()):  # refused before writing: leave nothing
+            shutil.rmtree(run_dir, ignore_errors=True)
+        raise
     finally:
         if lock is not None:
             lock.release()
 
 
-def _train_locked(cfg: TrainConfig, job: PipelineJob, model, tokens: TokenData, run_dir: Path | None,
+def _train_locked(cfg: TrainConfig, job: PipelineJob, model, tokens: TokenData, tokenizer, run_dir: Path | None,
                   resume, rank0: bool, listener_factory, started_at: float, on_divergence: str = "raise"
                   ) -> tuple[RunResult | None, Path | None]:
     """:func:`train` once the run folder is this process's: checkpoints attached, the run, its summary."""
@@ -559,7 +566,6 @@ def _train_locked(cfg: TrainConfig, job: PipelineJob, model, tokens: TokenData, 
             if rank0 else None
         if writer is not None:
             writer.stop_on_divergence = on_divergence == "raise"
-        if writer is not None:
             n = job.schedule.n_stages
             ranges = stage_ranges(job, model, cfg.seq_len)
             n_params = sum(count_params(job.stage_fn(s)) for s in range(n))
