@@ -56,7 +56,8 @@ def counts(verdicts) -> str:
     by = collections.Counter(v.kind for v in verdicts)
     refused = collections.Counter(v.detail.split(":")[0] if v.kind == "refused" else None for v in verdicts)
     refused.pop(None, None)
-    lines = [f"{len(verdicts)} families: " + ", ".join(f"{k} {n}" for k, n in by.most_common())]
+    lines = [f"{len(verdicts)} families: " + ", ".join(f"{k} {n}" for k, n in by.most_common()),
+             f"silently wrong (the probe passed, training differs from the unsplit loop): {by['differs']}"]
     lines += [f"  refused {n}: {why}" for why, n in refused.most_common()]
     return "\n".join(lines)
 
@@ -109,6 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("families", nargs="*", help="model types (default: every causal LM of transformers)")
     parser.add_argument("--json", help="write every verdict here")
     parser.add_argument("--markdown", help="write the table here")
+    parser.add_argument("--from-json", help="tabulate the verdicts a run wrote with --json instead of running")
     parser.add_argument("--update-docs", action="store_true",
                         help=f"rewrite the family table of {DOCS} with what this run found")
     parser.add_argument("--update-test", action="store_true",
@@ -122,6 +124,12 @@ def main(argv: list[str] | None = None) -> int:
     families = args.families or hf_zoo.causal_lm_types()
     verdicts = []
     print(HEADER, flush=True)
+    if args.from_json:
+        with open(args.from_json) as f:
+            for d in json.load(f):
+                d["diffs"] = {int(n): x for n, x in d["diffs"].items()}
+                verdicts.append(hf_zoo.Verdict(**d))
+        families = []
     for family in families:
         v = hf_zoo.verdict(family)
         verdicts.append(v)

@@ -251,22 +251,31 @@ def tiny_fields(model_type: str) -> dict[str, Any]:
 
 def tiny_config(model_type: str, **extra):
     """The tiny config of ``model_type`` (eager attention), ``extra`` fields on top."""
+    import transformers
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        cfg = CONFIG_MAPPING[model_type](**{**tiny_fields(model_type), **extra})
+        verbosity = transformers.logging.get_verbosity()
+        transformers.logging.set_verbosity_error()  # its notes on fields a family ignores
+        try:
+            cfg = CONFIG_MAPPING[model_type](**{**tiny_fields(model_type), **extra})
+        finally:
+            transformers.logging.set_verbosity(verbosity)
         cfg._attn_implementation = "eager"
     return cfg
 
 
-def tiny_model(model_type: str, seed: int = 0, **extra) -> nn.Module:
-    """A random-init tiny causal LM of ``model_type`` (fp32, CPU, train mode)."""
+def tiny_model(model_type: str, seed: int = 0, guard: bool = True, **extra) -> nn.Module:
+    """A random-init tiny causal LM of ``model_type`` (fp32, CPU, train mode); with ``guard`` it is first
+    built on the meta device and refused above :data:`MAX_PARAMS` (a config left large)."""
     cfg = tiny_config(model_type, **extra)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        with torch.device("meta"):
-            n = sum(p.numel() for p in model_class(model_type)(cfg).parameters())
+        n = 0
+        if guard:
+            with torch.device("meta"):
+                n = sum(p.numel() for p in model_class(model_type)(cfg).parameters())
         if n > MAX_PARAMS:
             raise ValueError(f"the tiny {model_type} has {n:,} parameters (> {MAX_PARAMS:,}): its config keeps a "
                              "large size under a field SMALL does not shrink")
@@ -355,7 +364,7 @@ def feature_changes_logits(model_type: str, off: dict[str, Any], model: nn.Modul
     (None when ``off`` cannot be applied: an unbuildable config or other shapes)."""
     model = model if model is not None else tiny_model(model_type)
     try:
-        plain = tiny_model(model_type, **off)
+        plain = tiny_model(model_type, guard=False, **off)
         plain.load_state_dict(model.state_dict())
     except Exception:  # noqa: BLE001 - the switch changes shapes: not comparable
         return None
@@ -388,11 +397,13 @@ def _one_line(exc: BaseException) -> str:
 
 
 def verdict(model_type: str, stages: tuple[int, ...] = (2, 4), steps: int = 2, m: int = 2,
-            paci: bool = True, check_features: bool = True, split_fn: Callable | None = None) -> Verdict:
+            paci: bool = True, check_features: bool | tuple[str, ...] = True,
+            split_fn: Callable | None = None) -> Verdict:
     """Trains ``model_type``'s tiny model split (1F1B-flush on each of ``stages``, the emulator) against
     :func:`train_unsplit`, and PACI (a=2) on the largest, recording what happened (:class:`Verdict`).
 
-    ``split_fn(model, n_stages)`` splits (default ``split_model``; a test passes a wrong one to show a
+    ``check_features``: measure each feature's effect on the logits (:func:`feature_changes_logits`),
+    or only the named ones. ``split_fn(model, n_stages)`` splits (default ``split_model``; a test passes a wrong one to show a
     wrong split is caught)."""
     import time
 
@@ -420,7 +431,9 @@ def verdict(model_type: str, stages: tuple[int, ...] = (2, 4), steps: int = 2, m
     feats = features(model_type)
     v.features = [name for name, _ in feats]
     if check_features:
-        v.changed = {name: feature_changes_logits(model_type, off, model) if off else None for name, off in feats}
+        wanted = set(check_features) if isinstance(check_features, tuple) else {name for name, _ in feats}
+        v.changed = {name: feature_changes_logits(model_type, off, model) if off else None
+                     for name, off in feats if name in wanted}
         model.train()
     batch_fn = functools.partial(batch, padding=pad)
     try:
