@@ -173,8 +173,26 @@ def validation_line(summary: dict, eval_interval: int, initial: tuple[int, float
         start, first = initial[1], initial[0]
     ppl = f"(ppl {perplexity(summary['final_val_loss']):.4g})"
     if first == last:
-        return f"validation loss {summary['final_val_loss']:.4f} at step {last} {ppl}, this run's first evaluation"
+        return f"validation loss {summary['final_val_loss']:.4f} at step {last} {ppl}, the first in this run folder"
     return f"validation loss {start:.4f} -> {summary['final_val_loss']:.4f}{at} {ppl}"
+
+
+def _first_evaluation(result, run_dir: Path) -> tuple[int, float] | None:
+    """The run's first ``(step, val_loss)``: a switched run's result holds both phases; resumed, its
+    synchronous phase's summary.json (RUN/synchronous) holds step 0's."""
+    import json
+
+    from unbubble.metrics import SYNC_PHASE_DIR
+
+    whole = getattr(result, "val_losses", None)
+    sync = Path(run_dir) / SYNC_PHASE_DIR / "summary.json"
+    if sync.is_file():
+        try:
+            first = json.loads(sync.read_text())["val_losses"][:1]
+            whole = first + list(whole or []) if first else whole
+        except (OSError, ValueError, KeyError, TypeError):
+            pass  # the run folder's own evaluations still make the line
+    return tuple(min(whole, key=lambda v: v[0])) if whole else None
 
 
 def end_lines(cfg, result, run_dir: Path, summary: dict) -> list[str]:
@@ -183,8 +201,7 @@ def end_lines(cfg, result, run_dir: Path, summary: dict) -> list[str]:
     asynchronous run, and what the non-finite guard dropped."""
     lines = [f"run folder: {run_dir}"]
     if summary["val_losses"]:
-        whole = getattr(result, "val_losses", None)  # a switched run's result holds both phases'
-        lines.append(validation_line(summary, cfg.eval_interval, tuple(whole[0]) if whole else None))
+        lines.append(validation_line(summary, cfg.eval_interval, _first_evaluation(result, run_dir)))
     util, kind = result.trace.utilization(), "utilization"
     if result.sim_trace is not None:  # one process: its wall clock is no device's (sim/measured.py)
         util, kind = summary.get("simulated_utilization"), f"utilization on {cfg.stages} devices simulated from " \

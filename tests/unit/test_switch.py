@@ -113,4 +113,8 @@ def test_the_cli_and_train_model_run_a_switch_to_its_end(tmp_path, cache_dir):
 
     assert losses(run / "synchronous") == ref.step_losses[:K] and losses(run) == ref.step_losses[K:]
     assert (run / "config.yaml").is_file() and (run / "summary.json").is_file()
+    # the end line starts from the synchronous phase's step-0 evaluation, not the run folder's first (its last)
+    first, last = ref.val_losses[0], ref.val_losses[-1]
+    assert first[0] == 0 and last[0] == T
+    assert f"validation loss {first[1]:.4f} -> {last[1]:.4f} (ppl" in res.output, res.output
 

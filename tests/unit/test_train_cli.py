@@ -357,7 +357,7 @@ def test_the_end_line_names_the_step_of_the_final_evaluation():
                            50) == "validation loss 5.5675 -> 3.0000 (ppl 20.09)"
     # a run started with --init-from is first evaluated at its end: it printed "3.5953 -> 3.5953"
     once = {"initial_val_loss": 3.5953, "steps_done": 10, "val_losses": [[10, 3.5953]], "final_val_loss": 3.5953}
-    assert validation_line(once, 50) == "validation loss 3.5953 at step 10 (ppl 36.43), this run's first evaluation"
+    assert validation_line(once, 50) == "validation loss 3.5953 at step 10 (ppl 36.43), the first in this run folder"
     # a --switch-after run: its synchronous phase evaluated step 0 (RUN/synchronous), the run folder step 6
     switched = {"initial_val_loss": 3.8657, "steps_done": 6, "val_losses": [[6, 3.8657]], "final_val_loss": 3.8657}
     assert validation_line(switched, 50, (0, 5.7246)) == "validation loss 5.7246 -> 3.8657 (ppl 47.74)"
