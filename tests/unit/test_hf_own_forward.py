@@ -198,3 +198,27 @@ def test_untie_splits_a_tied_model_and_warns(caplog):
     with caplog.at_level(logging.WARNING, "unbubble.models.split"):
         split = split_model(model, 2, untie=True)
     assert "each stage now trains its own copy" in caplog.text and split.probe.logits == 0
+
+
+@pytest.mark.parametrize("scale,caught", [(1e-5, True), (1e-8, False)])
+def test_the_fp32_probe_refuses_a_difference_of_a_few_millionths(scale, caught):
+    """A split whose stage 1 scales layer 2's output by 1 + 1e-5 differs from the whole model by a few millionths
+    of its logits (Zamba's stand-in zeros for the token embeddings did this: 5e-6 at random init, 0.04 apart in the
+    weights after 2 updates); the old fp32 tolerance of 1e-5 passed it, 1e-6 refuses it. 1 + 1e-8 is below fp32's
+    resolution of a logit and passes."""
+    model = tiny("llama")
+    calls = []
+
+    def nudge(module, args, out):  # calls: the split's trace, the whole model's probe, then the stages'
+        calls.append(1)
+        if len(calls) > 2:
+            return out * (1 + scale) if isinstance(out, torch.Tensor) else (out[0] * (1 + scale), *out[1:])
+        return None
+
+    model.model.layers[2].register_forward_hook(nudge)
+    if caught:
+        with pytest.raises(ConfigError, match=r"^the split does not compute what the whole model computes: stage 1 "
+                                              r"\(layers 2–3\) differs by [0-9.e-]+ on a probe"):
+            split_model(model, 2)
+    else:
+        split_model(model, 2)

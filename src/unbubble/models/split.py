@@ -730,8 +730,10 @@ class SplitModel:
 
 
 #: Largest |difference| the probe accepts, relative to max(1, max |logit| of the whole model), by
-#: dtype: fp32 chains the same kernels in the same order (measured: 0), half precision rounds per stage.
-PROBE_TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 5e-3}
+#: dtype: fp32 chains the same kernels in the same order (measured: 0 on all 145 exact families of
+#: docs/models.md), half precision rounds per stage. At 1e-5 a split that fed later layers zeros for the
+#: token embeddings (Zamba's hybrid layers) passed at 5e-6 and trained 0.04 apart in 2 updates.
+PROBE_TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-6, torch.bfloat16: 2e-2, torch.float16: 5e-3}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -819,7 +821,7 @@ def verify_split(model: nn.Module, split: "SplitModel") -> Probe:
             h.remove()
     whole = whole.logits if hasattr(whole, "logits") else whole
     dtype = whole.dtype
-    tol = PROBE_TOLERANCE.get(dtype, 1e-5) * max(1.0, float(whole.abs().max()))
+    tol = PROBE_TOLERANCE.get(dtype, 1e-6) * max(1.0, float(whole.abs().max()))
     x = inputs
     lasts = _last_modules(model, plan)
     shape = tuple((inputs["input_ids"] if isinstance(inputs, dict) else inputs).shape)
