@@ -54,7 +54,7 @@ def test_a_stopped_sweep_starts_nothing_new_exits_130_and_resumes(tmp_path):
     assert last.startswith(f"t3: runs stopped before their last step: {runs[0]}, {runs[1]}") or \
         last.startswith(f"t3: runs stopped before their last step: {runs[1]}, {runs[0]}"), last
     assert last.endswith(f"this tune phase: 0 of 3 finished, 1 not started; 0 finished run(s) in {out / 'results'}")
-    done = subprocess.run(cmd + ["--workers", "1"], capture_output=True, text=True, timeout=120,
+    done = subprocess.run(cmd + ["--workers", "1"], capture_output=True, text=True, timeout=600,
                           env={**os.environ, "PYTHONUNBUFFERED": "1"})
     assert done.returncode == 0, done.stderr
     assert sorted(p.stem for p in out.glob("results/*.json")) == sorted(runs)
