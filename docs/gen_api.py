@@ -58,7 +58,8 @@ def _signature(obj) -> str:
         sig = str(inspect.signature(obj))
     except (TypeError, ValueError):
         return "(...)"
-    return sig.replace("'", "")
+    # a default computed from the checkout's location reads relative to it, not as this machine's path
+    return sig.replace("'", "").replace(f"{ROOT}/", "")
 
 
 def _doc(obj) -> str:
