@@ -306,8 +306,8 @@ def test_a_stopped_run_is_not_recorded_as_finished(tmp_path, monkeypatch):
 
     real_train = unbubble.train.train
 
-    def stopped_train(cfg):
-        result, run_dir = real_train(cfg)
+    def stopped_train(cfg, **kw):  # the sweep passes on_divergence="record"
+        result, run_dir = real_train(cfg, **kw)
         result.stopped_at, result.step_losses = 1, result.step_losses[:1]  # as a stop after update 1
         return result, run_dir
 
