@@ -9,7 +9,6 @@ hands them the parent's ``sys.path``; a ``torchrun`` script inserts ``tests/`` i
 from __future__ import annotations
 
 import contextlib
-import copy
 import functools
 import importlib.util
 import io
@@ -213,34 +212,18 @@ def hf_job(model, name: str, n: int, padded: bool = False, steps: int = 3, m: in
 
 
 def plain_hf_loop(model, padded: bool = False, steps: int = 3, m: int = 4, batch=None):
-    """Independent reference: a copy of the unsplit HF model trained the ordinary way (one AdamW, the mean
-    loss over m micro-batches per step), on one torch thread as the emulator runs (the same summation order).
-    ``batch(k) -> (inputs dict, labels)`` gives micro-batch k (default :func:`lm_batch` with ``padded``).
+    """Independent reference: a copy of the unsplit HF model trained the ordinary way
+    (:func:`unbubble.models.hf_zoo.train_unsplit`: ``model(**x).logits``, torch's own cross-entropy, one
+    AdamW as :func:`hf_adamw`, the mean loss over m micro-batches per step, one torch thread as the
+    emulator runs). ``batch(k) -> (inputs dict, labels)`` gives micro-batch k (default :func:`lm_batch`
+    with ``padded``).
 
     Returns:
         ``(trained copy, mean training loss per step)``.
     """
-    from unbubble.models.split import causal_lm_loss
+    from unbubble.models.hf_zoo import train_unsplit
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        model = copy.deepcopy(model)
-        opt = hf_adamw(model.parameters(), 0)
-        losses = []
-        for t in range(steps):
-            total = 0.0
-            for k in range(t * m, (t + 1) * m):
-                x, y = lm_batch(padded, k) if batch is None else batch(k)
-                loss = causal_lm_loss(model(**x).logits, y)
-                (loss / m).backward()
-                total += loss.item()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            losses.append(total / m)
-        return model, losses
-    finally:
-        torch.set_num_threads(threads)
+    return train_unsplit(model, steps, m, functools.partial(lm_batch, padded) if batch is None else batch)
 
 
 def max_difference(final_states: list[dict], step_losses: list[float], model, ref_losses: list[float]) -> float:

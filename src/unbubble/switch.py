@@ -2,7 +2,7 @@
 with an asynchronous schedule (``unbubble train --switch-after K``; docs/concepts.md).
 
 The delay costs most early in training (pays-study: PACI's token overhead falls from 1.33 at 600
-updates to about 1.06 at 2,400), so a run may train synchronously while it hurts and asynchronously
+updates to about 1.07 at 2,400, paired per seed), so a run may train synchronously while it hurts and asynchronously
 after. The switch sits at an update boundary where 1F1B-flush has flushed, so nothing is in flight:
 
 * phase 1 is 1F1B-flush with m = a (the same micro-batches per update, the same loss scale 1/a, the

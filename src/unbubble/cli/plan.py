@@ -111,13 +111,13 @@ def _print(obj, fmt: str, width: int | None) -> None:
 @click.option("--token-overhead", default=None, type=float,
               help="Tokens an asynchronous run needs to reach the synchronous loss ÷ the synchronous run's, for "
                    "every asynchronous schedule [default: the one measured for the schedule and its remedies with "
-                   "Muon at the --updates nearest measured: paci with error feedback 1.33 (600 updates) or 1.06 "
+                   "Muon at the --updates nearest measured: paci with error feedback 1.33 (600 updates) or ≥ 1.07 "
                    "(2,400), 1.41/1.23/1.09 with --predict-weights alone (600/1,200/2,400), 1.79 with neither "
                    "(600; deep-cpu, N=8, a=4); the other asynchronous schedules were not measured and are "
                    "ranked by time to target only with this option].")
 @click.option("--updates", default=2400, type=click.IntRange(1), show_default=True,
               help="Optimizer updates of the run planned for: the measured token overhead falls with training "
-                   "length (PACI with error feedback: 1.33 at 600 updates, 1.06 at 2,400), so the plan takes the "
+                   "length (PACI with error feedback: 1.33 at 600 updates, ≥ 1.07 at 2,400), so the plan takes the "
                    "measurement nearest to it and says which.")
 @click.option("--error-feedback/--no-error-feedback", default=True,
               help="Error feedback on the asynchronous schedules (unbubble train's default): its buffers in their "
