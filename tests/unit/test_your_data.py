@@ -228,6 +228,14 @@ def test_the_cache_is_keyed_by_content_and_tokenizer(tmp_path, checkpoint, docs)
     assert path.stat().st_size == stat.st_size
     edited = prepare_tokens(str(path), f"hf:{checkpoint}", tmp_path / "cache")
     assert edited.meta["key"] != first.meta["key"] and edited.meta["from_cache"] is False
+    # ... holding the edited rows' ids: datasets' own table cache (keyed by path and mtime) once served
+    # the old rows here, so the new key held the old tokens
+    texts = [json.loads(line)["text"] for line in path.read_text().splitlines()]
+    assert texts != docs
+    train, val = _reference_stream(transformers.AutoTokenizer.from_pretrained(checkpoint), texts,
+                                   edited.meta["val_documents"])
+    np.testing.assert_array_equal(edited.train, train)
+    np.testing.assert_array_equal(edited.val, val)
     # another tokenizer (a copy with one more word): another key
     other = tmp_path / "tok2"
     tiny.make_tokenizer(other, [*docs, "zebra"], vocab=300)

@@ -391,8 +391,11 @@ def _read_table(spec: str, path: Path, cache_dir: str | Path | None):
         builder = DATASET_SUFFIXES[files[0].suffix.lower()]
         what = f"readable {builder} ({', '.join(sorted({f.suffix for f in files}))})"
         cache = None if cache_dir is None else str(Path(cache_dir).expanduser() / "datasets")
+        # datasets keys its converted table by the files' path and modification time, not their contents:
+        # a file edited to the same size and mtime would be read back as its old rows. Converting afresh
+        # costs little beside the tokenizing that follows (this runs only when the token cache misses).
         load = lambda: datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train",  # noqa: E731
-                                             cache_dir=cache)
+                                             cache_dir=cache, download_mode="force_redownload")
     try:
         with _quiet_progress(datasets):
             ds = load()
