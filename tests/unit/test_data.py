@@ -368,3 +368,51 @@ def test_val_batches():
         val_batches(tokens, 1, 1000, 1)
     with pytest.raises(ConfigError, match="n_batches=0"):
         val_batches(tokens, 1, 10, 0)
+
+
+_KILLED_MIDWAY = """
+import os, signal, sys
+from unbubble.data import memmap
+from unbubble.data.tokenizer import get_tokenizer
+tok = get_tokenizer("byte")
+encode, calls = tok.encode_batch, []
+def encode_batch(texts):  # SIGKILL once the first chunk's ids are in the temporary files
+    if calls:
+        os.kill(os.getpid(), signal.SIGKILL)
+    calls.append(1)
+    return encode(texts)
+tok.encode_batch = encode_batch
+memmap.prepare_tokens(sys.argv[1], tok, sys.argv[2], val_fraction=0.1)
+"""
+
+
+def test_a_tokenizing_killed_midway_is_redone_and_its_partial_files_removed(tmp_path):
+    """A run SIGKILLed while tokenizing leaves partial token files: the rerun tokenizes afresh (its
+    tokens are each document's bytes then EOS) and removes them; another live writer's are kept."""
+    import signal
+    import subprocess
+    import sys
+
+    root, _ = _make_folder(tmp_path, 300)  # two encode_batch chunks of 256
+    files = sorted(root.rglob("*.txt"), key=lambda p: p.relative_to(root).as_posix())  # the documents' order
+    docs = [p.read_text(encoding="utf-8") for p in files]
+    cache = tmp_path / "cache"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.run([sys.executable, "-c", _KILLED_MIDWAY, str(root), str(cache)], env=env,
+                          capture_output=True, timeout=120)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-500:]
+    (folder,) = cache.iterdir()
+    partial = sorted(p.name for p in folder.iterdir())
+    assert [re.sub(r"\.[^.]+\.[^.]+\.tmp$", "", n) for n in partial] == [".train.bin", ".val.bin"], partial
+    assert max(p.stat().st_size for p in folder.iterdir()) > 0  # the first chunk's ids were written
+    assert not (folder / "meta.json").exists()
+    alive = folder / f".train.bin.{socket.gethostname()}-{os.getppid()}.abcdefgh.tmp"  # a live writer's
+    alive.write_bytes(b"\0\0")
+
+    data = prepare_tokens(str(root), "byte", cache, val_fraction=0.1)
+    assert data.meta["from_cache"] is False and data.meta["dir"] == str(folder)
+    val_idx = data.meta["val_documents"]
+    want = [np.frombuffer(d.encode(), np.uint8).astype(np.int64).tolist() + [256] for d in docs]
+    assert data.train.tolist() == [i for k, ids in enumerate(want) if k not in val_idx for i in ids]
+    assert data.val.tolist() == [i for k in val_idx for i in want[k]]
+    assert sorted(p.name for p in folder.iterdir()) == sorted(["meta.json", "train.bin", "val.bin", alive.name])

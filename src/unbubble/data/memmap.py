@@ -14,7 +14,9 @@ contents), text field, val_fraction), so editing a corpus file, or changing
 the tokenizer or split, gives a fresh folder. Tokens are streamed into
 temporary files that are fsynced and moved into place with :func:`os.replace`;
 ``meta.json`` is written last and marks the folder complete, so a crash or a bad
-row never leaves a half-written file that is later trusted. Processes that
+row never leaves a half-written file that is later trusted; temporary names carry
+the writer's host and PID, and the next run of the same key removes those of a
+process that is gone (a run killed while tokenizing). Processes that
 prepare the same key concurrently write identical bytes, so the race is harmless.
 """
 
@@ -24,6 +26,8 @@ import hashlib
 import json
 import logging
 import os
+import re
+import socket
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -85,9 +89,44 @@ def _cache_key(fingerprint: str, tokenizer: str, val_fraction: float, text_field
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
+def _temp_prefix(name: str) -> str:
+    """``.NAME.HOST-PID.``: a temporary file's name says which process writes it, so a later run can
+    remove what a killed one left (:func:`_remove_dead_writers_temps`)."""
+    return f".{name}.{socket.gethostname()}-{os.getpid()}."
+
+
+def _remove_dead_writers_temps(out: Path) -> list[str]:
+    """Removes the temporary files in ``out`` whose writer (a process of this host, by its PID) no longer
+    exists: a run killed while tokenizing (SIGKILL, out of memory) leaves its partial token files, as
+    large as the tokens written so far. Another host's files and a live process's are kept (a concurrent
+    run of the same corpus). Returns the names removed."""
+    mine = re.compile(re.escape(f".{socket.gethostname()}-") + r"(\d+)\.[^.]*\.tmp$")  # mkstemp's part has no dot
+    removed = []
+    for tmp in out.glob(".*.tmp"):
+        match = mine.search(tmp.name)
+        if match is None or int(match[1]) == os.getpid():
+            continue
+        try:
+            os.kill(int(match[1]), 0)
+            continue  # alive: still writing
+        except ProcessLookupError:
+            pass
+        except OSError:
+            continue
+        try:
+            tmp.unlink()
+            removed.append(tmp.name)
+        except OSError:
+            pass
+    if removed:
+        logger.info("removed %d partial file(s) of an interrupted tokenizing in %s: %s", len(removed), out,
+                    ", ".join(sorted(removed)))
+    return removed
+
+
 def _atomic_write_bytes(path: Path, data: bytes | memoryview) -> None:
     """Writes ``data`` to ``path`` via a temp file in the same folder + fsync + os.replace."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=_temp_prefix(path.name), suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
@@ -179,7 +218,7 @@ def _tokenize_into(docs, tok: Tokenizer, out: Path, dtype: np.dtype, val_fractio
     tmps = []
     try:
         for name in ("train", "val"):
-            fd, tmp = tempfile.mkstemp(dir=out, prefix=f".{name}.bin.", suffix=".tmp")
+            fd, tmp = tempfile.mkstemp(dir=out, prefix=_temp_prefix(f"{name}.bin"), suffix=".tmp")
             tmps.append((os.fdopen(fd, "wb"), Path(tmp)))
         (ftrain, ptrain), (fval, pval) = tmps
         n_tokens, kept, limit = 0, 0, np.iinfo(dtype).max
@@ -297,6 +336,7 @@ def prepare_tokens(
             f"cache_dir='{cache_dir}' cannot be created ({exc.strerror}): give a writable folder (set --cache-dir)"
         ) from exc
 
+    _remove_dead_writers_temps(out)
     docs = open_corpus(corpus, text_field, cache_dir)
     t0 = time.perf_counter()
     try:
