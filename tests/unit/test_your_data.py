@@ -210,6 +210,30 @@ def test_every_corpus_format_gives_the_tokenizers_own_ids(tmp_path, checkpoint, 
     _no_half_written(tmp_path / "cache")
 
 
+def test_a_compressed_jsonl_corpus_gives_the_tokenizers_own_ids(tmp_path, checkpoint, docs):
+    """A .jsonl.gz (C4's shards are .json.gz) and a folder of .json.gz shards are read as tables, their rows'
+    ids equal to AutoTokenizer's; once they were read as one UTF-8 text file ("is not UTF-8 text")."""
+    import gzip
+
+    from unbubble.data import prepare_tokens
+
+    rows = [{"id": i, "body": d} for i, d in enumerate(docs)]
+    path = tmp_path / "c.jsonl.gz"
+    with gzip.open(path, "wt", encoding="utf-8") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    for k in range(2):
+        with gzip.open(shards / f"c4-train.{k:05d}-of-00002.json.gz", "wt", encoding="utf-8") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows[k * len(rows) // 2:(k + 1) * len(rows) // 2])
+    reference = transformers.AutoTokenizer.from_pretrained(checkpoint)
+    for corpus in (path, shards):
+        data = prepare_tokens(str(corpus), f"hf:{checkpoint}", tmp_path / "cache", text_field="body")
+        train, val = _reference_stream(reference, docs, data.meta["val_documents"])
+        np.testing.assert_array_equal(data.train, train, err_msg=str(corpus))
+        np.testing.assert_array_equal(data.val, val, err_msg=str(corpus))
+
+
 def test_the_cache_is_keyed_by_content_and_tokenizer(tmp_path, checkpoint, docs):
     from unbubble.data import prepare_tokens
 

