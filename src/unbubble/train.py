@@ -176,9 +176,15 @@ def check_vocabulary(model: str, rows: int | None, tokenizer: str, vocab_size: i
         ConfigError: one line naming both numbers.
     """
     if rows is not None and rows < vocab_size:
+        fix = f"give a model with vocab_size ≥ {vocab_size:,}, or the model's own tokenizer with --tokenizer"
+        if model.startswith("hf:") and tokenizer.startswith("hf:"):
+            folder = Path(model[3:]).expanduser()
+            folder = folder.parent if folder.is_file() else folder
+            if folder.resolve() == Path(tokenizer[3:]).expanduser().resolve():  # it is the model's own
+                fix = (f"the folder's tokenizer and config.json disagree: set vocab_size ≥ {vocab_size:,} in its "
+                       "config.json (model.resize_token_embeddings for weights), or give another --tokenizer")
         raise ConfigError(f"tokenizer {tokenizer!r} has {vocab_size:,} ids (0–{vocab_size - 1:,}) but model={model!r} "
-                          f"has {rows:,} embedding rows: ids ≥ {rows:,} would index past its vocabulary (give a "
-                          f"model with vocab_size ≥ {vocab_size:,}, or the model's own tokenizer with --tokenizer)")
+                          f"has {rows:,} embedding rows: ids ≥ {rows:,} would index past its vocabulary ({fix})")
 
 
 def stage_ranges(job: PipelineJob, model, seq_len: int) -> list[range]:

@@ -162,8 +162,14 @@ def test_a_tokenizer_larger_than_the_models_vocabulary_is_refused_before_tokeniz
     assert _error("--model", f"hf:{folder}", "--corpus", str(jsonl), "--cache-dir", str(tmp_path / "cache"),
                   "--run-dir", str(tmp_path / "run")) == (
         f"tokenizer 'hf:{folder.resolve()}' has 300 ids (0–299) but model='hf:{folder}' has 200 embedding rows: ids ≥ "
-        "200 would index past its vocabulary (give a model with vocab_size ≥ 300, or the model's own tokenizer with "
-        "--tokenizer)")
+        "200 would index past its vocabulary (the folder's tokenizer and config.json disagree: set vocab_size ≥ 300 "
+        "in its config.json (model.resize_token_embeddings for weights), or give another --tokenizer)")
+    other = tmp_path / "big-tokenizer"  # another folder's tokenizer: the model's own is the remedy
+    tiny.make_tokenizer(other, docs, vocab=300)
+    assert _error("--model", f"hf:{folder}", "--tokenizer", f"hf:{other}", "--allow-tokenizer-mismatch", "--corpus",
+                  str(jsonl), "--cache-dir", str(tmp_path / "cache"), "--run-dir", str(tmp_path / "run")).endswith(
+        "ids ≥ 200 would index past its vocabulary (give a model with vocab_size ≥ 300, or the model's own tokenizer "
+        "with --tokenizer)")
     assert not (tmp_path / "cache").exists()  # refused before the corpus was read
 
 
