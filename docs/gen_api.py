@@ -1,14 +1,14 @@
-"""Writes docs/api.md, the API reference, from the docstrings of unbubble's public modules.
+"""Writes docs/api.md, the API reference of unbubble's public names (``unbubble.__all__``).
 
 Usage (from the repository root, with unbubble installed):
 
     python docs/gen_api.py            # rewrites docs/api.md
     python docs/gen_api.py --check    # exit 1 if docs/api.md is not what the code gives
 
-Walks every module of the ``unbubble`` package except the command line (``unbubble.cli``: see
-``unbubble COMMAND --help``) and private modules (a name part starting with ``_``). In a git checkout
-only tracked files are documented. A module's public names are its ``__all__``, else every name not
-starting with ``_`` that the module itself defines. Classes list their public methods and properties.
+Documents each name of ``unbubble.__all__`` from its docstring, with its home module: a function's
+signature, a class's public methods and properties, a public module's ``__all__``. Everything else is
+internal (docs/architecture.md, "Public API") and documented in its module's docstring; the command
+line by ``unbubble COMMAND --help``.
 """
 
 from __future__ import annotations
@@ -16,41 +16,12 @@ from __future__ import annotations
 import argparse
 import importlib
 import inspect
-import pkgutil
-import subprocess
 import sys
+import types
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "docs" / "api.md"
-
-
-def _tracked() -> set[str] | None:
-    try:
-        out = subprocess.run(["git", "ls-files", "src/unbubble"], cwd=ROOT, capture_output=True, text=True, check=True)
-    except (OSError, subprocess.CalledProcessError):
-        return None
-    names = set()
-    for line in out.stdout.splitlines():
-        if line.endswith(".py"):
-            mod = line[len("src/"):-3].replace("/", ".")
-            names.add(mod[: -len(".__init__")] if mod.endswith(".__init__") else mod)
-    return names or None
-
-
-def modules() -> list[str]:
-    import unbubble
-
-    tracked = _tracked()
-    names = ["unbubble"]
-    for info in pkgutil.walk_packages(unbubble.__path__, "unbubble."):
-        parts = info.name.split(".")
-        if parts[1] == "cli" or any(p.startswith("_") for p in parts):
-            continue
-        if tracked is not None and info.name not in tracked:
-            continue
-        names.append(info.name)
-    return sorted(names)
 
 
 def _signature(obj) -> str:
@@ -76,63 +47,66 @@ def _block(doc: str) -> list[str]:
     return lines
 
 
-def public_names(module) -> list[str]:
-    if hasattr(module, "__all__"):
-        return list(module.__all__)
-    out = []
-    for name, obj in vars(module).items():
-        if name.startswith("_"):
-            continue
-        if (inspect.isclass(obj) or inspect.isfunction(obj)) and getattr(obj, "__module__", None) == module.__name__:
-            out.append(name)
-    return out
+def _anchor(heading: str) -> str:
+    """GitHub's anchor of a heading: lower case, punctuation but ``-`` and ``_`` dropped, spaces as ``-``."""
+    kept = "".join(c for c in heading.lower() if c.isalnum() or c in " -_")
+    return kept.strip().replace(" ", "-")
 
 
-def document_module(name: str) -> list[str]:
-    module = importlib.import_module(name)
-    lines = [f"## `{name}`", ""]
-    lines += _block((inspect.getdoc(module) or "*(no module docstring)*").strip())
-    lines.append("")
-    if hasattr(module, "__path__"):  # a package: its names are documented where they are defined
-        exported = []
-        for attr in public_names(module):
-            obj = getattr(module, attr, None)
-            home = getattr(obj, "__module__", None)
-            if home and home != name and home.startswith("unbubble"):
-                exported.append(f"[`{attr}`](#{home.replace('.', '')})")
-        if exported:
-            lines += ["Re-exports: " + ", ".join(exported) + ".", ""]
-            return lines
-    for attr in public_names(module):
-        obj = getattr(module, attr, None)
-        if obj is None or not (inspect.isclass(obj) or callable(obj)):
+def _heading(name: str, obj) -> str:
+    return f"`unbubble.{name}` (module)" if isinstance(obj, types.ModuleType) else f"`unbubble.{name}`"
+
+
+def _function(title: str, obj) -> list[str]:
+    return [f"### `{title}{_signature(obj)}`", ""] + _block(_doc(obj)) + [""]
+
+
+def _class(title: str, obj) -> list[str]:
+    lines = [f"### class `{title}{_signature(obj)}`", ""] + _block(_doc(obj)) + [""]
+    for mname, member in inspect.getmembers(obj):
+        if mname.startswith("_") or mname not in obj.__dict__:
             continue
-        if inspect.isclass(obj):
-            lines += [f"### class `{attr}{_signature(obj)}`", ""] + _block(_doc(obj)) + [""]
-            for mname, member in inspect.getmembers(obj):
-                if mname.startswith("_") or mname not in obj.__dict__:
-                    continue
-                if isinstance(member, property) or isinstance(obj.__dict__[mname], property):
-                    lines += [f"- property `{attr}.{mname}`: " + (inspect.getdoc(obj.__dict__[mname]) or "").split("\n\n")[0]
-                              .replace("\n", " ")]
-                elif inspect.isfunction(member) or inspect.ismethod(member):
-                    lines += ["", f"#### `{attr}.{mname}{_signature(member)}`", ""] + _block(_doc(member))
-            lines.append("")
-        else:
-            lines += [f"### `{attr}{_signature(obj)}`", ""] + _block(_doc(obj)) + [""]
-    return lines
+        if isinstance(obj.__dict__[mname], property):
+            first = (inspect.getdoc(obj.__dict__[mname]) or "").split("\n\n")[0].replace("\n", " ")
+            lines += [f"- property `{obj.__name__}.{mname}`: " + first]
+        elif inspect.isfunction(member) or inspect.ismethod(member):
+            lines += ["", f"#### `{obj.__name__}.{mname}{_signature(member)}`", ""] + _block(_doc(member))
+    return lines + [""]
+
+
+def document(name: str) -> list[str]:
+    """One public name of ``unbubble``: its heading, where it is defined, its docstring."""
+    import unbubble
+
+    obj = getattr(unbubble, name)
+    if isinstance(obj, types.ModuleType):
+        lines = [f"## {_heading(name, obj)}", ""] + _block(_doc(obj)) + [""]
+        for attr in obj.__all__:
+            lines += document_object(f"unbubble.{name}.{attr}", getattr(obj, attr))
+        return lines
+    lines = [f"## {_heading(name, obj)}", "", f"Defined in `{obj.__module__}`.", ""]
+    return lines + document_object(f"unbubble.{name}", obj)
+
+
+def document_object(title: str, obj) -> list[str]:
+    return _class(title, obj) if inspect.isclass(obj) else _function(title, obj)
 
 
 def render() -> str:
-    names = modules()
+    import unbubble
+
     head = ["# API reference", "",
-            "Generated from the docstrings by `python docs/gen_api.py`; do not edit by hand. Terms (N, k, v, Δ, τ) "
-            "are defined in [concepts.md](concepts.md); the command line is documented by `unbubble COMMAND --help`.",
-            "", "Modules:", ""]
-    head += [f"- [`{n}`](#{n.replace('.', '')})" for n in names]
+            "Generated from the docstrings by `python docs/gen_api.py`; do not edit by hand. These are the public "
+            "names, `unbubble.__all__`; everything else is internal and documented in its module's docstring "
+            "([architecture.md](architecture.md#public-api)). Terms (N, k, v, Δ, τ) are defined in "
+            "[concepts.md](concepts.md); the command line is documented by `unbubble COMMAND --help`.", ""]
+    head += _block(_doc(unbubble)) + ["", "Names:", ""]
+    for n in unbubble.__all__:
+        heading = _heading(n, getattr(unbubble, n))
+        head.append(f"- [{heading}](#{_anchor(heading)})")
     body: list[str] = []
-    for n in names:
-        body += [""] + document_module(n)
+    for n in unbubble.__all__:
+        body += [""] + document(n)
     return "\n".join(head + body).rstrip() + "\n"
 
 
@@ -147,7 +121,7 @@ def main() -> None:
             sys.exit(1)
         return
     OUT.write_text(text)
-    print(f"wrote {OUT} ({len(text.splitlines())} lines, {len(modules())} modules)")
+    print(f"wrote {OUT} ({len(text.splitlines())} lines)")
 
 
 if __name__ == "__main__":

@@ -71,6 +71,9 @@ _STAGE_FILE = re.compile(r"^stage-(\d{3})\.pt$")
 
 log = logging.getLogger(__name__)
 
+#: the public functions (the module is ``unbubble.export`` in ``unbubble.__all__``)
+__all__ = ["export", "load", "load_export", "sample", "merged_state_dict"]
+
 
 def _has_steps(d: Path) -> bool:
     try:
