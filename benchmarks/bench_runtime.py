@@ -99,7 +99,7 @@ from unbubble.testing import random_tokens
 from unbubble.train import gpt_stage
 
 OURS = ("1f1b-flush", "gpipe", "paci", "paci dynamic")  #: "<schedule>[ <order>]"; the default order: deterministic
-#: our schedules with a gradient-norm clip (max norm 1.0) of each scope ([Note: clip scopes] in runtime/clipping.py)
+#: our schedules with a gradient-norm clip (max norm 1.0) of each scope ([Note: clip scopes] in docs/architecture.md)
 OURS_CLIP = ("paci + clip stale", "paci + clip sync", "paci + clip stage", "1f1b-flush + clip sync")
 CLIP_SUFFIX = " + clip "
 

@@ -262,7 +262,7 @@ class RunWriter:
             "run_train_wall_s": self._elapsed_before + result.wall_s,
             "stopped_at_step": result.stopped_at,
             "nonfinite_dropped": [{k: e[k] for k in ("stage", "mb", "version", "what")} for e in result.events],
-            # gradient clipping ([Note: clip scopes] in runtime/clipping.py): scope, max_norm, stale lag, and per
+            # gradient clipping ([Note: clip scopes] in docs/architecture.md): scope, max_norm, stale lag, and per
             # stage the updates clipped and skipped (non-finite norm) over the whole run; None without clipping
             "clip": result.clip,
             # mixture of experts: load per expert and dropped assignments over the whole run (None if dense)

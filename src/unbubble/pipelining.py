@@ -1,6 +1,6 @@
 """PACI on torch.distributed.pipelining's ``PipelineStage``: an asynchronous schedule class, one stage per rank.
 
-:class:`SchedulePACI` runs unbubble's PACI(a) (DESIGN §2: asynchronous 1F1B, never flushed, each stage
+:class:`SchedulePACI` runs unbubble's PACI(a) (docs/architecture.md#schedules-and-their-semantics: asynchronous 1F1B, never flushed, each stage
 updated after every a-th local backward, backward on the current weights with forward-time activations)
 over torch's own ``PipelineStage`` and its point-to-point sends, in the user's processes (``torchrun``, any
 ``torch.distributed`` backend): no unbubble launcher, no unbubble executor. The user's training loop keeps

@@ -103,7 +103,7 @@ def break_even_line(cfg: TrainConfig, result, n_layer: int | None = None) -> str
     synchronous runs or tiny traces.
 
     A run trained with a global clip (``--clip-grad-norm`` with ``--clip-scope sync`` or ``stale``)
-    is simulated with its per-update all-reduce ([Note: the barrier] in ``sim/barrier.py``), as
+    is simulated with its per-update all-reduce ([Note: the barrier] in docs/architecture.md), as
     ``unbubble simulate --clip-scope`` does on measured costs (no local-norm time; zero latency, the
     emulator measures none): ``sync`` on every schedule; ``stale`` on this run against the
     synchronous schedules on ``sync``, the exact clip they can afford (the comparison of

@@ -36,7 +36,7 @@ def train_without_pipeline(job: PipelineJob) -> tuple[list[dict[str, torch.Tenso
     """Independent reference for synchronous *schedules*: the job's own stages composed into one
     model, trained in one process with one optimizer per stage, mean loss over each step's
     micro-batches. It checks a schedule, not a split: composed from the same stages, it agrees with
-    any splitting error (DESIGN §11), so a split model's job is refused; compare those against the
+    any splitting error (docs/architecture.md#testing), so a split model's job is refused; compare those against the
     unsplit model's own loop.
 
     Returns:

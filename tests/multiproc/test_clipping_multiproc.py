@@ -1,5 +1,5 @@
 """Gradient clipping on real gloo processes equals the emulator bit for bit, for every scope
-([Note: clip scopes] in runtime/clipping.py): one spawn of 3 stage processes runs every job in turn."""
+([Note: clip scopes] in docs/architecture.md): one spawn of 3 stage processes runs every job in turn."""
 
 import dataclasses
 import functools

@@ -1,4 +1,4 @@
-"""Gradient clipping over the pipeline ([Note: clip scopes], [Note: stale lag] in runtime/clipping.py):
+"""Gradient clipping over the pipeline ([Note: clip scopes], [Note: stale lag] in docs/architecture.md):
 sync against torch's clip_grad_norm_ on the unsplit model, the three scopes against closed forms, the
 stale lag against the schedules' causality and the simulator's timeline, non-finite skips, resume."""
 

@@ -36,6 +36,24 @@ def test_api_reference_documents_the_public_names_only_and_is_current():
     assert (ROOT / "docs" / "api.md").read_text() == text, "docs/api.md is out of date: run python docs/gen_api.py"
 
 
+def _anchors(markdown: str) -> set[str]:
+    """GitHub's anchors of a page's headings (lower case, punctuation but - and _ dropped, spaces as -)."""
+    return {"".join(c for c in h.lower() if c.isalnum() or c in " -_").strip().replace(" ", "-")
+            for h in re.findall(r"^#+ (.+)$", markdown, flags=re.M)}
+
+
+def test_citations_of_architecture_md_name_sections_that_exist():
+    """Code and docs cite a section of docs/architecture.md by its anchor (never the design notes outside the
+    repository); every cited section exists."""
+    anchors = _anchors((ROOT / "docs" / "architecture.md").read_text())
+    cited = []
+    for path in [*ROOT.glob("src/**/*.py"), *ROOT.glob("tests/**/*.py"), *ROOT.glob("docs/*.md"), ROOT / "README.md"]:
+        text = path.read_text()
+        cited += [(path.name, a) for a in re.findall(r"architecture\.md#([\w-]+)", text)]
+    assert len(cited) > 20
+    assert [c for c in cited if c[1] not in anchors] == []
+
+
 # The README's and the tutorial's command blocks, run as written (issue 37, item 1) -----------------------------
 #
 # Every fenced bash block of README.md and docs/tutorial.md runs here, command by command, in a fresh folder

@@ -164,7 +164,7 @@ def test_first_moment_equals_the_original_space_momentum(source, geometry, k):
     w = torch.nn.Parameter(torch.randn(7, 10, generator=torch.Generator().manual_seed(0)))
     opt = BasisRotation([w], lr=1e-2, source=source, geometry=geometry, update_freq=k)
     g = torch.Generator().manual_seed(1)
-    momentum = torch.zeros(7, 10, dtype=torch.float64)  # DESIGN §4: M in the original space
+    momentum = torch.zeros(7, 10, dtype=torch.float64)  # M in the original space, as the paper keeps it
     for _ in range(10):
         w.grad = torch.randn(7, 10, generator=g)
         momentum = 0.9 * momentum + 0.1 * w.grad.double()

@@ -423,7 +423,7 @@ def test_a_longer_horizon_and_a_budget_scale_the_micro_batches():
 
 @pytest.mark.parametrize("n,m", [(4, 4), (8, 4), (8, 16)])
 def test_break_even_against_flush_is_the_analytic_bubble_ratio(n, m):
-    """With unit costs PACI over 1F1B-flush is (m + N − 1)/m (DESIGN §2); the fastest synchronous
+    """With unit costs PACI over 1F1B-flush is (m + N − 1)/m (docs/architecture.md#schedules-and-their-semantics); the fastest synchronous
     schedule is never slower than flush."""
     from unbubble.sim.costs import UniformCosts
     from unbubble.sim.extrapolate import async_over_sync

@@ -1,4 +1,4 @@
-"""Precision modes and activation recomputation against explicit references (DESIGN §8).
+"""Precision modes and activation recomputation against explicit references (docs/architecture.md#precision-and-recomputation).
 
 Which weights a backward uses is checked numerically against both possible answers; bytes are
 counted independently of ``precision.SavedBytes`` (by the saved tensors' values); recomputation

@@ -1,4 +1,4 @@
-"""Executor and emulator against independent references (DESIGN §6, layers 2 and 3)."""
+"""Executor and emulator against independent references (docs/architecture.md#testing, layers 2 and 3)."""
 
 
 import pytest

@@ -1,5 +1,5 @@
 """The simulator and the planner count barriers (issue 34, item 3): a per-update global operation
-(the gradient-norm all-reduce of global clipping, [Note: the barrier] in ``sim/barrier.py``) against
+(the gradient-norm all-reduce of global clipping, [Note: the barrier] in docs/architecture.md) against
 hand computations and analytic bubble formulas on unit costs.
 
 Unit costs here are F = B = 1 (a split backward's I and W take half of B each, as the schedules
@@ -46,7 +46,7 @@ def test_zb_h2_with_a_barrier_pays_its_flushed_step_every_update(n, m):
 
 @pytest.mark.parametrize("n,m", [(4, 4), (4, 8), (8, 8), (8, 16)])
 def test_1f1b_flush_with_a_barrier_is_unchanged_but_for_the_latency(n, m):
-    """1F1B-flush's step is (m + N − 1)·(F + B) (DESIGN §2) with or without a barrier: stage 0's
+    """1F1B-flush's step is (m + N − 1)·(F + B) (docs/architecture.md#schedules-and-their-semantics) with or without a barrier: stage 0's
     last backward ends the step and its next forward waits for it anyway; the barrier adds λ."""
     sched = get_schedule("1f1b-flush", n, 4, m=m)
     step = 2 * (m + n - 1)

@@ -463,8 +463,8 @@ def has_weights(folder: Path) -> bool:
 
 
 def resolve_tokenizer(tokenizer: str, model: str, allow_mismatch: bool = False) -> str:
-    """The tokenizer a run uses, for ``--tokenizer`` and ``--model`` (DESIGN: a pretrained model is
-    never trained on another tokenizer's ids without an explicit flag).
+    """The tokenizer a run uses, for ``--tokenizer`` and ``--model`` (a pretrained model is
+    never trained on another tokenizer's ids without an explicit flag: docs/architecture.md, "Design decisions").
 
     ``auto``: an ``hf:FOLDER`` model whose folder holds tokenizer files uses that tokenizer
     (``"hf:/abs/FOLDER"``); a folder with weights and no tokenizer is refused (name the tokenizer it was

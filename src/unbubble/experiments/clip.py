@@ -1,6 +1,6 @@
-"""``clip-study``: what global gradient clipping costs in quality (DESIGN §11, issue "global
-operations without a barrier"). 1F1B-flush + Muon with the exact global clip against PACI + Muon +
-error feedback with each clip scope (``sync``, ``stale``, ``stage``) and without clipping, N = 8,
+"""``clip-study``: what global gradient clipping costs in quality
+(docs/architecture.md#global-operations-are-barriers). 1F1B-flush + Muon with the exact global clip against
+PACI + Muon + error feedback with each clip scope (``sync``, ``stale``, ``stage``) and without clipping, N = 8,
 600 updates, clip 1.0 (:func:`~unbubble.experiments.study_specs.clip_study_spec`).
 
 One resumable sweep; the unclipped rows are reused from horizon-study's published runs of

@@ -1,4 +1,4 @@
-"""``horizon-study``: asynchrony at length (DESIGN §10). The token overhead of PACI + Muon +
+"""``horizon-study``: asynchrony at length (docs/architecture.md#comparing-convergence). The token overhead of PACI + Muon +
 weight prediction against 1F1B-flush + Muon at 1×, 2× and 4× the overhead-study horizon (each with
 token budgets), error feedback at 1×, and the trend a user can read a longer horizon from.
 

@@ -1,5 +1,5 @@
 """``overhead-study``: when does asynchrony pay? Token overhead and time-to-target of PACI with
-delay remedies against 1F1B-flush with the same optimizer (DESIGN §9).
+delay remedies against 1F1B-flush with the same optimizer (docs/architecture.md#comparing-convergence).
 
 Two resumable sweeps (:func:`unbubble.experiments.sweep.run_sweep`):
 
@@ -300,7 +300,7 @@ def break_even_rows(ns=(4, 8, 16), ms=(4, 8, 16, 32), schedules=SYNCHRONOUS, mem
 
 def break_even_barrier_rows(ns=(4, 8, 16), ms=(4, 8, 16, 32), schedules=SYNCHRONOUS) -> list[dict[str, Any]]:
     """The break-even ratio with a per-update barrier (global gradient clipping: a gradient-norm
-    all-reduce over every stage each update; [Note: the barrier] in ``unbubble.sim.barrier``), on the
+    all-reduce over every stage each update; [Note: the barrier] in docs/architecture.md), on the
     setups of :func:`break_even_rows`, one row per (setup, N, m): PACI (a = m) over the fastest
     synchronous schedule without it (``none``), with ``sync`` on every schedule (``sync``: the synchronous
     schedules lose their across-update overlap, PACI's staggered stages stall), and PACI with ``stale``

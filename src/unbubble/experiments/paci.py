@@ -1,7 +1,7 @@
 """PACI's throughput and memory claim (Q3) with real stage processes: tokens/s and peak stored
 activations of 1F1B-flush and PACI against m (or a), measured and predicted by the simulator.
 The convergence questions (Q1, Q2) are :mod:`unbubble.experiments.studies`. Source: PACI,
-arXiv 2606.07881, §5; paper numbers in DESIGN §7."""
+arXiv 2606.07881, §5; the paper's numbers in docs/architecture.md#sources."""
 
 from __future__ import annotations
 

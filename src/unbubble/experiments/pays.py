@@ -1,4 +1,4 @@
-"""``pays-study``: where asynchrony pays (DESIGN §11). The default remedy, PACI + Muon + error
+"""``pays-study``: where asynchrony pays (docs/architecture.md#comparing-convergence, break-even). The default remedy, PACI + Muon + error
 feedback (c = 1), against 1F1B-flush + Muon at the same m, in the regimes the break-even table
 points to: 4× the horizon (3 seeds), a second model family, N = 16 and few micro-batches.
 

@@ -100,7 +100,7 @@ def iso_loss_overhead(curve: Curve, target: float, baseline_tokens: float) -> tu
     Raises:
         ValueError: an empty curve or baseline_tokens ≤ 0.
 
-    Source: DESIGN §8 (iso-loss token overhead as used in delayed-gradient studies).
+    Source: docs/architecture.md#comparing-convergence (iso-loss token overhead as used in delayed-gradient studies).
     """
     if not curve or baseline_tokens <= 0:
         raise ValueError("iso_loss_overhead needs a non-empty curve and baseline_tokens > 0")
@@ -148,7 +148,7 @@ def loss_at(curve: Curve, x: float) -> float | None:
 def budget_overhead(points: dict[float, float], target: float) -> tuple[float, str]:
     """Token budget (a multiple of the method's tokens) at which a method's *final* loss meets
     ``target``, interpolated linearly in log budget between the two budgets that bracket it
-    (DESIGN §9: each budget is its own full warm-up + cosine run).
+    (docs/architecture.md#comparing-convergence: each budget is its own full warm-up + cosine run).
 
     Args:
         points: final loss per budget trained (1.0 = the method's own run; inf = diverged).

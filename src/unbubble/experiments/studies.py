@@ -6,7 +6,7 @@ Each trains its sweep (:mod:`unbubble.experiments.study_specs`, run by
 tokens) and then analyses only ``runs.csv`` and ``curves.csv``, so the tables and plots regenerate
 from the committed CSVs without training (``unbubble experiment NAME --analyze docs/data/NAME``).
 
-Metrics (DESIGN §8): final validation loss mean ± sample std over seeds; iso-loss token overhead
+Metrics (docs/architecture.md#comparing-convergence): final validation loss mean ± sample std over seeds; iso-loss token overhead
 against the synchronous baseline at m = a; time to a target on the simulated clock of N devices,
 calibrated from the per-action durations measured in the runs; Basis Rotation's slowdown in
 updates to a training-loss target below the unigram plateau.

@@ -290,7 +290,7 @@ SWITCH_FRACTIONS = (0.05, 0.10, 0.25)
 
 
 def pays_study_spec(size: str, part: str = "default") -> dict[str, Any]:
-    """``pays-study`` (where asynchrony pays, DESIGN §11): the default remedy, PACI + Muon + error
+    """``pays-study`` (where asynchrony pays, docs/architecture.md#comparing-convergence): the default remedy, PACI + Muon + error
     feedback (c = 1), against 1F1B-flush + Muon at the same m, each part one resumable sweep:
 
     * ``default``: N = 8, a = m = 4 at 4× the horizon (2,400 updates), 3 seeds with budgets on both
@@ -368,7 +368,7 @@ def pays_study_spec(size: str, part: str = "default") -> dict[str, Any]:
 
 
 def clip_study_spec(size: str) -> dict[str, Any]:
-    """``clip-study`` (what global clipping costs in quality, DESIGN §11): 1F1B-flush + Muon with
+    """``clip-study`` (what global clipping costs in quality, docs/architecture.md#global-operations-are-barriers): 1F1B-flush + Muon with
     the exact global clip (``sync``) against PACI + Muon + error feedback (c = 1, the default) with
     ``sync``, ``stale`` and ``stage`` and without clipping, at overhead-study's horizon (N = 8,
     a = m = 4, 600 updates), clip 1.0 (torchtitan's, Megatron's and nanoGPT's default), 2 seeds.

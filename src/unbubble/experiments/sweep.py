@@ -11,7 +11,7 @@ it is tried too (``extend_grid`` rounds); the lr with the lowest final validatio
 method's tuned lr; the other seeds then run at the tuned lr only (``seed_stages`` limits them to
 some depths). With ``tune=False`` every lr runs with every seed.
 
-Token overhead as a number (DESIGN §9): a method that names a synchronous ``baseline`` and
+Token overhead as a number (docs/architecture.md#comparing-convergence): a method that names a synchronous ``baseline`` and
 ``budgets`` (multiples of its tokens, e.g. 1.5, 2, 3) then trains each seed at those budgets, each
 run a full warm-up + cosine schedule at the tuned lr: larger budgets in increasing order while the
 seed's final validation loss is still above its own baseline seed's (paired: same seed, same data

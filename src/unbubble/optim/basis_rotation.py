@@ -1,77 +1,12 @@
 """Basis Rotation: Adam run in a rotated, Kronecker-factored eigenbasis, robust to stale gradients.
 
-In a deep asynchronous pipeline a stage applies gradients that are tau updates old. Adam adapts per
-coordinate, which helps only when the Hessian's eigenbasis is aligned with the coordinate axes;
-misaligned, the delayed updates oscillate and convergence slows with depth. Basis Rotation rotates
-each weight matrix W (m x n) into estimated eigenbases U (m x m) and V (n x n) and runs Adam there.
+In a deep asynchronous pipeline a stage applies gradients that are τ updates old; Adam helps only when
+the Hessian's eigenbasis is aligned with the coordinate axes. Basis Rotation rotates each weight matrix
+into estimated eigenbases and runs Adam there. The update, the refresh of the bases, the notes ([Note:
+batches of matrices], [Note: BR update order], [Note: first moment in the rotated basis], [Note: epsilon
+placement]) and the defects of the released code fixed here: docs/architecture.md#basis-rotation.
 
-Update for a rotated matrix at step t (``bc1 = 1 - beta1^t``, ``bc2 = 1 - beta2^t``)::
-
-    G~ = U^T G V                                      # rotate the gradient
-    M~ <- beta1 M~ + (1 - beta1) G~                   # first moment, rotated basis (see Note)
-    V~ <- beta2 V~ + (1 - beta2) G~^2                 # second moment, rotated basis
-    W  <- W (1 - lr wd) - (lr / bc1) U (M~ / (sqrt(V~) / sqrt(bc2) + eps)) V^T
-    statistics and bases are updated *after* this     # see [Note: BR update order]
-
-The bases come from a factor F per rotated side. Source "2nd": F = L = EMA(G G^T) on the left and
-R = EMA(G^T G) on the right (decay ``factor_beta``, default beta2); source "1st": F = M M^T and
-M^T M of the momentum M itself (its singular vectors), nothing stored. Geometry "bilateral"
-rotates both sides, "unilateral" only the smaller one. The first basis is a full ``eigh``
-(descending order, float64 retry); every later refresh sorts the columns by diag(Q^T F Q),
-permutes the second moment along that axis to match, and takes one power-iteration step
-Q <- QR(F Q). Matrices in a group with ``rotate=False``, 1-D parameters (biases, norms) and
-tensors of other ranks get plain AdamW inside the same optimizer, bit-identical to
-``torch.optim.AdamW`` (foreach=False).
-
-[Note: batches of matrices]
-    A 3-D parameter ``(E, m, n)`` (the experts of a mixture-of-experts layer, ``models/moe.py``) is E
-    independent matrices: each has its own bases ``(E, m, m)``/``(E, n, n)``, factors and moments, and
-    all E refresh together through batched ``torch.linalg.eigh``/``qr`` and batched matmuls (no Python
-    loop over experts). Every numeric helper below works on ``(..., m, n)``; scaling, sorting and
-    permutation are per matrix, so expert e gets what ``BasisRotation`` on that matrix alone computes
-    (up to the rounding of batched against single matmuls). One difference: if any expert's refresh
-    meets a non-finite factor, all E keep their old bases for that refresh.
-
-[Note: BR update order]
-    Within ``step()``, for each rotated matrix: (1) rotate G with the *current* bases, update the
-    moments and W; (2) fold G into L/R (source "2nd"; source "1st" already has it in M); (3) if a
-    refresh is due after this step, recompute the bases and carry the moments over. A gradient
-    therefore never shapes the projection it is applied through (as in SOAP). Refreshes happen after
-    steps ``start_step, start_step + update_freq, start_step + 2 update_freq, ...``; the first is
-    the cold start, before it the bases are the identity and the matrix gets exactly AdamW.
-
-[Note: first moment in the rotated basis]
-    DESIGN §4 keeps M in the original space and rotates it every step (M~ = U^T M V), as SOAP's
-    reference code does. Between two refreshes U and V are constant, so the EMA commutes with the
-    rotation and keeping M~ itself is the same mathematics with one projection (two matmuls) less
-    per step (the issue's benchmark asks for this). At a refresh M~ is carried over exactly,
-    M~_new = U1^T (U0 M~ V0^T) V1, which costs two projections per refresh: over k steps 4k + 4
-    matmuls against 6k, so for update_freq ≤ 2 M stays in the original space (SOAP's way, the
-    cheaper one there; ``keys.EXP_AVG_ROTATED`` records the choice per matrix). V~ is only
-    permuted (DESIGN §4), except at the cold start, where no column correspondence exists: there
-    V~ (one or a few gradients' worth, in coordinate space) is mapped with the element-wise
-    squared rotation, (U1^{o2})^T V~ V1^{o2}, the diagonal of the rotated covariance if the
-    entries were independent.
-
-[Note: epsilon placement]
-    The denominator is sqrt(V~)/sqrt(bc2) + eps, as in ``torch.optim.AdamW``; DESIGN §4 writes
-    lr sqrt(bc2)/bc1 M~/(sqrt(V~) + eps), which is the same update with eps scaled by sqrt(bc2)
-    (identical for eps = 0). This choice makes identity bases give *exactly* AdamW.
-
-Fixed defects of the released research code (DESIGN §4): (a) unilateral on a matrix with
-rows >= cols refreshed every step, because the absent left basis counted as "no basis yet"; here
-the schedule depends only on the step. (b) (1st, unilateral) permuted the second moment along the
-unrotated axis; here it is permuted along the rotated axis, as in every other variant (tested by
-transpose symmetry: W with the left side rotated behaves exactly as W^T with the right side).
-
-Source: H. Jung, S. Shin, N. Lee, "Mitigating Staleness in Asynchronous Pipeline Parallelism via
-Basis Rotation", arXiv 2602.03515, Algorithms 1 (rotated Adam) and 2 (eigenbasis estimation, S x G
-taxonomy) and the stage-aware refresh experiment; SOAP, N. Vyas et al., arXiv 2409.11321, and its
-``soap.py`` (refresh numerics). SOAP is the (2nd, bilateral) member of this family.
-
-Cost per step of an m x n rotated matrix (bilateral): 4 matmuls of O(mn(m+n)) for the rotations,
-plus O(mn(m+n)) for L and R (source "2nd"); a refresh adds O(m^3 + n^3) (one F Q product and a QR
-per side; ``eigh`` at the cold start). Memory: see ``rotation_extra_numel``.
+Source: H. Jung, S. Shin, N. Lee, arXiv 2602.03515, Algorithms 1 and 2; SOAP, arXiv 2409.11321.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ STEP = "step"
 EXP_AVG = "exp_avg"
 """First moment M, shape of the parameter. For a rotated matrix with ``EXP_AVG_ROTATED`` it is kept
 in the *rotated* basis, M~ = U^T M V (see [Note: first moment in the rotated basis] in
-``basis_rotation.py``), otherwise in the original space."""
+docs/architecture.md), otherwise in the original space."""
 
 EXP_AVG_ROTATED = "exp_avg_rotated"
 """Python bool, rotated matrices only: whether ``EXP_AVG`` holds M~ (update_freq ≥ 3) or M."""

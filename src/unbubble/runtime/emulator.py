@@ -1,4 +1,4 @@
-"""Single-process emulator: the simulator with real stage executors attached (DESIGN §3)."""
+"""Single-process emulator: the simulator with real stage executors attached (docs/architecture.md#one-policy-three-engines)."""
 
 from __future__ import annotations
 

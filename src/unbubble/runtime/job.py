@@ -56,7 +56,7 @@ class PipelineJob:
             one all-gather per update, a barrier), ``"stale"`` (the global norm of update t − s,
             s = ⌈N/a⌉ for the asynchronous schedules and 1 for the flushed ones: no rank waits
             in steady state) or ``"stage"`` (the stage's own norm against X·√(P_i/P)); a non-finite
-            norm skips the update ([Note: clip scopes] in ``runtime/clipping.py``).
+            norm skips the update ([Note: clip scopes] in docs/architecture.md).
         delay_lr: per-stage learning-rate scaling by the stage's staleness τ_s: ``"pipedream"``
             (or True) multiplies it by τ_s^−(1 − min(u/K, 1)) (PipeDream-LR; always on for the
             pipemare schedule, where it is PipeMare's T1); ``"staleness"`` by 1/(1 + τ_s) for the
@@ -74,7 +74,7 @@ class PipelineJob:
             generator seeded from (``seed``, replica, s, k), so every engine, order and resume draws
             the same masks ([Note: random numbers per micro-batch] in ``runtime/executor.py``).
         precision: ``"fp32"``, ``"bf16-autocast"`` or ``"bf16"`` (bf16 parameters stepped from fp32
-            masters); [Note: precision and version semantics] in ``runtime/precision.py``.
+            masters); [Note: precision and version semantics] in docs/architecture.md.
         recompute: ``"none"`` or ``"full"`` (each stage keeps only its input per in-flight
             micro-batch and re-runs its forward, on the backward's weights, before the backward).
         predict_weights: ``"none"``, ``"bound"`` or ``"measured"``: forwards run on the last applied

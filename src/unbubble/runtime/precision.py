@@ -1,41 +1,8 @@
 """Numeric precision and activation recomputation of a stage: what each mode computes and holds.
 
-[Note: precision and version semantics]
-Which weights a backward uses is the one semantic every mode states (DESIGN §8):
-
-* ``fp32``: fp32 parameters; autograd saves each parameter by reference, so the input gradient of
-  an in-flight micro-batch uses the *current* weights (version v_B) and the weight gradient the
-  forward-time activations — PACI as specified (``versions.py``, [Note: backward on current weights]).
-* ``bf16``: the stage's parameters are bf16 tensors, updated in place from an fp32 master copy
-  (the "main parameters" of Megatron-LM, arXiv 1909.08053, and mixed-precision training, arXiv
-  1710.03740, §3.1): the optimizer steps the fp32 masters with fp32 moments, then the bf16
-  parameters are overwritten in place with the rounded masters (the graphs in flight follow them:
-  [Note: backward on current weights]). Autograd
-  still holds the live bf16 parameters, so the semantics are fp32's: the input gradient uses v_B,
-  and no per-micro-batch weight copy exists. Each micro-batch's weight gradient is computed in
-  bf16 (autograd's dtype of a bf16 leaf) and added to an fp32 accumulator right after its
-  backward, so the a (or m) micro-batches of an update are summed in fp32.
-* ``bf16-autocast``: fp32 parameters, optimizer state and gradients; forwards (and recomputed
-  forwards) run under ``torch.autocast(dtype=torch.bfloat16)``. Autocast casts a weight to bf16
-  inside each forward and autograd saves *that copy*, so the input gradient of an in-flight
-  micro-batch uses the **forward-time** (v_F) bf16 weights of every autocast op (``linear``,
-  ``matmul``: the weight matrices and their biases), while ops autocast keeps in fp32 (LayerNorm)
-  save the live parameter and use v_B. Every micro-batch in flight therefore holds one bf16 copy
-  of the stage's matmul weights (2 bytes per such parameter; :class:`SavedBytes` measures it).
-  Δ = v_B − v_F is reported as for fp32 (the version the update and the LayerNorms see); for the
-  matmul weights the effective drift of the input gradient is 0. Backwards are not wrapped in
-  autocast: they run in the dtypes the forward chose (PyTorch's autocast documentation).
-
-Recomputation (``recompute="full"``): a stage keeps only its input per in-flight micro-batch (the
-received activation, or the token ids on the first stage) and the RNG state of its forward; right
-before the backward it re-runs the forward with autograd on, on the weights the backward uses
-(version v_B; the stashed version v_F under weight stashing; PipeMare's corrected weights under
-T2), with the saved RNG state, so dropout draws the same mask. Only the received activation is
-from upstream's forward time. Both the input and the weight gradient therefore use v_B:
-recomputation removes the PACI mix of two versions inside a stage (Δ still counts v_B − v_F, the
-drift of the stage's input). Its cost is one extra forward per backward (``sim/costs.py``
-``with_recompute``); its memory, the inputs of the in-flight micro-batches plus the full
-activations of the one micro-batch being differentiated.
+``fp32``, ``bf16`` (bf16 parameters stepped in place from fp32 masters), ``bf16-autocast`` and full
+recomputation differ in which weights a backward uses and what a micro-batch in flight holds: [Note:
+precision and version semantics] in docs/architecture.md#precision-and-recomputation.
 """
 
 from __future__ import annotations

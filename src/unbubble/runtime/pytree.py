@@ -1,4 +1,4 @@
-"""What crosses a stage boundary: a tensor, or a pytree of tensors (DESIGN §10).
+"""What crosses a stage boundary: a tensor, or a pytree of tensors (docs/architecture.md, "Transport").
 
 [Note: stage boundaries carry pytrees]
 A stage's input and output may be one tensor (the fast path, unchanged), or a tuple, list or

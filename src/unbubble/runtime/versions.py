@@ -3,7 +3,7 @@
 [Note: backward on current weights]
 Autograd saves parameters *by reference* and records their version counter. After an
 in-place optimizer step, a backward whose graph was built before the step would read the
-new weights — which is exactly PACI's semantics (DESIGN §2: input gradients use the
+new weights — which is exactly PACI's semantics (docs/architecture.md#schedules-and-their-semantics: input gradients use the
 current weights, weight gradients use forward-time activations) — but stock PyTorch
 refuses with "one of the variables needed for gradient computation has been modified by
 an inplace operation". Every stage forward (and the last stage's loss) therefore runs under

@@ -4,7 +4,7 @@ An action is one unit of work a stage performs: ``F`` forward, ``B`` full backwa
 ``I`` input-gradient only, ``W`` weight-gradient only, ``U`` local optimizer update.
 The string form extends ``torch.distributed.pipelining``'s ``{stage}{F|B|I|W}{mb}``
 with ``{stage}U``; micro-batch ids are *global* (they keep increasing across optimizer
-steps, DESIGN §1). Stages are 0-based.
+steps, docs/architecture.md#terms). Stages are 0-based.
 
 CSV: :func:`dump_csv`/:func:`load_csv` are unbubble's full format (one row per rank, ``U``
 included); :func:`load_csv` also reads torch.distributed.pipelining's files (torch 2.13) and
@@ -21,7 +21,7 @@ from unbubble.errors import ScheduleError
 
 
 class ActionKind(str, enum.Enum):
-    """Kinds of per-stage work (DESIGN §1)."""
+    """Kinds of per-stage work (docs/architecture.md#terms)."""
 
     F = "F"  # forward
     B = "B"  # full backward (input and weight gradients)

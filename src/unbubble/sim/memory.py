@@ -20,7 +20,7 @@ Accounting rules (one device = one rank, which may host several virtual stages):
   its backward first re-runs the forward: ``recomputed_bytes[s]`` more are alive during its B, or from
   the start of its I until the end of its W when the backward is split (the recomputed forward's
   activations without the input; ``act_w_bytes`` is then unused). This is what ``StageExecutor``
-  measures ([Note: precision and version semantics] in ``runtime/precision.py``).
+  measures ([Note: precision and version semantics] in docs/architecture.md).
 * At equal times frees happen before allocations (a stage's action ends before its next one starts).
 
 The peak of a rank is the maximum over time of static + activations + stash; the columns

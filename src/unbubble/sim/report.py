@@ -265,7 +265,7 @@ def bottleneck_line(result: SimResult, layers: Sequence[range] | None = None, mi
 
 
 def barrier_line(result: SimResult, without: SimResult | None = None) -> str | None:
-    """What the run's per-update global operation cost ([Note: the barrier] in ``sim/barrier.py``):
+    """What the run's per-update global operation cost ([Note: the barrier] in docs/architecture.md):
     the throughput against the same schedule without it, the share of time the devices idled waiting
     for the all-reduce, and for ``stale`` the norm's lag. ``None`` without an active global operation."""
     op, log = result.global_op, result.trace.global_op_log
