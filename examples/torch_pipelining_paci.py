@@ -11,7 +11,7 @@ rank, pruned to the rank's stage by ``unbubble.pipelining.pipeline_paci`` (the s
 ``pipelining_fn``) and trained with ``SchedulePACI``. ``Trainer.train_step`` below is written the way
 torchtitan's is: ``zero_grad``, ``pp_schedule.step``, gradient clipping over the pipeline, a non-finite
 check, ``optimizer.step``, ``lr_scheduler.step``. The only PACI-specific line is that ``step`` takes the data
-iterator ([Note: the step contract] in ``unbubble/pipelining.py``). Data: each sequence counts upward
+iterator ([Note: the step contract] in docs/architecture.md). Data: each sequence counts upward
 from a random start modulo the vocabulary, so the next token is predictable and the loss falls fast.
 The last stage prints ``step | loss | grad norm | lr | s/step``.
 """

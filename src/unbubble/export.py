@@ -8,32 +8,7 @@ run also holds ``model/`` (written once by the first checkpoint): the HF ``confi
 ``unbubble-model.json`` (the model class), from which :func:`export` writes a folder
 ``from_pretrained`` loads (``config.json`` + ``model.safetensors``).
 
-[Note: what an export writes]
-* **The weights a resume would start from.** Under ``--precision bf16`` the stage files hold bf16
-  parameters and their fp32 masters; the export takes the fp32 masters (by the parameter names the
-  checkpoint stores with them), so nothing is rounded away. Other floating tensors of such a run
-  (buffers, frozen parameters) are written in the masters' dtype (fp32; their bf16 values exactly).
-* **Untied stays untied.** A weight tied in the model but trained untied (``untie=True``: GPT-2's
-  ``transformer.wte.weight`` and ``lm_head.weight``) is two tensors after training. The folder export
-  writes ``tie_word_embeddings=False`` into its config.json, so ``from_pretrained`` builds an untied
-  model. A ``.pt`` state dict records the untied names in its ``_metadata`` (which ``torch.save``
-  keeps and ``load_state_dict`` ignores); :func:`load_export` refuses to load it into a model where
-  those names are one tensor (a tied model's ``load_state_dict`` would silently keep only the later
-  one), and the export warns once in one line. Plain ``model.load_state_dict`` of a model that is not
-  one of our stages cannot be stopped: build the model untied.
-* **It says what it is.** A ``.pt`` export's ``_metadata`` also records the run's ``model`` (a preset
-  name, ``hf:PATH``), tokenizer, seed and vocabulary (:func:`export_record`); an HF folder gets
-  ``unbubble-export.json`` beside its config.json. :func:`load` builds the matching whole model from
-  that record (a preset's one stage holding every block, untied where the run trained the embedding
-  and the head on two stages, which every multi-stage preset run does) and loads it strictly, and
-  :func:`sample` writes text with it. A preset stage that ties its head refuses, in its own
-  ``load_state_dict``, a state dict whose ``wte.weight`` and ``lm_head.weight`` differ
-  (``models.gpt2.refuse_untied_state``), so even plain ``load_state_dict`` cannot keep one silently.
-* **Nothing is overwritten unasked.** The output may not be inside a run folder (the run exported,
-  any folder ``unbubble train`` wrote, any checkpoint folder) or be the run folder itself, whatever
-  ``force`` says; an existing non-empty folder or an existing file is refused unless ``force``, and
-  then the export says what it replaced. An HF folder is written to a temporary folder beside OUT
-  and moved in, file by file.
+Notes: [Note: what an export writes] in docs/architecture.md#exportpy.
 """
 
 from __future__ import annotations
@@ -234,7 +209,7 @@ def _with_masters(executor: dict[str, Any], path: Path) -> dict[str, torch.Tenso
 
 
 #: the embedding and head names of the presets (GPTStage, LlamaStage, MoEStage): one tensor in a
-#: tied single-stage model, two on any multi-stage run ([Note: untied head] in ``models/gpt2.py``)
+#: tied single-stage model, two on any multi-stage run ([Note: untied head] in docs/architecture.md)
 PRESET_TIED = ["wte.weight", "lm_head.weight"]
 
 

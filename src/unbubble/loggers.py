@@ -1,23 +1,8 @@
 """Experiment loggers fed by the run writer: TensorBoard event files (default) and Weights & Biases (offline).
 
-:class:`~unbubble.metrics.RunWriter` forwards every step, evaluation and the finished run here.
-What is logged (x axis: optimizer step of the last stage; evaluations: weight version v):
-
-* ``train/loss`` (nats per token, mean over the step's micro-batches), ``train/perplexity``,
-  ``train/tokens_per_s`` (tokens through the first stage per wall-clock second so far),
-  ``train/max_drift`` (largest Δ = v_B − v_F seen so far);
-* ``val/loss``, ``val/perplexity`` of the version-v weights of every stage;
-* mixture of experts, at each evaluation (statistics since the previous one, ``models.moe.router_stats``):
-  ``router/max_load`` (max over blocks and experts of E × the expert's share; 1 = balanced),
-  ``router/dropped_frac`` (mean over blocks of the assignments dropped past capacity) and
-  ``router/block_j/expert_e`` (the share of block j's assignments expert e received);
-* at the end: ``utilization/rank_r`` per step (busy fraction of rank r between two updates of
-  the last stage, measured wall clock; the emulator runs stages one after another, so also
-  ``simulated_utilization/rank_r`` from its simulated clock), ``drift/stage_s`` histograms of Δ
-  per micro-batch, and the summary as a text table.
-
-TensorBoard: ``tensorboard --logdir runs`` (each run folder is one run). W&B runs in offline mode
-into ``RUN/wandb/``; ``wandb sync RUN/wandb/offline-run-*`` uploads it later.
+:class:`~unbubble.metrics.RunWriter` forwards every step, evaluation and the finished run here, so the
+loggers see what metrics.jsonl records. What is logged:
+docs/architecture.md#loggerspy.
 """
 
 from __future__ import annotations

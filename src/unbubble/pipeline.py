@@ -1,30 +1,9 @@
 """Bring your own model: cut an ``nn.Sequential`` into pipeline stages and train it with any schedule.
 
-A :class:`~unbubble.runtime.job.PipelineJob` needs a *stage function* ``stage_fn(stage) -> nn.Module``
-that every engine calls once per stage (and once more per stage for evaluation), in the coordinating
-process and in every stage process. It must be picklable and deterministic. This module builds one
-from a function that returns your whole model:
-
-.. code-block:: python
-
-    from collections import OrderedDict
-    from torch import nn
-    from unbubble.pipeline import StageBuilder, torch_optimizer
-
-    def mlp() -> nn.Sequential:          # module level, so it pickles
-        return nn.Sequential(OrderedDict(
-            fc1=nn.Linear(64, 128), act1=nn.GELU(),
-            fc2=nn.Linear(128, 128), act2=nn.GELU(),
-            head=nn.Linear(128, 10)))
-
-    stages = StageBuilder(mlp, cut_points=["fc2", "head"], seed=0)   # 3 stages
-    job = PipelineJob(stages, loss_fn, batch_fn, torch_optimizer(torch.optim.AdamW, lr=1e-3),
-                      get_schedule("paci", stages.n_stages, steps=200, a=4))
-
-Stage s holds the children from cut point s − 1 (or the first child) up to, not including, cut
-point s; each stage is an ``nn.Sequential`` that keeps the children's original names, so
-:func:`merge_state_dicts` of the stages' ``state_dict``\\ s (for example ``RunResult.final_states``)
-loads straight back into the whole model. ``examples/digits_mlp.py`` trains a complete example.
+A :class:`~unbubble.runtime.job.PipelineJob` needs a picklable, deterministic *stage function*
+``stage_fn(stage) -> nn.Module`` that every engine calls once per stage; :class:`StageBuilder` builds one
+from a function that returns your whole model. How it cuts, and the optimizer helpers:
+docs/architecture.md#pipelinepy.
 """
 
 from __future__ import annotations

@@ -1,74 +1,12 @@
 """PACI on torch.distributed.pipelining's ``PipelineStage``: an asynchronous schedule class, one stage per rank.
 
-:class:`SchedulePACI` runs unbubble's PACI(a) (docs/architecture.md#schedules-and-their-semantics: asynchronous 1F1B, never flushed, each stage
-updated after every a-th local backward, backward on the current weights with forward-time activations)
-over torch's own ``PipelineStage`` and its point-to-point sends, in the user's processes (``torchrun``, any
-``torch.distributed`` backend): no unbubble launcher, no unbubble executor. The user's training loop keeps
-its shape, torchtitan's ``train_step`` included:
+:class:`SchedulePACI` runs unbubble's PACI(a) (docs/architecture.md#schedules-and-their-semantics) over
+torch's own ``PipelineStage`` and its point-to-point sends, in the user's processes (``torchrun``, any
+backend): no unbubble launcher or executor, and the user's training loop (torchtitan's ``train_step``
+included) keeps its shape; the loop and the step contract are in docs/pipelining.md. Every private torch
+API it needs is in one class, ``_torch_private``, checked by a test against the installed torch.
 
-.. code-block:: python
-
-    stage = PipelineStage(model_part, rank, n_ranks, device)
-    schedule = SchedulePACI(stage, n_microbatches=4, loss_fn=loss_fn)        # a = 4 by default
-    for step in range(steps):
-        optimizer.zero_grad()
-        losses = []
-        schedule.step(data_iterator, losses=losses)   # this stage's next a backwards
-        clip_grad_norm_pp(model_part.parameters(), 1.0)  # optional: a global clip over the pipeline
-        optimizer.step()                               # = PACI's local update U of this stage
-        lr_scheduler.step()
-    schedule.drain()                                   # nothing in flight: evaluate, checkpoint, stop
-
-[Note: the step contract]
-* One ``step()`` on a rank runs its stage's next a backwards (micro-batches t·a … t·a + a − 1 in call t,
-  0-based) and the forwards PACI's back-pressure admits in between (in-flight q_i < N + 1 − i, i = stage + 1),
-  in the fixed per-stage order of ``OrderedPaciPolicy``, which drives it ([Note: one PACI order]; [Note:
-  deterministic order] in ``schedules/policy.py``), and returns right after the a-th backward. The gradients in ``.grad`` are then
-  exactly those of that update: the loop's ``optimizer.step()`` *is* PACI's ``U``, so clipping, the
-  non-finite check, ``optimizer.step()``, ``lr_scheduler.step()`` and ``zero_grad()`` stay after ``step()``
-  where torchtitan has them. Micro-batches already forwarded stay in flight across calls; nothing is
-  flushed.
-* Inputs come through an **iterator** of ``(inputs, target)`` batches, every tensor leaf split along dim 0
-  into ``n_microbatches`` micro-batches (torch's default chunking; the first stage's module gets a
-  micro-batch's inputs as one argument, ``module(inputs)``, as in unbubble's executor: a dict or tuple of
-  inputs through :class:`TreeStage`, [Note: how a batch is split]), passed on every rank (the first stage reads
-  the inputs, the last the targets, the others nothing). Not a batch per call: the first stage's a-th
-  backward of update t comes after the forwards of up to N − 1 later micro-batches (the back-pressure
-  admits them before the update, on the old weights: that is where PACI's drift comes from), which belong
-  to the next batch, so it must read ahead. The iterator must not run out before the last ``step()`` has
-  read ahead (torchtitan's loaders are infinite).
-* ``losses`` receives the unscaled losses of the micro-batches whose backward ran on the last stage in this
-  call: exactly call t's a micro-batches, as torch's schedules fill it (other ranks leave it untouched).
-* Per-step global operations sit at the call boundary, where every rank has just finished the same update:
-  :func:`clip_grad_norm_pp` (one all-reduce of a scalar) clips over the whole pipeline and its norm is the
-  global non-finite check. It costs a synchronisation per step (each rank waits for the slowest to finish
-  its a-th backward; ``unbubble bench`` measures it), it does not deadlock, and the arithmetic stays PACI's.
-* :meth:`SchedulePACI.drain` leaves nothing in flight: the forwards read ahead beyond the last finished
-  update are discarded (at most N − 1 − stage per rank) and the next ``step()`` runs them again on the
-  updated weights, which is unbubble's checkpoint cut ([Note: the checkpoint cut] in
-  ``runtime/checkpoint.py``): a run drained after step V equals the emulator's run with a cut at V, and a
-  checkpoint written after ``drain()`` resumes bit for bit (:meth:`SchedulePACI.state_dict`). Evaluate
-  with :meth:`SchedulePACI.eval` after ``drain()`` (a forward-only pass through the pipeline), or with the
-  model parts directly (without a drain: the weights are already version V).
-* Data parallelism inside a stage (DDP, FSDP2): gradients are reduced once per update, after the a-th
-  backward, before ``step()`` returns ([Note: data parallelism inside a stage]). Stages whose boundaries
-  are dicts (Hugging Face stages from ``split_model``) run wrapped in :class:`TreeStage`.
-
-Backward on current weights: the graphs of in-flight micro-batches were built before the loop's in-place
-``optimizer.step()``; stock autograd refuses their backward ("modified by an inplace operation"). Every forward
-(and the last stage's loss) runs under ``unbubble.runtime.versions.SavedByReference``, the public
-``saved_tensors_hooks`` seam unbubble's own executor uses too ([Note: backward on current weights] in
-``runtime/versions.py``): a backward reads the current weights with the forward's activations, PACI's semantics,
-and never a weight copy; a saved activation modified in place still raises at its backward.
-
-Private torch APIs are used in one place only, ``_torch_private`` below; ``tests/unit/test_pipelining.py``
-fails loudly when a torch upgrade changes one of them.
-
-torch versions: tested with torch 2.13 only; :class:`SchedulePACI` refuses any other at construction
-(:data:`TESTED_TORCH`).
-
-Source: PACI, arXiv 2606.07881, §3; torch.distributed.pipelining (``PipelineStage``,
-``PipelineScheduleSingle``), torch 2.13; torchtitan ``_build_pipeline_schedule`` (:func:`build_pipeline_schedule`).
+Notes: [Note: the step contract] in docs/architecture.md#pipeliningpy.
 """
 
 from __future__ import annotations

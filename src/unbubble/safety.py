@@ -1,20 +1,7 @@
 """Nothing lost, nothing silently wrong: files written whole or not at all, operating-system errors
 in one line, one process per run folder, and a memory estimate before a model is built.
 
-[Note: writes are whole or absent]
-Every file a command writes for later use (an export, a summary, a report's table, a checkpoint) is
-written to a temporary name in its own folder and renamed over the final name (``os.replace``, atomic
-on POSIX within one file system). A full disk, a signal or a crash mid-write leaves the previous file
-or none, never a cut-short one that a later command would read as the real thing; the temporary file
-is removed on failure. ``torch.save`` is given an open Python file, not a path: with a path its C++
-writer reports a full disk as ``[enforce fail at inline_container.cc:672] unexpected pos``, with a
-file it raises the ``OSError`` (``ENOSPC``) that :func:`os_error_line` turns into one line.
-
-[Note: the run folder's lock]
-``train``/``resume`` take ``RUN/.lock`` (created with ``O_CREAT | O_EXCL``: of two processes racing
-for it exactly one wins) holding the owner's pid, host and start time, and remove it on exit. A lock
-whose pid is no longer alive on this host is stale (the owner was killed with SIGKILL, the machine
-rebooted) and is taken over with a warning; a lock of another host cannot be checked and is obeyed.
+Notes: [Note: writes are whole or absent], [Note: the run folder's lock] in docs/architecture.md#safetypy.
 """
 
 from __future__ import annotations
@@ -244,7 +231,7 @@ def preset_memory_bytes(config, n_stages: int, seq_len: int, micro_batch_size: i
     engine alike), in bytes: its parts and their ``total``.
 
     * parameters: fp32 weights, 4 B each (``bf16``: 2 B and a 4 B fp32 master); the embedding and the
-      head are two matrices on more than one stage ([Note: untied head] in ``models/gpt2.py``);
+      head are two matrices on more than one stage ([Note: untied head] in docs/architecture.md);
     * the evaluation copy: 4 B per parameter (validation builds the model once more, unsplit by version);
     * gradients: 4 B per parameter;
     * optimizer state: 4 B per parameter for Muon and the momentum methods, 8 B for the Adam family;

@@ -1,23 +1,9 @@
 """Synchronous, then asynchronous: one run that trains its first K updates with 1F1B-flush and the rest
 with an asynchronous schedule (``unbubble train --switch-after K``; docs/concepts.md).
 
-The delay costs most early in training (pays-study: PACI's token overhead falls from 1.33 at 600
-updates to about 1.07 at 2,400, paired per seed), so a run may train synchronously while it hurts and asynchronously
-after. The switch sits at an update boundary where 1F1B-flush has flushed, so nothing is in flight:
-
-* phase 1 is 1F1B-flush with m = a (the same micro-batches per update, the same loss scale 1/a, the
-  same stages), on the *whole* run's learning-rate schedule (``lr_steps`` = the run's steps), stopped
-  after update K; it is a complete run folder of its own, ``RUN/synchronous``;
-* phase 2 is the configured schedule from phase 1's checkpoint of update K, exactly as
-  ``--init-from RUN/synchronous`` (weights and optimizer state by parameter name, the update counter
-  and the data position continuing: its first micro-batch is K·a). What the asynchronous schedule
-  keeps across updates starts empty at the switch: drift (the pipeline fills again, Δ = 0 for its
-  first forwards), the error-feedback history (the first asynchronous update is plain, as a run's
-  first), the stale clip's pending norms (its first s updates clip with their own) and PipeMare's
-  velocity. Synchronous updates carry none of them, so each is defined as at a run's start.
-
-The run's folder is phase 2's (``summary.json``, ``metrics.jsonl`` from update K + 1), with phase 1
-inside it; :func:`train_switched` returns a result whose losses cover both phases.
+The delay costs most early in training, so a run may train synchronously while it hurts and
+asynchronously after. How the switch is placed and what carries over:
+docs/architecture.md#switchpy.
 """
 
 from __future__ import annotations

@@ -474,7 +474,7 @@ def train(cfg: TrainConfig | None = None, listener_factory=None, resume: str | P
         listener_factory: ``f(writer, total_steps) -> Listener`` for live progress; default:
             the writer alone (JSONL metrics, no terminal output).
         resume: a run folder to continue from its newest complete checkpoint, with its own
-            config.yaml ([Note: the checkpoint cut] in ``runtime/checkpoint.py``).
+            config.yaml ([Note: the checkpoint cut] in docs/architecture.md).
         resume_overrides: options of :data:`RESUME_OVERRIDES` to change when resuming.
         started_at: when the command started, epoch seconds: summary.json's ``startup_s`` counts
             from it to the end of the first optimizer step (default: this call; ``unbubble train``

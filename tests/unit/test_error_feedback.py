@@ -1,4 +1,4 @@
-"""Error feedback ([Note: error feedback] in optim/error_feedback.py): the rule against a hand computation,
+"""Error feedback ([Note: error feedback] in docs/architecture.md): the rule against a hand computation,
 its reduction to PACI at c = 0, composition with weight prediction and bf16, its memory, bad values, resume."""
 
 import dataclasses

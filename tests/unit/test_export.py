@@ -1,4 +1,4 @@
-"""Exports that cannot destroy a run (issue 33, item 5; [Note: what an export writes] in export.py):
+"""Exports that cannot destroy a run (issue 33, item 5; [Note: what an export writes] in docs/architecture.md):
 refused destinations, one line each; --force says what it replaced; unbubble train writes the last
 step's weights by default, so train then export works; bf16 runs export their fp32 masters; an untied
 run's export stays untied."""

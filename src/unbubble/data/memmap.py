@@ -1,23 +1,8 @@
 """Tokenise a corpus once into ``.bin`` token files and memory-map them.
 
-Layout of a prepared corpus, in ``<cache_dir>/<key>/``:
-
-* ``train.bin``, ``val.bin``: raw little-endian token ids, no header, each
-  document followed by the EOS id; ``uint16`` when every id fits (vocabulary
-  up to 65,536: the nanoGPT format), ``uint32`` above (Llama 3, Qwen, Gemma).
-* ``meta.json``: token counts, dtype, tokenizer, vocab size, EOS id, corpus
-  fingerprint, split description, tokenizing time and sha256 of both bins.
-
-``key`` is a 16-hex-digit sha256 of (format version, corpus fingerprint (the
-files' contents), tokenizer fingerprint (a Hugging Face tokenizer's file
-contents), text field, val_fraction), so editing a corpus file, or changing
-the tokenizer or split, gives a fresh folder. Tokens are streamed into
-temporary files that are fsynced and moved into place with :func:`os.replace`;
-``meta.json`` is written last and marks the folder complete, so a crash or a bad
-row never leaves a half-written file that is later trusted; temporary names carry
-the writer's host and PID, and the next run of the same key removes those of a
-process that is gone (a run killed while tokenizing). Processes that
-prepare the same key concurrently write identical bytes, so the race is harmless.
+A corpus is tokenised once per (files, tokenizer) and read by every run and stage process without
+loading it. The cache's layout:
+docs/architecture.md#datamemmappy.
 """
 
 from __future__ import annotations

@@ -1,31 +1,9 @@
 """``overhead-study``: when does asynchrony pay? Token overhead and time-to-target of PACI with
 delay remedies against 1F1B-flush with the same optimizer (docs/architecture.md#comparing-convergence).
 
-Two resumable sweeps (:func:`unbubble.experiments.sweep.run_sweep`):
-
-1. the paci-study horizon (:func:`~unbubble.experiments.study_specs.overhead_spec`): each
-   (PACI, flush) pair with identical optimizer settings, both tuned; PACI also trains at 1.5×, 2×
-   and 3× the tokens, each budget a full warm-up + cosine run at its tuned lr;
-2. a longer horizon (:func:`~unbubble.experiments.study_specs.horizon_spec`, 4× the tokens) for
-   Muon, the best remedy and the best AdamW setting with their flush twins, at the 1× tuned lrs.
-
-Metrics, from ``runs.csv`` and ``curves.csv`` only:
-
-* **token overhead**: per seed, the budget at which PACI's *final* validation loss meets the flush
-  twin's (mean over seeds), interpolated in log tokens (:func:`~unbubble.experiments.stats.budget_overhead`);
-  mean ± sample std over seeds, "> b" when the largest budget trained does not reach it;
-* **time-to-target** on the simulated clock of N devices with the per-stage F, B and U durations
-  measured in these runs: PACI's time to train the interpolated budget, against (a) its flush twin's
-  full run on the fastest synchronous schedule (:data:`~unbubble.sim.extrapolate.SYNCHRONOUS`:
-  1F1B-flush, ZB-H1, ZB-H2, interleaved 1F1B where m is a multiple of N, looped-bfs,
-  interleaved-zb, ZBV and DualPipeV where m ≥ 2N, the last five with 2 chunks per rank (v = 2, or
-  placed in a V), each half of its stage's measured work; they all compute flush's updates, only
-  their clock differs), and (b) the
-  fastest synchronous (schedule, optimizer) of the study to reach the same loss (read on its
-  validation curve: a shorter full schedule would get there sooner still, so (b) favours PACI);
-* **break-even**: asynchrony pays when its token overhead is below the throughput ratio it buys
-  over the fastest synchronous schedule (:func:`break_even_rows`), of all of them or of those within
-  1F1B-flush's activation memory (``memory="1f1b"``: :func:`~unbubble.sim.extrapolate.synchronous_options`).
+Two resumable sweeps (the paci-study horizon with token budgets, and a 4× longer one), analysed from
+``runs.csv`` and ``curves.csv`` only. The sweeps and the metrics:
+docs/architecture.md#experimentsoverheadpy.
 """
 
 from __future__ import annotations

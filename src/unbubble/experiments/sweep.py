@@ -1,33 +1,9 @@
 """Convergence sweeps: a grid of (method, N, lr, seed) run in the emulator, resumable, with lr tuning.
 
-A :class:`SweepSpec` names the configuration shared by every run (``base``: TrainConfig fields),
-the methods (each a label and the TrainConfig fields that make it: schedule, a or m, optimizer…),
-pipeline depths, a learning-rate grid, seeds and the number of micro-batches every run trains on
-(equal tokens: ``steps = micro_batches // micro-batches per update``).
-
-Protocol (``tune=True``, the field's usual one): every (method, N) is trained at every lr of the
-grid with the first seed; when the best lr is at the edge of what was tried, the next lr beyond
-it is tried too (``extend_grid`` rounds); the lr with the lowest final validation loss is that
-method's tuned lr; the other seeds then run at the tuned lr only (``seed_stages`` limits them to
-some depths). With ``tune=False`` every lr runs with every seed.
-
-Token overhead as a number (docs/architecture.md#comparing-convergence): a method that names a synchronous ``baseline`` and
-``budgets`` (multiples of its tokens, e.g. 1.5, 2, 3) then trains each seed at those budgets, each
-run a full warm-up + cosine schedule at the tuned lr: larger budgets in increasing order while the
-seed's final validation loss is still above its own baseline seed's (paired: same seed, same data
-order; the baseline's mean where that seed is missing), smaller ones (< 1) in decreasing order while
-it is below. After two budgets the line through them (log tokens, loss) picks the smallest budget it
-says reaches the target, so the overhead is bracketed; none when it reaches it only beyond
-:data:`SKIP_FACTOR` × the largest budget, or not at all.
-:func:`unbubble.experiments.stats.budget_overhead` interpolates the tokens at which the final loss
-meets the target.
-
-Each finished run leaves ``OUT/results/<run id>.json``; a second invocation skips those, so a
-stopped sweep continues where it stopped. A stop (SIGINT/SIGTERM, :func:`stop_handlers`) starts no
-further run: workers are handed a run only when idle, so none is queued, and the running ones stop
-at their next step boundary and are not recorded (:class:`SweepStopped`); a second stop ends them at once. ``OUT/runs.csv`` (one row per run) and
-``OUT/curves.csv`` (validation loss per evaluation, training loss per update where kept) are
-rewritten from them at the end: they are all an analysis needs.
+A :class:`SweepSpec` names the configuration every run shares, the methods, pipeline depths, an lr grid,
+seeds and the micro-batches every run trains on (equal tokens). The protocol (lr tuned per method,
+token budgets) and how a stopped sweep resumes:
+docs/architecture.md#experimentssweeppy.
 """
 
 from __future__ import annotations

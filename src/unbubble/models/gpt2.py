@@ -6,25 +6,7 @@ linear language-model head. A ``GPTStage`` holds a contiguous range of blocks; t
 the embeddings and the last stage the final LayerNorm and the head, so composing the stages of any
 partition gives the whole model.
 
-References:
-    - Radford et al. 2019, "Language Models are Unsupervised Multitask Learners" (GPT-2), §2.3:
-      pre-LN, final LayerNorm, residual weights scaled by 1/sqrt(N) at init.
-    - Karpathy, nanoGPT ``model.py``: module layout, N(0, 0.02) init, c_proj std 0.02/sqrt(2 * n_layer).
-    - OpenAI ``gpt-2/src/model.py``: the shapes of the released gpt2 / medium / large / xl models.
-
-[Note: partition-invariant init]
-    Every parameter is drawn from a ``torch.Generator`` that belongs to its component and is seeded
-    from ``(seed, component)`` alone (see ``component_seed``): block j from ``seed * 100_003 + j + 1``,
-    the embeddings (``wte`` then ``wpe``) from ``seed * 100_003``. Building blocks [0, 2) and [2, 4) as
-    two stages therefore gives bit-identical tensors to building [0, 4) as one stage, and the global
-    RNG is never touched (modules are created on the meta device and then initialised in place).
-
-[Note: untied head]
-    GPT-2 ties ``lm_head.weight`` to ``wte.weight``. When the embedding and the head sit on different
-    stages (any partition with more than one stage) they cannot share storage, so the last stage owns
-    an untied head, as in the PACI code. The untied head is drawn from the *embedding's* generator
-    stream, so at init it equals ``wte.weight`` exactly and an N-stage model computes the same logits
-    as the tied single-stage model. The two copies then train apart (each gets only its own gradient).
+Notes: [Note: partition-invariant init], [Note: untied head] in docs/architecture.md#modelsgpt2py.
 """
 
 from __future__ import annotations

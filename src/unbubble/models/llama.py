@@ -7,20 +7,7 @@ biases anywhere. The head may be tied to the token embedding (Llama 3.2 1B/3B) o
 Stages follow ``gpt2.GPTStage``: a ``LlamaStage`` holds a contiguous range of blocks, the first stage the
 token embedding, the last the final RMSNorm and the head.
 
-References:
-    - Touvron et al. 2023, "Llama 2", arXiv 2307.09288, §2.2 (pre-norm RMSNorm, SwiGLU, RoPE, GQA).
-    - Zhang & Sennrich 2019, "Root Mean Square Layer Normalization", arXiv 1910.07467 (RMSNorm).
-    - Shazeer 2020, "GLU Variants Improve Transformer", arXiv 2002.05202, eq. 6 (SwiGLU).
-    - Su et al. 2021, "RoFormer", arXiv 2104.09864, eq. 34 (rotary embedding); the half-split pairing
-      (i, i + hs/2) is GPT-NeoX's and Hugging Face Llama's (``rotate_half``).
-    - Ainslie et al. 2023, "GQA", arXiv 2305.13245, §2.2.
-    - Meta ``llama-models`` ``params.json`` files: the shapes of the published presets.
-
-Init: every matrix N(0, 0.02), the residual projections ``wo`` and ``w2`` N(0, 0.02/sqrt(2·n_layer)) as in
-GPT-2 (nanoGPT), RMSNorm weights 1. Weights are partition-invariant exactly as in ``gpt2.py`` ([Note:
-partition-invariant init] there: one generator per component, seeded by ``gpt2.component_seed``). A tied head
-on a multi-stage model is untied and starts equal to the embedding ([Note: untied head] in ``gpt2.py``); an
-untied head is drawn from its own component ``n_layer + 1``.
+Notes: docs/architecture.md#modelsllamapy.
 """
 
 from __future__ import annotations
@@ -276,7 +263,7 @@ class LlamaStage(nn.Module):
 
     @torch.no_grad()
     def _init_weights(self) -> None:
-        """See [Note: partition-invariant init] and [Note: untied head] in ``gpt2.py``."""
+        """See [Note: partition-invariant init] and [Note: untied head] in docs/architecture.md."""
         if self.first:
             self.wte.weight.normal_(0.0, INIT_STD, generator=generator(self.seed, EMBEDDING_COMPONENT))
         for j in self.layers:

@@ -1,47 +1,9 @@
 """A mixture-of-experts decoder: the Llama-style decoder of ``llama.py`` with a routed SwiGLU layer.
 
-Every block's feed-forward network is E SwiGLU experts and a linear router (Mixtral's layout). A token goes
-to its top-k experts (k = 1: Switch Transformer; k = 2: GShard, Mixtral); the output is the gate-weighted
-sum of their outputs. Each projection of all experts is one 3-D parameter ``(E, out, in)`` (``w1``, ``w3``:
-``(E, H, C)``, ``w2``: ``(E, C, H)``), so an optimizer sees a batch of E matrices (Basis Rotation rotates
-each expert in its own bases) and the experts run as batched matmuls with no Python loop.
-
-Routing, per micro-batch of N = B·T tokens:
-
-* probabilities p = softmax(x W_rᵀ) in float32, ``(N, E)``; the top-k experts by p, ties to the lower index
-  (``torch.topk``); gates = the top-k probabilities, renormalised to sum to 1 when k > 1 (Mixtral; with
-  k = 1 the gate is p itself, as in Switch, so the router gets a gradient from the language-model loss).
-* [Note: expert capacity] each expert processes at most ``capacity = min(N, ceil(capacity_factor · k · N / E))``
-  assignments; assignments queue in slot-major order (every token's first choice, in token order, before
-  any second choice: GShard §2.2, Switch §2.1), and those past an expert's capacity are *dropped*: they add
-  nothing, the token keeps only its residual (and its other expert). ``capacity_factor=None`` never drops
-  (capacity N). Routing is a pure function of the router weights and the input: deterministic.
-* [Note: load-balancing loss] ``aux = E · Σ_e f_e · P_e`` with f_e the fraction of the N·k assignments
-  that chose expert e (before drops; a count, no gradient) and P_e the mean router probability of e
-  (Switch Transformer, arXiv 2101.03961, eq. 4, with f_e normalised over all k slots so that perfectly
-  uniform routing gives 1 for any k). The training objective of a micro-batch is
-  ``cross-entropy + aux_loss_coef · Σ_blocks aux`` (coefficient 0.01, Switch §2.2).
-
-[Note: auxiliary loss through the pipeline]
-    A block's aux loss lives on the block's stage, while the cross-entropy is computed on the last stage
-    and each stage only runs ``output.backward(grad)``. The block therefore returns its output through
-    ``AuxLossGrad`` (Megatron-LM's ``MoEAuxLossAutoScaler``): the identity forward, and a backward that
-    passes the output gradient through and gives the aux loss the gradient ``aux_loss_coef ·
-    aux_loss_scale``. ``aux_loss_scale`` must be the factor the executor multiplies each micro-batch's
-    loss by (1/a for PACI, 1/m for flushed schedules; ``partition.build_stages(..., loss_scale=)``), so
-    every stage applies the gradient of ``loss_scale · (cross-entropy + coef · Σ aux)``, the same as a
-    single-stage model would. Evaluation reports the cross-entropy alone.
-
-[Note: router statistics]
-    In training mode with gradients on, each routed layer adds its assignments per expert to the int64 buffers ``routed``
-    (before drops) and ``dropped`` (past capacity), both ``(E,)``. They are part of the state dict, so they
-    ride the evaluation snapshots (``runtime.telemetry``) and checkpoints of every engine;
-    ``router_stats`` turns two snapshots into the load per expert and the dropped fraction in between.
-
-References: Shazeer et al. 2017, arXiv 1701.06538 (top-k gating); Lepikhin et al. 2020, "GShard",
-arXiv 2006.16668, §2.2 (capacity, top-2, slot-major queues); Fedus et al. 2021, "Switch Transformers",
-arXiv 2101.03961, §2.1-2.2 (capacity factor, eq. 4 auxiliary loss, α = 0.01); Jiang et al. 2024,
-"Mixtral of Experts", arXiv 2401.04088, §2.1 (8 SwiGLU experts, top-2, renormalised gates).
+Every block's feed-forward network is E SwiGLU experts and a linear router (Mixtral's layout); each
+projection of all experts is one 3-D parameter ``(E, out, in)``, so the experts run as batched matmuls and
+an optimizer sees a batch of E matrices. Routing and its auxiliary loss through the pipeline:
+[Note: auxiliary loss through the pipeline], [Note: router statistics] in docs/architecture.md#modelsmoepy.
 """
 
 from __future__ import annotations

@@ -303,7 +303,7 @@ def build_stages(
 ) -> list[nn.Module | None]:
     """Build the stages of the balanced partition (``partition_layers``) of any architecture.
 
-    Weights do not depend on the partition (see [Note: partition-invariant init] in ``gpt2.py``); with
+    Weights do not depend on the partition (see [Note: partition-invariant init] in docs/architecture.md); with
     one stage a tied head shares the embedding, otherwise it is untied but starts equal to it.
 
     Args:

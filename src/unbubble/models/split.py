@@ -5,51 +5,8 @@ cost and builds their stage classes; this module takes a *foreign* decoder-only 
 Hugging Face ``*ForCausalLM`` whose decoder layers are one list, a torchtitan-layout model, or any
 model with per-stage module names) and cuts it where it stands, without rewriting it.
 
-[Note: stages keep the model's names]
-Each stage module holds the submodules it owns under their original attribute paths, so a stage's
-``state_dict()`` keys are the model's own fully-qualified names (``transformer.h.5.attn.c_attn.weight``
-on whichever stage holds block 5). The stages' state dicts merge into one ``model.state_dict()``
-(``unbubble.export``), as torchtitan prunes a meta-device model per stage (its
-``pipeline_module_split``). Parameter-free modules every stage needs (Llama's rotary embedding) are
-copied into each stage; their buffers are non-persistent, so nothing is duplicated in a checkpoint.
-
-[Note: a stage runs the model's own forward]
-A stage of a Hugging Face model is a copy of the model in which every module another stage owns is
-a parameter-free stand-in: the token embedding (and any module with parameters that runs before the
-layers: GPT-2's position embedding) returns zeros of the shape it would return, so whatever the
-model multiplies or adds to them stays zero; a decoder layer returns its hidden states unchanged
-and keeps the attributes the model's forward reads (``attention_type``). The stage calls the
-model's own ``forward`` (``XForCausalLM.forward`` → ``XModel.forward``): a forward pre-hook on its
-first layer puts the received hidden states in place of that layer's input, a forward hook on its
-last layer ends the forward there (a private exception the stage catches) and hands the layer's
-output on; the last stage lets the forward run to the logits. Under ``torch.compile``, whose graph
-breaks where an exception leaves a frame, the hook only keeps the output: the forward runs on
-through pass-through stand-ins, and the compiled graph drops what does not lead to the stage's output
-(one graph per stage, no break). Masks per layer type, rotary tables,
-embedding scales and multipliers, the final norm, logit scale and soft-cap are thus the model's own
-code on every stage. Which modules run before the layers (the first stage's) and after them (the
-last stage's), and how a layer takes and returns its hidden states, come from one forward of the
-model on 4 token ids (:func:`trace_hf`). There is no list of families: the probe
-(:func:`verify_split`) is the gate. Refused in one line, naming the feature, is what cannot cross a
-boundary this way: per-layer input embeddings computed from the token ids (Gemma3n, Gemma4), keys
-and values shared across layers, a router load-balancing loss summed over all layers, encoder-
-decoder models, a model with no list of decoder layers, a module with parameters that runs between
-the layers, HF's gradient checkpointing (use ``recompute="full"``), and (without ``untie=True``)
-weights tied across stages.
-
-What crosses a boundary of an HF model ([Note: stage boundaries carry pytrees]): a dict
-``{"hidden_states", "attention_mask", "position_ids"}`` (the batch's own mask and position ids,
-``None`` where it gave none, and any other keyword input it gave). Each stage's forward rebuilds
-the masks and rotary tables from them, as the whole model does once. The model's cache is built as
-the whole model builds it (``config.use_cache``): keys and values copied into it change the backward's
-round-off (GPT-2, BERT, CodeGen: up to 5e-5 after 2 updates without it), and under it HF reads no
-packed rows (position ids and no mask). The first stage takes
-a dict batch (``input_ids``, optional ``attention_mask``, ``position_ids``) or the token ids alone;
-the last returns the logits ``(B, T, vocab)``.
-
-Tied weights: a parameter reachable under two names on two stages (GPT-2's ``transformer.wte.weight``
-and ``lm_head.weight``) cannot be shared by asynchronous stages: :func:`split_model` refuses it in one
-line, or with ``untie=True`` gives each stage its own copy and warns.
+Notes: [Note: stages keep the model's names], [Note: a stage runs the model's own forward] in
+docs/architecture.md#modelssplitpy.
 """
 
 from __future__ import annotations

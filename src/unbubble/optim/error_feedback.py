@@ -1,31 +1,9 @@
 """Error feedback for delayed gradients: a correction of the applied update, for any optimizer.
 
-[Note: error feedback] Zmushko et al. (arXiv 2606.30634), as read by the public implementation in
-lodestone-rock/RamTorch ``ramtorch/delayed_optim.py`` (a third party's reading of the paper's
-Algorithm 1/2, not the authors' code). With u_t the optimizer's full update of step t, learning rate
-and decoupled weight decay included (u_t = x_t − x_{t+1}^plain, x_{t+1}^plain what the optimizer alone
-produced), the applied step is
-
-    x_{t+1} = x_t − u_t − c·(u_t − u_{t−1}),
-
-c ≥ 0 (1 in RamTorch's Adam; c = 0 is the plain optimizer). The first step is plain (there is no
-u_0), and the history keeps the *uncorrected* u_t, never the corrected step: both as in RamTorch.
-
-Where this differs from RamTorch: RamTorch computes u_t explicitly inside its own Adam/Muon/Lion;
-here u_t is read off the parameters (before − after ``optimizer.step()``), so the rule wraps every
-optimizer unbubble has (AdamW, Muon, Basis Rotation, NAdam, …) unchanged, at the cost of the rounding
-of that subtraction (exact in the hand-computed test at float64; one fp32 ulp of x otherwise). Weight
-decay enters u_t wherever the optimizer applies it (decoupled: in the step, as RamTorch's AdamW;
-coupled: through the gradient).
-
-A tensor without a gradient in an update (``.grad is None`` at the step: a layer no micro-batch
-reached, an MoE expert no token was routed to) is left as the optimizer left it (torch's optimizers
-skip it: unchanged) with no correction, and its history is zeroed, as RamTorch's ``_skip_parameter``
-does: without this it would move by c·u_{t−1} although it had no update. The step counter still
-advances, so when it next receives a gradient its correction is c·(u_t − 0), as in RamTorch.
-
-Memory: two buffers shaped like the stepped tensors (the fp32 masters under bf16): the history
-u_{t−1} and a snapshot of the weights before the step; both allocated once.
+x_{t+1} = x_t − u_t − c·(u_t − u_{t−1}), u_t the optimizer's full update, read off the parameters so that
+it wraps every optimizer unchanged (Zmushko et al., arXiv 2606.30634, as read by lodestone-rock/RamTorch).
+The rule, where it differs from RamTorch, and its memory:
+[Note: error feedback] in docs/architecture.md#optimerror_feedbackpy.
 """
 
 from __future__ import annotations

@@ -1,23 +1,7 @@
 """Delay-aware learning-rate rescheduling: PipeMare's T1, PipeDream-LR built from it, and
 staleness-aware scaling.
 
-PipeMare's technique T1 divides stage i's step size by a power of its delay and anneals the power
-from 1 to 0 over K updates, so stale stages start with a step ~1/tau as large and reach the full
-schedule after K updates::
-
-    alpha_{k,i} = alpha_k * tau_i^(-p_k),    p_k = 1 - min(k / K, 1)
-
-k is the 1-based index of the update being applied. "PipeDream-LR", the baseline of the Basis
-Rotation paper, is PipeDream (weight stashing, tau_s = N - 1 - s) with this rescaling; its released
-code computes ``lr / tau ** (1 - min((1 + step) / T, 1))`` with the 0-based step, i.e. the same k.
-
-Both are pure functions of (tau, step); ``PipeDreamLR`` wraps one as a picklable
-``torch.optim.lr_scheduler.LambdaLR`` multiplier, optionally on top of a base schedule such as
-``unbubble.lr.warmup_cosine``.
-
-Source: B. Yang et al., "PipeMare: Asynchronous Pipeline Parallel DNN Training", arXiv 1910.05124,
-Technique 1 (learning-rate rescheduling); Basis Rotation, arXiv 2602.03515, baselines, and its
-released ``main_with_runtime.py`` (``--lr_correction``).
+Notes: docs/architecture.md#optimlr_reschedulingpy.
 """
 
 from __future__ import annotations

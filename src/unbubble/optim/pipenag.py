@@ -1,26 +1,8 @@
 """Nesterov-style delay correction for asynchronous pipelines (PipeNAG), and the NAdam baseline.
 
-Nesterov's method evaluates the gradient at a look-ahead point along the momentum. In Bengio's
-reformulation (which ``torch.optim.NAdam`` implements, with Adam's normalisation) the update is::
-
-    W <- W - lr [ (1 - mu_t) / (1 - prod_{i<=t} mu_i) * g_t / d_t
-                  + mu_{t+1} / (1 - prod_{i<=t+1} mu_i) * m_t / d_t ]
-
-with mu_t = beta1 (1 - 0.5 * 0.96^(t * momentum_decay)) and d_t Adam's denominator. The second
-term is the look-ahead: the weights are moved along the momentum before the next gradient is taken.
-With stale gradients (computed tau updates ago) PipeNAG makes that look-ahead reach further by
-raising the momentum coefficient towards 1: the released experiments ("ours" in ``run.bash``) run
-NAdam with beta1 = 0.99; ``--adaptive_momentum`` instead grows beta1 with the stage's delay,
-beta1_s = beta1 + tau_s (beta1_max - beta1) / N, so the last stage (tau = 0) keeps beta1.
-
-``PipeNAG`` is ``torch.optim.NAdam`` (decoupled weight decay) with that coefficient, so it inherits
-torch's tested arithmetic, ``state_dict`` and foreach paths. The Basis Rotation paper's "Nesterov"
-baseline is plain NAdam with momentum_decay 0.004 (``nadam`` below).
-
-Source: T. Ajanthan et al., "Nesterov Method for Asynchronous Pipeline Parallel Optimization",
-arXiv 2505.01099 (ICML 2025), look-ahead modification and delay-dependent momentum; its code
-PluralisResearch/AsyncPP (``run.bash``: ``--momentum 0.99 --optimizer nadamw``;
-``main_with_runtime.py``: ``--adaptive_momentum``). NAdam: T. Dozat, ICLR 2016 workshop.
+PipeNAG raises NAdam's momentum toward 1 so that Nesterov's look-ahead reaches further when gradients are
+τ updates old (arXiv 2505.01099). The update and the released code's settings:
+docs/architecture.md#optimpipenagpy.
 """
 
 from __future__ import annotations

@@ -1,30 +1,8 @@
 """Checkpoints of a running pipeline: one file per stage, written at drained cuts.
 
-[Note: the checkpoint cut]
-A checkpoint is taken at a *cut*: the boundary after update V where no micro-batch is in flight
-on any stage. V is a multiple of the checkpoint interval K, the last step (``Checkpointing.final``),
-or the step T at which a stop (SIGINT/SIGTERM) was placed. Flushed schedules (GPipe, 1F1B, interleaved, ZB) reach a cut
-after every update. Asynchronous ones (PACI, PipeDream, 2BW, PipeMare) never flush, so at a cut
-stage 0 holds back the forward of micro-batch V·mb_per_step until its own update V is applied
-(``schedules.policy.CutPolicy``): the pipeline drains once per K steps, a cool-down and warm-up of
-≈ (N−1)(F+B) per K·mb_per_step micro-batches (< 1 % at K=100, N=4, a=4), and the drift bounds
-still hold. The in-flight state (activations with their autograd graphs) is never saved: at a
-cut there is none.
-
-At its update V each stage is idle — no stored activation, no accumulated gradient, no stashed
-weight version — and writes its own file without waiting for the others (no global
-synchronisation). A checkpoint is *complete* when every stage's file exists; files are written
-to a temporary name and renamed, so a file that exists is whole. Before any stage writes the
-cut after V' > V, every stage has written V (the micro-batches after V pass through all of
-them first), so keeping each stage's newest two files always keeps a complete checkpoint.
-
-A stage file holds: model, optimizer and learning-rate scheduler state, weight version V, the
-PipeMare velocity (T2), the non-finite guard's learning-rate factor, the RNG states, the data
-position (next micro-batch id V·mb_per_step; the accumulation counter is 0 at a cut) and a
-fingerprint of the run (schedule, N, micro-batches per step, steps, D, parameter shapes) that
-resume checks. Resuming restarts every stage at the cut; the emulator replays the simulated
-schedule from step 0 and executes from the cut on, so an interrupted and resumed run is
-bit-identical to an uninterrupted one with the same cuts.
+At a cut nothing is in flight, so a checkpoint holds only weights, optimizer and schedule state, each
+stage writes its own file without a global barrier, and a resumed run continues bit-identically:
+[Note: the checkpoint cut] in docs/architecture.md#runtimecheckpointpy.
 """
 
 from __future__ import annotations

@@ -1,45 +1,9 @@
 """``--compile``: each stage's module under ``torch.compile``, with PACI's version semantics kept.
 
-[Note: compiled stages]
-A compiled stage is ``torch.compile(module)`` (an ``OptimizedModule`` around the stage's own
-module, which keeps its parameters, names and ``state_dict``, so checkpoints and evaluation are
-unchanged); the executor calls it for every forward and recomputed forward. The loss is not
-compiled: the last stage's ``loss_fn`` (any user function) runs eagerly on the compiled module's
-output.
-
-Why the semantics of [Note: backward on current weights] (``versions.py``) survive: Dynamo
-lifts the parameters into graph inputs, and AOTAutograd saves what the backward graph needs
-through ``ctx.save_for_backward`` of one autograd function. A saved graph input is the live
-parameter itself (the tests find both Linear weights of a stage saved with the parameters'
-storage, and no copy), so after the in-place update (the forward ran under ``SavedByReference``,
-which also sees what ``save_for_backward`` saves) the compiled backward reads the current weights,
-as the eager one does. What could break it: a saved tensor *derived* from a weight (a contiguous transposed copy,
-a dtype cast), which would freeze the forward-time weights into the backward, or an activation
-the partitioner rematerialises in the backward from a parameter (the weight gradient would then
-see the current weights instead of the forward-time activations). Neither is assumed away:
-``tests/unit/test_compile.py`` runs a stage forward, updates it in place, runs the backward, and
-checks the input and weight gradients against the eager executor's (which the delayed references
-pin down) and against both wrong answers, for ``aot_eager`` and ``inductor``. bf16-autocast saves
-its bf16 weight casts compiled as eagerly (the input gradient then uses the forward-time bf16
-weights, as [Note: precision and version semantics] states for eager autocast).
-
-Weight stashing calls ``torch.func.functional_call`` on the compiled module with the stashed
-tensors under the ``_orig_mod.`` prefix: the first stashed forward recompiles once (plain
-tensors instead of ``nn.Parameter``), later versions reuse that graph.
-
-Recompilation: ``torch.compile``'s default ``dynamic=None`` compiles the first shape statically
-and, when a later call changes a dimension, recompiles once with that dimension symbolic
-("automatic dynamic shapes"), so micro-batches of varying batch size or length cost at most one
-more graph, not one per shape. Other graphs a stage may need: the no-grad forward of
-``--recompute full`` (grad mode is guarded), and the first stashed forward. All stages of one
-model class share the cache of its ``forward``, so :func:`compile_stage` raises Dynamo's
-recompile limit to :data:`RECOMPILE_LIMIT` and makes hitting it an error: a stage never falls
-back to eager silently. :func:`compile_stats` reads Dynamo's counters so tests and
-``unbubble bench`` can count the graphs.
-
-Memory is measured as for eager stages, except that weight copies are recognised by value
-(``SavedBytes(by_value=True)``): the compiled function's saved tensors have no per-op ``grad_fn``
-chain to follow. Split backward (zb-h1, zb-h2, interleaved-zb, zbv, dualpipev) is refused: see :data:`SPLIT_BACKWARD_SCHEDULES`.
+The executor calls ``torch.compile(module)`` (same parameters, names and checkpoints) for every forward;
+the loss stays eager. Why a backward on the current weights survives compilation, and what is refused
+(zb-h1 and zb-h2: one compiled backward cannot be split into I and W):
+[Note: compiled stages] in docs/architecture.md#runtimecompiledpy.
 """
 
 from __future__ import annotations

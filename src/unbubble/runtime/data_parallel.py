@@ -1,21 +1,8 @@
 """Data parallelism across pipeline replicas: D replicas × R pipeline ranks (2-D parallelism).
 
-[Note: 2-D rank layout]
-A run has D·R processes. Global rank ``g = d·R + r`` hosts pipeline rank r (stages r, r + R, …)
-of replica d (0 ≤ d < D). One replica's ranks are contiguous, so
-``torchrun --nnodes D --nproc-per-node R`` places one whole pipeline on each machine: activations
-and gradients between stages stay on the machine, and only the gradient all-reduce between the
-replicas of a stage crosses machines. Each pipeline rank r has one data-parallel process group
-``{d·R + r : d < D}``; the replicas of a stage average their gradients in it right before that
-stage's local update ``U`` and at no other time, so PACI still needs no synchronisation across
-stages. Used by ``worker.run_stage``, ``transport.P2PTransport`` and ``launch``.
-
-[Note: replica data ids]
-Replica d's micro-batch k is the data set's micro-batch ``k·D + d`` (``job.batch_fn`` receives
-that global data id), so the D replicas read disjoint samples and, together, the ids 0, 1, 2, …
-in order. With D = 1 the id is k itself. A synchronous schedule with D replicas and micro-batch
-size B therefore equals one replica whose micro-batch k is the concatenation of data micro-batches
-``k·D … k·D + D − 1`` (size D·B): the replicas' mean loss is that batch's mean loss (tested).
+The replicas of a stage average their gradients right before that stage's update and at no other time,
+so PACI still needs no synchronisation across stages. The rank layout and which data each replica reads:
+[Note: 2-D rank layout], [Note: replica data ids] in docs/architecture.md#runtimedata_parallelpy.
 """
 
 from __future__ import annotations

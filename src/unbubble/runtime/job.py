@@ -39,7 +39,7 @@ class PipelineJob:
         loss_fn: ``loss_fn(last_stage_output, targets) -> scalar`` mean loss.
         batch_fn: ``batch_fn(k) -> (inputs, targets)`` for global micro-batch id k; with
             ``dp`` replicas, replica d's micro-batch k calls ``batch_fn(k·dp + d)``
-            ([Note: replica data ids] in ``runtime/data_parallel.py``).
+            ([Note: replica data ids] in docs/architecture.md).
         optimizer_fn: ``optimizer_fn(named_params, stage) -> Optimizer`` for one stage, given
             the stage's ``(name, parameter)`` pairs (which every ``torch.optim`` optimizer accepts).
         schedule: the pipeline schedule (N, micro-batches per step, steps).
@@ -66,7 +66,7 @@ class PipelineJob:
             replicas of a stage average their gradients right before each of its updates.
             Each optimizer step then consumes D·mb_per_step micro-batches of data.
         checkpoint: where and how often stages save their state, and the step to resume
-            from ([Note: the checkpoint cut] in ``runtime/checkpoint.py``); ``None``: never.
+            from ([Note: the checkpoint cut] in docs/architecture.md); ``None``: never.
         nan_policy: the non-finite guard (skip, lower-lr, abort, off; [Note: non-finite guard]
             in ``executor.py``).
         nan_lr_factor: learning-rate factor per dropped micro-batch with ``"lower-lr"``.
@@ -82,7 +82,7 @@ class PipelineJob:
             measured drift); [Note: weight prediction] in ``runtime/executor.py``.
         error_feedback: c of error feedback (0 = off): every stage's update applies
             x_{t+1} = x_t − u_t − c·(u_t − u_{t−1}), u_t the optimizer's full step, the first plain
-            ([Note: error feedback] in ``optim/error_feedback.py``).
+            ([Note: error feedback] in docs/architecture.md).
         order: how an asynchronous schedule's stages order their actions ([Note: deterministic
             order] in ``schedules/policy.py``): ``"deterministic"`` (a fixed per-stage order: the
             same losses run to run on every engine, and the process engine equals the emulator)

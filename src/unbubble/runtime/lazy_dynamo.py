@@ -1,26 +1,8 @@
 """Eager stage processes without ``torch._dynamo``: it is imported only if something really needs it.
 
-[Note: eager stage processes without Dynamo]
-Every ``torch.optim.Optimizer`` imports ``torch._dynamo`` (and with it sympy) the first time it is
-built or stepped, although an eager process never compiles: ``add_param_group``, ``zero_grad``,
-``state_dict`` and the functional kernels are wrapped in ``torch._disable_dynamo``, whose first
-call imports the package to build ``torch._dynamo.disable(fn)``, and ``step`` is wrapped in
-``_use_grad_for_differentiable``, which imports it to call ``torch._dynamo.graph_break()``. In a
-stage process of the default run that import is about 70 MiB of resident memory with sympy (35 MiB
-for Dynamo itself on the stages where ``backward(grad)`` imports sympy anyway) and about 1 s of CPU
-at start-up (``python -c "import torch, torch._dynamo"`` against ``import torch``), paid by every
-stage process at once.
-
-``defer()`` puts a stand-in module under ``sys.modules["torch._dynamo"]`` that answers those two
-calls as Dynamo itself does when nothing is being compiled: ``disable(fn)`` only switches Dynamo's
-frame hook off while ``fn`` runs, and with no hook installed that is ``fn`` itself; ``graph_break()``
-does nothing outside a trace. Anything else (another attribute, a submodule import such as
-``torch._dynamo.config``, ``torch.compile``) imports the real package first and continues with
-it, so correctness never depends on the stand-in; only the memory saving does. Functions that
-were resolved through the stand-in keep running without Dynamo's disable wrapper, which matters
-only inside a compiled region — hence ``defer()`` is used only in processes that compile nothing
-(stage processes with ``compile_backend=None``, before any torch optimizer exists, and after
-``init_process_group``, which touches an imported ``torch._dynamo``).
+Every torch optimizer imports ``torch._dynamo`` (and sympy) when built or stepped, ~70 MiB and ~1 s of
+CPU per stage process that never compiles; a stand-in answers what Dynamo answers when nothing is traced:
+[Note: eager stage processes without Dynamo] in docs/architecture.md#runtimelazy_dynamopy.
 """
 
 from __future__ import annotations

@@ -182,7 +182,7 @@ class SavedBytes:
         exclude: tensors already counted elsewhere (a recomputed forward's kept input).
         by_value: also count as a weight copy a saved tensor equal by value to a parameter (or its
             transpose) cast to its dtype. A compiled stage ([Note: compiled stages] in
-            ``compiled.py``) saves tensors made inside one compiled function, with no per-op
+            docs/architecture.md) saves tensors made inside one compiled function, with no per-op
             ``grad_fn`` chain to follow; this finds its copies instead (it compares each saved
             tensor with the parameters of its shape: meant for the one measured forward per shape).
     """

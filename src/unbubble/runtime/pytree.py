@@ -1,29 +1,9 @@
-"""What crosses a stage boundary: a tensor, or a pytree of tensors (docs/architecture.md, "Transport").
+"""What crosses a stage boundary: a tensor, or a pytree of tensors.
 
-[Note: stage boundaries carry pytrees]
-A stage's input and output may be one tensor (the fast path, unchanged), or a tuple, list or
-dict nesting tensors and other values ("pytree"); non-tensor leaves (``None``, ints, strings,
-anything picklable) pass through unchanged. The first stage's module is called with the batch's
-inputs as given (a dict batch is one argument: ``module(batch)``), every other stage with the
-previous stage's output, and the last stage's ``loss_fn(output, targets)`` with both as given.
-
-Gradients: each tensor leaf of a stage's output that requires grad (it depends on the stage's
-parameters or input; floating or complex) becomes a leaf of the next stage's input that requires
-grad; every other leaf (integer ids, masks, a tensor the stage ``detach()``-ed) arrives as a constant. The
-backward sends one gradient per grad-carrying leaf, in flatten order, ``None`` where the next
-stage did not use it. A tree boundary's gradient is therefore a tuple of ``Tensor | None``; a
-single-tensor boundary's, as before, one tensor.
-
-The layout (:class:`Layout`: the nesting, dict keys, constants and which leaves carry gradients)
-is what the process engine sends with a message only when it changes ([Note: trees in a frame]
-in ``transport.py``). This module is the one place that flattens and rebuilds trees: tuples, lists
-and dicts are containers (tuple and list subclasses keep their class: named tuples, and
-``torch.return_types`` such as ``torch.max``'s ``(values, indices)``), ``torch.Tensor`` is a leaf,
-anything else a constant of the layout. A constant that holds a tensor (a set of tensors, an object
-with a tensor attribute) is refused (:class:`~unbubble.errors.ConfigError`): passed through as a
-constant, its tensor would keep the sending stage's autograd graph alive in the emulator and be
-pickled between processes, its gradient lost either way. It does not use ``torch.utils._pytree``
-(private).
+A stage's input and output may be a tuple, list or dict of tensors and constants, so models whose layers
+take a mask and positions split as they are; gradients flow to every floating leaf that requires grad.
+What a stage receives, and how a tree is sent in one frame:
+[Note: stage boundaries carry pytrees] in docs/architecture.md#runtimepytreepy.
 """
 
 from __future__ import annotations

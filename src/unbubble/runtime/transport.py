@@ -1,73 +1,13 @@
 """Point-to-point transport of activations and gradients over ``torch.distributed``.
 
-Each stage process has one receiver thread per incoming channel (activations from the
-previous stage, gradients from the next one). A thread blocks in ``dist.recv`` and
-hands ``(k, tensor)`` to the stage's inbox, so the stage's own thread never spins: it
-drains the inbox before each decision and blocks on it (with a timeout) only when its
-policy has nothing to run. Sends are non-blocking (``dist.isend``) and reaped without
-waiting, so communication overlaps compute in both directions. Each message is one byte
-buffer (a "frame"): the payload's bytes at offset 0 (so the receiver's view of it is aligned
-like any tensor), padded to the channel's capacity, then a 64-byte trailer of eight int64
-words: the header ``(destination stage, global micro-batch id k)``, the payload's dtype and
-number of dimensions, and its shape ([Note: shapes travel with each frame]). One frame per
-message rather than a header and a payload halves the receives and the thread wake-ups on the
-path from one stage's send to its neighbour's next action (measured: the median hop latency is
-~2 wake-ups' worth of scheduler latency on a loaded machine). The receiver's payload is a view
-into the frame; the sender copies its tensor into a fresh frame (a memcpy, or a device copy).
+One receiver thread per incoming channel blocks in ``dist.recv`` and fills the stage's inbox, and sends
+are non-blocking, so communication overlaps compute and the stage thread never spins. Each message is one
+frame (payload, then a trailer naming the micro-batch, dtype and shape): one receive per message halved
+the wake-ups between a send and the neighbour's next action.
 
-[Note: shapes travel with each frame]
-Micro-batches may differ in shape (sequence length, batch size, dtype): every frame names its
-payload's shape, so nothing is agreed at start-up and a change costs nothing while the payload
-fits the channel's capacity (frames are then padded to the capacity; capacities never shrink).
-A receive must post a buffer of the frame's exact size (gloo and NCCL both require it), so a
-payload larger than the capacity is preceded by one announcement frame of the old size whose
-trailer carries the new capacity (at least 1.25 × the old one, so a slowly growing shape
-announces O(log) times); the receiver posts its next receive with that size. Both ends start
-at capacity 0: a channel's first message is preceded by a 64-byte announcement. What cannot be
-described (more than 6 dimensions, a dtype outside ``DTYPES``) fails at the sender with an
-error naming the stage, the micro-batch and the shape.
-
-[Note: trees in a frame]
-A pytree payload ([Note: stage boundaries carry pytrees] in ``pytree.py``) is still one frame:
-its tensor leaves at 16-aligned offsets from 0, then eight words per leaf (dtype/ndim code, six
-dims, byte offset), then, only when the layout differs from the previous tree on this channel
-for the same destination stage, the pickled :class:`~unbubble.runtime.pytree.Layout`; the trailer's
-code word is ``_TREE`` and words 2–4 give the leaf count, the layout's byte length (0: unchanged)
-and where the leaf words start. Channels deliver in order ([Note: one process group per channel]),
-so the receiver's last layout per destination stage is the sender's: a stable layout costs 64 bytes
-per leaf and no extra message. A single-tensor payload keeps the plain frame above. Gradient-carrying
-leaves arrive with ``requires_grad`` set, as the emulator hands them over. The layout is unpickled:
-only stage processes of one job talk on these channels.
-
-[Note: one process group per channel]
-Every (replica, source rank, destination rank, direction) channel has its own two-member
-process group, used by exactly one sending thread and one receiving thread. Messages of a
-channel are therefore matched in issue order on both sides, which NCCL requires (two threads
-issuing sends and receives on one communicator in different orders can deadlock), and gloo
-needs no tags. ``P2PTransport`` creates the groups collectively at start-up; every rank creates
-every channel's group in the same order (``channel_groups``).
-
-[Note: CUDA without host synchronisation]
-With NCCL frames are device tensors; the trailer is written by kernels (a ``fill_`` for the
-header and a device-to-device copy of the shape words, cached per shape and uploaded from pinned
-memory without waiting), never copied from the host synchronously. The receiver thread receives
-on its own CUDA stream and reads the trailer there (``.cpu()`` waits for that receive only, never
-for the stage's compute), then records an event after the payload's receive; the stage thread
-makes its compute stream wait on that event and marks the payload as used by it
-(``record_stream``) — no host synchronisation on the compute thread, per message or otherwise.
-``isend`` orders itself after the compute stream's work that produced the tensor
-(ProcessGroupNCCL does), and finished sends are reaped with ``Work.is_completed()``, which polls
-an event instead of waiting.
-
-[Note: reaping gloo sends]
-A frame must stay alive until its ``isend`` has finished, and gloo's send ``Work`` reports that
-only through ``wait()`` (``is_completed()`` stays False until then). The stage's own thread must
-not wait, so a reaper thread (``SendReaper``) waits for the sends in issue order and drops each
-frame as soon as its send is done. Reaping only on the stage's thread, past a cap of pending
-sends, kept up to that many frames alive for the whole run: 256 × the activation size, +128 MiB
-per stage process of the default run. The cap still bounds the sends in flight (a send blocks
-while ``MAX_PENDING_SENDS`` are unfinished), and a failed send is raised on the stage's thread at
-its next send or at ``close()``.
+Notes: [Note: shapes travel with each frame], [Note: trees in a frame], [Note: one process group per channel],
+[Note: CUDA without host synchronisation], [Note: reaping gloo sends] in
+docs/architecture.md#runtimetransportpy.
 """
 
 from __future__ import annotations
@@ -408,7 +348,7 @@ class P2PTransport:
     message is one frame: the payload, then its trailer ``(destination stage, k)``, shape and dtype
     ([Note: shapes travel with each frame]). With D replicas,
     replica d's pipeline rank r is global rank ``d·R + r`` ([Note: 2-D rank layout] in
-    ``data_parallel.py``) and talks only to its own replica's ranks.
+    docs/architecture.md) and talks only to its own replica's ranks.
 
     Args:
         rank: this process's rank r in its pipeline (0 … R − 1).

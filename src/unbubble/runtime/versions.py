@@ -1,21 +1,9 @@
 """The one place where unbubble lets a backward run on weights updated in place since its forward.
 
-[Note: backward on current weights]
-Autograd saves parameters *by reference* and records their version counter. After an
-in-place optimizer step, a backward whose graph was built before the step would read the
-new weights — which is exactly PACI's semantics (docs/architecture.md#schedules-and-their-semantics: input gradients use the
-current weights, weight gradients use forward-time activations) — but stock PyTorch
-refuses with "one of the variables needed for gradient computation has been modified by
-an inplace operation". Every stage forward (and the last stage's loss) therefore runs under
-:class:`SavedByReference`, a pair of ``torch.autograd.graph.saved_tensors_hooks`` (public,
-documented): saved tensors are kept by reference, so a backward reads the current weights with
-the forward's activations, and no weight is ever copied. The hook path skips autograd's version
-check; the hooks put it back for everything that is not a parameter: a saved activation modified
-in place still raises at its backward. One mechanism for both ways unbubble trains: its own
-executor (``StageExecutor``, every engine) and ``unbubble.pipelining.SchedulePACI`` on torch's
-``PipelineStage``, whose optimizer step is the user's and which so cannot restore version
-counters after it (the executor used to, with the private ``_unsafe_set_version_counter``).
-A stage under ``torch.compile`` keeps this: [Note: compiled stages] in ``compiled.py``.
+PACI's backward uses the current weights with forward-time activations; stock PyTorch refuses a backward
+after an in-place step. :class:`SavedByReference` (public saved-tensor hooks) keeps saved tensors by
+reference without copying any weight:
+[Note: backward on current weights] in docs/architecture.md#runtimeversionspy.
 """
 
 from __future__ import annotations

@@ -4,29 +4,7 @@ Models: GPT-2, Llama-style and mixture-of-experts presets (``unbubble.models.reg
 paper's GPT-3-like shapes. Parameter counts per block come from ``unbubble.models.partition.block_shape``
 (a mixture of experts holds all E experts but a token computes with k of them).
 
-Compute. Forward FLOPs per token of the embedding, each block and the head come from
-``unbubble.models.partition.component_costs`` (Kaplan et al. 2020 Table 1; PaLM App. B). A backward costs
-twice its forward; it splits into W = 2 FLOPs per weight-matrix parameter per token (one matmul per
-weight, the gradient ∇W = ∇z·xᵀ) and I = B − W. For a block this gives the Zero Bubble paper's Table 1:
-F = sbh(24h + 4s), I = sbh(24h + 8s), W = sbh·24h (arXiv 2401.10241, §2.3). A duration is FLOPs divided
-by ``hardware.flops`` (peak × achievable fraction). The optimizer update streams its state through
-device memory: ``update_bytes_per_param`` / HBM bandwidth per parameter.
-
-Memory (bytes). Parameters: ``block_shape(config).params`` per block (GPT-2: 12h² + 13h), the embedding
-((V + T)·h with learned positions, V·h with RoPE) on the first stage, an untied head V·h plus the final
-norm on the last (tied when N = 1 and the model ties it). Per parameter, mixed-precision Adam keeps
-2 (BF16 weights) + 4 (FP32 gradients, Megatron-LM's default with BF16) + 12 (FP32 master weights and
-two moments; ZeRO, arXiv 1910.02054, §3.1) bytes. Activations per block and micro-batch:
-M_B = sb(34h + 5as) (Korthikanti et al., arXiv 2205.05198, §4.1, 16-bit, no recomputation; ``flash_attention``
-drops the 5as² attention-score term) and M_W = 32sbh (Zero Bubble Table 1). These are GPT-2's activation
-counts; they are used for the Llama and MoE blocks too (an approximation: SwiGLU keeps 3 hidden tensors
-instead of 2, GQA smaller K/V, a mixture k expert activations per token). The head keeps its input and
-FP32 logits, 4sbh + 4sbV (Korthikanti §4.3), of which W needs 2sbh + 2sbV.
-
-Communication. Each boundary carries one activation (forward) or gradient (backward) of s·b·h BF16
-values, over NVLink inside a node and the NIC between nodes (``Hardware.link``).
-
-The module imports torch (through ``unbubble.models``) only when a model is built.
+Notes: docs/architecture.md#simanalyticpy.
 """
 
 from __future__ import annotations

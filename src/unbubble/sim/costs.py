@@ -1,19 +1,9 @@
 """Cost models: how long each action takes on each stage, and how long a message travels (seconds).
 
-Every cost model answers two questions (the engine's ``CostModel`` protocol):
-``duration(action)`` in seconds and ``send_latency(src, dst)`` in seconds. The two built here also
-expose a per-stage table so the engine can look durations up without building objects:
-
-* :class:`UniformCosts`: the same F/B/I/W/U durations on every stage (optionally scaled per stage).
-  The emulator's clock and the unit tests use it.
-* :class:`PipelineCosts`: one :class:`StageCosts` per stage, a per-boundary message size with a link
-  latency and bandwidth, multiplicative jitter from a seeded generator, and straggler windows. The
-  analytic model (``sim.analytic``) and the measured model (``sim.measured``) both produce one.
-
-[Note: common random numbers] Jitter is drawn per (stage, kind) stream, indexed by how many actions of
-that kind the stage has run: the n-th forward of stage s gets the same factor under every schedule and
-every run with the same seed. Two schedules compared under the same seed therefore see the same noise,
-and a run is reproducible bit for bit.
+Every cost model answers the engine's ``CostModel`` protocol: ``duration(action)`` and
+``send_latency(src, dst)``, in seconds; the two built here also expose a per-stage table so the engine
+looks durations up without building objects. Their jitter and stragglers:
+[Note: common random numbers] in docs/architecture.md#simcostspy.
 """
 
 from __future__ import annotations

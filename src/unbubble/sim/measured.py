@@ -4,20 +4,7 @@ A run folder (``unbubble train``) holds ``config.json`` (the schedule and its si
 ``actions.jsonl``: one line per executed action with its stage, kind, micro-batch, ``start_s`` and
 ``end_s`` (seconds since the run's common start) and weight versions (``unbubble.metrics``).
 
-Calibration, per stage and action kind: the mean duration (``statistic="mean"``: total time is what a
-prediction of the makespan needs, and contention on a shared CPU gives durations a long tail), or the
-median (robust to warm-up and preemption). Missing kinds are derived: I = W = B/2 without a split backward, B = I + W
-with one. Per boundary, the message latency is the smallest observed gap between an action that sends
-(F on stage s, or B/I on stage s + 1) and the start of the action that consumes it on the other stage
-(never below 0): a receiver that was idle starts as soon as the message lands, so the smallest gap is
-the transfer time plus the receiver's dispatch overhead.
-
-Blocking sends. The process engine sends a message before its stage picks the next action, so the
-sender is held for the send. ``U`` is always ready, so the gap between a backward and the ``U`` right
-after it is the send of the gradient plus the dispatch overhead; the send time of stage s is the median
-of those gaps minus the median gap of stage 0 (which sends no gradient). Activations are as large as
-gradients, so a forward's send costs the same (stage 0, which sends no gradient, takes the median of the
-others). With ``blocking_sends`` these times are added to F (stages < N − 1) and B/I (stages > 0).
+Notes: docs/architecture.md#simmeasuredpy.
 """
 
 from __future__ import annotations

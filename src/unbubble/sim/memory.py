@@ -1,30 +1,9 @@
 """Peak memory per device, counted from a trace: weights, gradients, optimizer state, activations, stash.
 
-Only the per-micro-batch and per-parameter sizes are inputs (:class:`MemorySpec`); how many
-micro-batches hold activations and how many weight versions are alive at each instant is read off the
-trace, so a schedule's memory is whatever its actions imply (nothing restates a schedule's table).
-
-Accounting rules (one device = one rank, which may host several virtual stages):
-
-* Static: weights, gradient buffers and optimizer state of every stage on the rank, all the time.
-* Activations of micro-batch k on stage s: ``act_bytes[s]`` from the start of its F until the end of its
-  B; with the backward split, ``act_bytes[s] − act_w_bytes[s]`` are freed when its I ends and the
-  remaining ``act_w_bytes[s]`` when its W ends (Zero Bubble, arXiv 2401.10241, §2.3 and Table 1: W needs
-  less than B).
-* Stashed weight versions (only when backwards use the forward's weights, ``stashed=True``): at each
-  instant the stage keeps every version ``v_F(k)`` of a micro-batch k that has started F and not
-  finished its last backward (B, or W if split), besides its current version; each extra one costs
-  ``version_bytes[s]`` (PipeDream, arXiv 1806.03377, §3.3 weight stashing).
-* Full recomputation (``recomputed_bytes`` given): ``act_bytes[s]`` is then what micro-batch k keeps
-  from the start of its F until the end of its B, the stage's input (and the forward's RNG state), and
-  its backward first re-runs the forward: ``recomputed_bytes[s]`` more are alive during its B, or from
-  the start of its I until the end of its W when the backward is split (the recomputed forward's
-  activations without the input; ``act_w_bytes`` is then unused). This is what ``StageExecutor``
-  measures ([Note: precision and version semantics] in docs/architecture.md).
-* At equal times frees happen before allocations (a stage's action ends before its next one starts).
-
-The peak of a rank is the maximum over time of static + activations + stash; the columns
-"activations" and "stash" are their own maxima (which may occur at different instants).
+Only the per-micro-batch and per-parameter sizes are inputs (:class:`MemorySpec`); how many micro-batches
+hold activations and how many weight versions are alive at each instant is read off the trace, so a
+schedule's memory is whatever its actions imply. The accounting rules:
+docs/architecture.md#simmemorypy.
 """
 
 from __future__ import annotations

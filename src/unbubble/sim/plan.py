@@ -1,59 +1,11 @@
 """``unbubble plan``: which schedule, pipeline depth, micro-batching and data parallelism to run.
 
-Given a model, a cluster and a global batch, :func:`plan` searches every registered schedule
-(:data:`unbubble.schedules.registry.SCHEDULES`) × pipeline depth N × micro-batches per update (m,
-or a for the asynchronous schedules) × chunks per rank v (the schedules in
-:data:`~unbubble.schedules.registry.VIRTUAL`) × full recomputation on/off × data-parallel replicas
-D (N·D = the cluster's devices), simulates each on the analytic cost model
-(:func:`unbubble.sim.analytic.analytic_model` through :func:`unbubble.sim.result.simulate`, the
-numba kernel where the schedule has one stage per rank), keeps those whose busiest device fits in
-memory (the simulator's memory model, :mod:`unbubble.sim.memory`) and ranks them by predicted
-tokens/s. With a token overhead (tokens an asynchronous run needs to reach the synchronous run's
-loss, ÷ the synchronous run's tokens) it also ranks by time to that loss: an asynchronous row's
-tokens/s ÷ the overhead against a synchronous row's tokens/s. The overhead applies to the rows
-whose updates are delayed (max τ > 0); an asynchronous schedule on one stage (N = 1) computes
-synchronous updates and keeps overhead 1.
+Given a model, a cluster and a global batch, :func:`plan` simulates every registered schedule × depth ×
+micro-batching × chunks per rank × recomputation × data-parallel degree on the analytic cost model, keeps
+what fits in memory and ranks it by predicted tokens/s, and by time to the synchronous loss given a token
+overhead.
 
-Model of one configuration (all SI units: seconds, bytes, tokens):
-
-* Batch: the global batch of G tokens holds G/s sequences of s tokens; each of the D replicas
-  takes G/(s·D) of them per update, as k micro-batches of b sequences (k = m, a, or 1 for the
-  schedules that update after every backward). Only integer b count.
-* Costs and memory: ``analytic_model(config, N, hardware, b, s, virtual=schedule.virtual, ...)``
-  (FLOPs / sustained FLOP/s, link latency + bytes / bandwidth, mixed-precision Adam state,
-  Korthikanti's activation counts); ``recompute`` as ``--recompute full``. For the schedules of
-  :data:`~unbubble.config.ERROR_FEEDBACK_SCHEDULES`, ``error_feedback=True`` (the default, as
-  ``unbubble train``'s) counts error feedback's two fp32 buffers per parameter, and for those of
-  :data:`~unbubble.config.PREDICT_SCHEDULES` ``predict_weights=True`` weight prediction's two
-  weight-sized ones.
-* Data parallelism: every update of a stage (U) also all-reduces its gradients over the D
-  replicas, a ring: 2(D − 1)/D × the stage's gradient bytes over the slowest link between
-  replicas plus 2(D − 1) latencies, not overlapped with compute. Ranks are replica-major (replica d,
-  stage s on device d·N + s), so a pipeline of N ≤ ``gpus_per_node`` devices stays within one node.
-  Memory per device does not depend on D (no optimizer-state sharding).
-* Throughput: the simulator's steady state of one replica (``SimResult.steady_tokens_per_s``:
-  flushed schedules over whole steps, asynchronous ones after the fill) × D.
-* Bubble: the mean idle fraction of the devices in that steady state: 1 − mean over ranks of
-  (busy seconds per micro-batch × micro-batches per second); updates and recomputed forwards count
-  as busy.
-* Global clipping (``clip_scope``, as ``unbubble train --clip-scope``): ``sync`` and ``stale`` add a
-  gradient-norm all-reduce per update over the N devices of a pipeline (the replicas hold the same
-  reduced gradients, so they need not join it), ``stage`` a local norm
-  (:class:`unbubble.sim.barrier.GlobalOp` from :func:`unbubble.sim.barrier.for_analytic`; [Note: the
-  barrier] in ``sim/barrier.py``). Every configuration is then simulated with it (the row's tokens/s,
-  bubble and rank) and without it (``no_barrier_tokens_per_s``). The data-parallel all-reduce stays
-  inside U, after the barrier's wait rather than before the local norm: the same time per update
-  where every stage's data-parallel all-reduce takes as long.
-
-Token overheads: by default (``token_overhead="measured"``) each delayed row (max τ > 0) takes the
-overhead measured for its schedule and remedies, :data:`MEASURED_TOKEN_OVERHEADS`: only PACI was
-measured (with Muon, deep-cpu on 8 stages, a = 4, 600 updates, 2 seeds; docs/results.md,
-overhead-study and horizon-study): 1.33 with error feedback (``unbubble train``'s default), 1.41
-with weight prediction alone, 1.79 with neither. The other asynchronous schedules' overheads were
-not measured with Muon, so their rows get ``token_overhead=None`` and are left out of the
-time-to-target ranking (give a number to rank them). A number applies to every delayed row; ``None``
-counts none (1). These are measurements at one setting, applied at every N, a and horizon: the
-overhead falls with longer training (horizon-study: 1.41 → 1.09 from 600 to 2,400 updates).
+Notes: docs/architecture.md#simplanpy.
 """
 
 from __future__ import annotations
