@@ -2,7 +2,7 @@
 
 The public API is the names in ``unbubble.__all__`` below and the command line (``unbubble COMMAND
 --help``); every other module and name is internal: it may change without notice and is documented in
-its module's docstring (the design: docs/architecture.md, "Public API"). The names are imported on first
+its module's docstring (docs/architecture.md#public-api). The names are imported on first
 use, so ``import unbubble`` (and ``import unbubble.schedules``, ``import unbubble.sim``) imports no torch.
 
 * Train: :func:`train_model` (a model you already have, the whole run of ``unbubble train``);
