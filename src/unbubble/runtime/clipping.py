@@ -25,7 +25,7 @@ An update that is *skipped* applies no optimizer step (no momentum or Adam-momen
 error-feedback correction); its gradients are discarded, the weight version and the learning-rate
 schedule advance as for any update, and an event is logged (``summary.json``'s
 ``nonfinite_dropped``). With clipping on, the non-finite guard's update-time finding (a non-finite
-accumulated gradient, [Note: non-finite guard] in ``executor.py``) feeds this rule instead of
+accumulated gradient, [Note: non-finite guard] in ``guard.py``) feeds this rule instead of
 zeroing the gradients: under ``sync`` it skips the update on every stage.
 
 Norms are computed exactly as ``torch.nn.utils.get_total_norm``: one 2-norm per gradient tensor

@@ -3,29 +3,23 @@
 from __future__ import annotations
 
 import contextlib
-import logging
-import math
 from typing import Any, Callable
 
 import torch
 from torch import nn
 from torch.func import functional_call
 
-from unbubble.errors import NonFiniteError
 from unbubble.optim.error_feedback import ErrorFeedback, check_coefficient
 from unbubble.runtime import pytree
 from unbubble.runtime.compiled import COMPILED_PREFIX, compile_stage
-from unbubble.runtime.precision import SavedBytes, check_modes, compute_context, copy_masters, device_type, \
-    fold_grads, replayed_rng, rng_state, tensor_bytes
+from unbubble.runtime.guard import MAX_DROPPED_UPDATES as MAX_DROPPED_UPDATES  # re-exported
+from unbubble.runtime.guard import NonFiniteGuard, finite as _finite
+from unbubble.runtime.precision import SavedBytes, check_modes, compute_context, device_type, fold_grads, \
+    replayed_rng, rng_state, tensor_bytes
+from unbubble.runtime.update import PREPARE_STEPS, ErrorFeedbackSteps, GradClip, GradSync, MasterCopy, \
+    OptimizerStep, PipeMareVelocity, MeanLoss, UpdateContext, UpdateStep, WeightPrediction, ordered, run_steps
 from unbubble.runtime.versions import SavedByReference
 from unbubble.schedules.actions import Action, ActionKind
-
-log = logging.getLogger(__name__)
-
-#: The non-finite guard gives up after this many consecutive updates whose every micro-batch it
-#: dropped (the weights themselves have diverged).
-MAX_DROPPED_UPDATES = 10
-_LOGGED_DROPS = 3
 
 #: ``batch_fn(k) -> (inputs, targets)``: each a tensor or a pytree of them ([Note: stage boundaries
 #: carry pytrees] in ``pytree.py``).
@@ -72,7 +66,7 @@ class StageExecutor:
         device: where the module lives; micro-batches from ``batch_fn`` are moved there.
             ``None`` leaves them where ``batch_fn`` puts them.
         nan_policy: the non-finite guard, one of ``unbubble.config.NAN_POLICIES``
-            ([Note: non-finite guard]).
+            ([Note: non-finite guard] in ``guard.py``).
         nan_lr_factor: with ``"lower-lr"``, the stage's learning rate is multiplied by this
             after each dropped micro-batch.
         precision: ``"fp32"``, ``"bf16-autocast"`` or ``"bf16"`` ([Note: precision and version
@@ -148,29 +142,23 @@ class StageExecutor:
         self.peak_grad_bytes = 0
         self.version = 0
         self.store: dict[int, tuple] = {}  # k -> (input leaf or leaves, output) [+ incoming gradient between I and W]
-        self.backward_weights, self.velocity_decay = backward_weights, velocity_decay
+        self.backward_weights = backward_weights
         self.names = [n for n, p in module.named_parameters() if p.requires_grad]
         # stashing: version -> (tensors named like the parameters, in-flight micro-batches using them)
         self.stash: dict[int, list] = {}
         self.fwd_version: dict[int, int] = {}
-        self.velocity = [torch.zeros_like(p) for p in self.params] if backward_weights == "corrected" else None
-        self.grad_sync, self.device = grad_sync, device
+        self.device = device
         self.losses: dict[int, torch.Tensor] = {}  # k -> unscaled loss, detached 0-dim (last stage)
-        self._step_losses: list[torch.Tensor] = []  # losses of the micro-batches in the current update
         self.last_step_loss: float | None = None  # mean loss of the last update (last stage)
-        self.nan_policy, self.nan_lr_factor = nan_policy, nan_lr_factor
-        self.lr_factor = 1.0  # product of the guard's learning-rate cuts
-        self.events: list[dict[str, Any]] = []  # non-finite micro-batches this stage dropped
+        #: the non-finite guard ([Note: non-finite guard] in ``guard.py``)
+        self.guard = NonFiniteGuard(stage, nan_policy, nan_lr_factor, optimizer, lr_scheduler)
         self._dropped: set[int] = set()  # split backward (I then W): dropped at I
-        self._kept_since_update = self._all_dropped_updates = 0  # for the divergence stop
-        self.n_dropped = 0  # micro-batches dropped by the guard so far
-        self._tainted = False  # a non-finite gradient of this stage is in the accumulated sum
-        self.predict_weights, self.predict_bound = predict_weights, predict_bound
-        # weight prediction: the last applied update W − W_prev, and room for the live weights
-        # during a predicted forward (both weight-sized, allocated once)
-        self.last_update = [torch.zeros_like(p) for p in self.params] if predict_weights != "none" else None
-        self._scratch = [torch.empty_like(p) for p in self.params] if predict_weights != "none" else None
         self.drift_sum = self.drift_count = 0  # backwards' Δ on this stage (for predict_weights="measured")
+        #: weight prediction's state and steps ([Note: weight prediction]); None when off
+        self.prediction = None if predict_weights == "none" else \
+            WeightPrediction(self.params, predict_weights, predict_bound)
+        #: PipeMare T2's velocity estimate and steps (``backward_weights="corrected"``); None otherwise
+        self.pipemare = PipeMareVelocity(self.params, velocity_decay) if backward_weights == "corrected" else None
         #: error feedback on what the optimizer steps (the fp32 masters under bf16); None when off
         self.error_feedback = ErrorFeedback(self.grad_params, error_feedback) if error_feedback else None
         #: what a forward calls: the module, or torch.compile of it (same parameters)
@@ -184,8 +172,57 @@ class StageExecutor:
         self.clip_stats = {"clipped": 0, "skipped": 0, "local": 0}
         #: ``stale``: this stage's per-tensor norms of its last s updates (checkpointed, [Note: stale lag])
         self.clip_recent: dict[int, torch.Tensor] = {}
+        self._step_loss = MeanLoss()  # the last stage's losses of the update in progress
+        #: the update's steps this stage's options enable, in ``update.UPDATE_ORDER``: the first part
+        #: (``prepare_update``) and the second (``update``)
+        steps = self._update_steps(grad_sync)
+        self.prepare_steps = [(name, step) for name, step in steps if name in PREPARE_STEPS]
+        self.apply_steps = [(name, step) for name, step in steps if name not in PREPARE_STEPS]
         self._prepared = -1  # the version whose update's first part (prepare_update) has run
-        self._step_loss: float | None = None
+        self._ctx: UpdateContext | None = None  # that update's context, until update() runs its second part
+
+    def _update_steps(self, grad_sync) -> list[tuple[str, UpdateStep]]:
+        """The update's steps for this stage's options, in ``UPDATE_ORDER`` (``runtime/update.py``)."""
+        steps: dict[str, UpdateStep] = {"non_finite": self.guard.apply, "step_loss": self._step_loss.apply,
+                                        "clip": GradClip(self.clip_grad_norm).apply,
+                                        "optimizer": OptimizerStep(self.optimizer).apply}
+        if grad_sync is not None:
+            steps["grad_sync"] = GradSync(grad_sync).apply
+        if self.pipemare is not None:
+            steps["velocity.snapshot"], steps["velocity.update"] = self.pipemare.snapshot, self.pipemare.update
+        if self.prediction is not None:
+            steps["prediction.snapshot"], steps["prediction.record"] = self.prediction.snapshot, self.prediction.record
+        if self.error_feedback is not None:
+            ef = ErrorFeedbackSteps(self.error_feedback)
+            steps["error_feedback.snapshot"], steps["error_feedback.correct"] = ef.snapshot, ef.correct
+        if self.masters is not None:
+            steps["masters"] = MasterCopy(self.masters).apply
+        return ordered(steps)
+
+    @property
+    def events(self) -> list[dict[str, Any]]:
+        """What this stage dropped or skipped (the guard's and the clipper's events), drained by the engine."""
+        return self.guard.events
+
+    @property
+    def lr_factor(self) -> float:
+        """The product of the non-finite guard's learning-rate cuts (``nan_policy="lower-lr"``)."""
+        return self.guard.lr_factor
+
+    @property
+    def n_dropped(self) -> int:
+        """Micro-batches (and updates) the non-finite guard dropped so far."""
+        return self.guard.n_dropped
+
+    @property
+    def velocity(self) -> list[torch.Tensor] | None:
+        """PipeMare T2's velocity δ, one tensor per parameter; ``None`` unless ``backward_weights="corrected"``."""
+        return None if self.pipemare is None else self.pipemare.velocity
+
+    @property
+    def last_update(self) -> list[torch.Tensor] | None:
+        """Weight prediction's last applied update W − W_prev; ``None`` when prediction is off."""
+        return None if self.prediction is None else self.prediction.last_update
 
     @property
     def is_first(self) -> bool:
@@ -332,7 +369,8 @@ class StageExecutor:
                 "optimizer_state_bytes": optimizer_state_bytes(self.optimizer)["state_bytes"],
                 "stored_activation_bytes": self.peak_bytes[0], "activation_bytes": self.peak_bytes[2],
                 "weight_copy_bytes": self.peak_bytes[1],
-                "prediction_bytes": tensor_bytes((self.last_update or []) + (self._scratch or [])),
+                "prediction_bytes": 0 if self.prediction is None else tensor_bytes(self.prediction.last_update
+                                                                                    + self.prediction.scratch),
                 "error_feedback_bytes": 0 if self.error_feedback is None else self.error_feedback.nbytes(),
                 "per_micro_batch": dict(self.mb_bytes)}
 
@@ -359,7 +397,7 @@ class StageExecutor:
         """
         inp, out = self.store.pop(k)
         if self._incoming_bad(k, grad):
-            return self._drop(k, inp, self._incoming_reason())
+            return self._drop(k, inp, self._incoming_reason)
         with self._backward_weights(k):
             if self.recompute == "full":
                 out = self._recompute(k)
@@ -373,9 +411,9 @@ class StageExecutor:
         if inp is None:
             return None
         gx = inp.grads()
-        if self.nan_policy != "off" and not _finite(pytree.tensors(gx)):  # its weight gradient is in the sum now
-            self._tainted = True
-            return self._poison(inp, k, "input gradient (this stage's update is dropped)")
+        if self.guard.on and not _finite(pytree.tensors(gx)):  # its weight gradient is in the sum now
+            self.guard.tainted = True
+            return self.guard.poison(inp, k, "input gradient (this stage's update is dropped)", self.version)
         return gx
 
     def backward_input(self, k: int, grad: torch.Tensor | None = None) -> torch.Tensor | None:
@@ -388,7 +426,7 @@ class StageExecutor:
         self.store[k] = (inp, out, grad)
         if self._incoming_bad(k, grad):
             self._dropped.add(k)
-            return self._poison(inp, k, self._incoming_reason())
+            return self.guard.poison(inp, k, self._incoming_reason, self.version)
         with self._backward_weights(k):
             if self.recompute == "full":  # the graph is kept from I until W
                 out = self._recompute(k)
@@ -402,9 +440,9 @@ class StageExecutor:
             leaves = inp.leaves
             gx = inp.pack(torch.autograd.grad(outs, leaves, grads, retain_graph=True, allow_unused=True)
                           if outs and leaves else [None] * len(leaves))
-        if self.nan_policy != "off" and not _finite(pytree.tensors(gx)):
+        if self.guard.on and not _finite(pytree.tensors(gx)):
             self._dropped.add(k)
-            return self._poison(inp, k, "input gradient")
+            return self.guard.poison(inp, k, "input gradient", self.version)
         return gx
 
     def backward_weight(self, k: int) -> None:
@@ -423,27 +461,14 @@ class StageExecutor:
                     torch.autograd.backward(outs, grads, inputs=self._grad_targets(k))
         self._finish(k)
 
-    # -- [Note: non-finite guard] -------------------------------------------------------------
-    # Checked per micro-batch: the loss (last stage) and the incoming gradient; a micro-batch that
-    # fails contributes a zero gradient here and the stage sends a NaN-filled gradient upstream,
-    # which every earlier stage recognises and drops in turn (stages downstream of the one that
-    # found it have applied their finite part). The update still comes, with the other
-    # micro-batches' gradients and the usual 1/a (1/m) scale. Checked per backward: the input
-    # gradient this stage sends, and per update: the accumulated weight gradients (one norm). A
-    # non-finite gradient made inside the stage is already in the sum, so that stage's whole
-    # update becomes a zero gradient, and the micro-batch is dropped upstream as above. "lower-lr"
-    # also multiplies the stage's learning rate by ``nan_lr_factor`` per event; "abort" raises
-    # ``NonFiniteError``. Each event is logged with stage, micro-batch and weight version
-    # (``events``). A clean run computes exactly what it computes with the guard off; on CUDA each
-    # check is one host synchronisation; ``nan_policy="off"`` removes them.
-
+    # -- the non-finite guard's per-micro-batch part ([Note: non-finite guard] in ``guard.py``) -------
     def _incoming_bad(self, k: int, grad: Any) -> bool:
-        if self.nan_policy == "off":
+        """Whether micro-batch ``k``'s loss (last stage) or incoming gradient ``grad`` is non-finite."""
+        if not self.guard.on:
             return False
-        if self.is_last:
-            return not math.isfinite(float(self.losses[k]))
-        return not _finite(pytree.tensors(grad))
+        return self.guard.incoming_bad(self.losses[k] if self.is_last else None, pytree.tensors(grad))
 
+    @property
     def _incoming_reason(self) -> str:
         return "loss" if self.is_last else "gradient from the next stage"
 
@@ -452,47 +477,9 @@ class StageExecutor:
         for p in self.grad_params:  # a zero contribution: the update still comes (momentum moves on)
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        poison = self._poison(inp, k, what)
+        poison = self.guard.poison(inp, k, what, self.version)
         self._release(k)
         return poison
-
-    def _poison(self, inp, k: int | None, what: str) -> torch.Tensor | None:
-        event = {"stage": self.stage, "mb": k, "version": self.version, "what": what, "policy": self.nan_policy}
-        if self.nan_policy == "abort":
-            where = "" if k is None else f" in micro-batch {k}"
-            raise NonFiniteError(f"stage {self.stage}: non-finite {what}{where} at weight version {self.version} "
-                                 "(nan_policy='abort'; 'skip' drops the micro-batch instead)")
-        if self.nan_policy == "lower-lr":
-            self._scale_lr(self.nan_lr_factor)
-            event["lr_factor"] = self.lr_factor
-        self.events.append(event)
-        self.n_dropped += 1
-        if self.n_dropped <= _LOGGED_DROPS:  # every drop is in metrics.jsonl; the log shows the first few
-            more = " (further drops of this stage: metrics.jsonl only)" if self.n_dropped == _LOGGED_DROPS else ""
-            log.warning("stage %d dropped %s at weight version %d: non-finite %s%s", self.stage,
-                        "its update" if k is None else f"micro-batch {k}", self.version, what, more)
-        if inp is None:
-            return None
-        return inp.pack([torch.full_like(t, math.nan) for t in inp.leaves])  # one per gradient-carrying leaf
-
-    def _check_divergence(self) -> None:
-        """Raises once every micro-batch of :data:`MAX_DROPPED_UPDATES` consecutive updates was
-        dropped (an update follows at least one backward, so none kept means all dropped): the
-        weights have diverged and skipping more data cannot help."""
-        kept, self._kept_since_update = self._kept_since_update, 0
-        self._all_dropped_updates = 0 if kept else self._all_dropped_updates + 1
-        if self._all_dropped_updates >= MAX_DROPPED_UPDATES:
-            raise NonFiniteError(
-                f"stage {self.stage}: every micro-batch of the last {MAX_DROPPED_UPDATES} updates had a non-finite "
-                f"loss or gradient (weight version {self.version}): training diverged; start again with a lower "
-                "--lr" + ("" if self.nan_policy == "lower-lr" else " or --nan-policy lower-lr"))
-
-    def _scale_lr(self, factor: float) -> None:
-        self.lr_factor *= factor
-        for group in self.optimizer.param_groups:
-            group["lr"] *= factor
-        if self.lr_scheduler is not None:  # LambdaLR recomputes lr from base_lrs each step
-            self.lr_scheduler.base_lrs = [lr * factor for lr in self.lr_scheduler.base_lrs]
 
     def _release(self, k: int) -> None:
         """Forgets micro-batch ``k`` without using its gradients."""
@@ -531,17 +518,15 @@ class StageExecutor:
 
     def _corrected(self, drift: int):
         # PipeMare T2 (arXiv 1910.05124 §3.2): backward on w − Δ·δ
-        return self._moved(self.velocity, -float(drift), [p.detach().clone() for p in self.params])
+        return self.pipemare.corrected(self.params, drift)
 
     @property
     def predict_steps(self) -> float:
         """s of weight prediction: the stage's drift bound, or its mean measured drift so far
         (0 before its first backward); 0 when prediction is off."""
-        if self.predict_weights == "bound":
-            return float(self.predict_bound)
-        if self.predict_weights == "measured" and self.drift_count:
-            return self.drift_sum / self.drift_count
-        return 0.0
+        if self.prediction is None:
+            return 0.0
+        return self.prediction.steps(self.drift_sum / self.drift_count if self.drift_count else None)
 
     def _predicted(self):
         """Context of a forward under weight prediction: the live weights are W + s·(W − W_prev).
@@ -554,36 +539,19 @@ class StageExecutor:
         by reference as in PACI: the backward's input gradient uses the current weights and its
         weight gradient the activations of the predicted forward.
         """
-        s = self.predict_steps
-        if self.last_update is None or s == 0 or self.version == 0:
+        if self.prediction is None:
             return contextlib.nullcontext()
-        return self._moved(self.last_update, s, self._scratch)
-
-    @contextlib.contextmanager
-    def _moved(self, deltas: list[torch.Tensor], alpha: float, saved: list[torch.Tensor]):
-        """Runs the block on the live weights moved by ``alpha · deltas`` (in place: graphs built under
-        ``SavedByReference`` follow them), then restores them exactly from ``saved`` (filled here; never a
-        parameter swap, see versions.py)."""
-        with torch.no_grad():
-            for p, d, c in zip(self.params, deltas, saved):
-                c.copy_(p)
-                p.add_(d, alpha=alpha)
-        try:
-            yield
-        finally:
-            with torch.no_grad():
-                for p, c in zip(self.params, saved):
-                    p.copy_(c)
+        return self.prediction.predicted(self.predict_steps, self.version)
 
     def _finish(self, k: int) -> None:
         """After the backward of ``k``: move stashed-version gradients to the live parameters."""
-        self._kept_since_update += 1
+        self.guard.kept_since_update += 1
         self._unhold(k)
         version = self.fwd_version.pop(k)
         self.drift_sum += self.version - version
         self.drift_count += 1
         if self.is_last:
-            self._step_losses.append(self.losses.pop(k))
+            self._step_loss.pending.append(self.losses.pop(k))
         if self.backward_weights == "stashed":
             entry = self.stash[version]
             for p, t in zip(self.params, entry[0].values()):
@@ -610,7 +578,7 @@ class StageExecutor:
     @property
     def idle(self) -> bool:
         """True at a cut: no stored activation, stashed version or accumulated gradient."""
-        return not (self.store or self.stash or self._step_losses or self._replay
+        return not (self.store or self.stash or self._step_loss.pending or self._replay
                     or any(p.grad is not None for p in self.grad_params))
 
     def state_dict(self) -> dict[str, Any]:
@@ -630,7 +598,7 @@ class StageExecutor:
             "lr_scheduler": None if sched is None else {"last_epoch": sched.last_epoch,
                                                         "base_lrs": list(sched.base_lrs)},
             "velocity": self.velocity,
-            "lr_factor": self.lr_factor,
+            "lr_factor": self.guard.lr_factor,
             "last_step_loss": self.last_step_loss,
             "masters": None if self.masters is None else [m.detach() for m in self.masters],
             # the masters' parameter names: what export writes in place of the bf16 parameters
@@ -667,79 +635,35 @@ class StageExecutor:
         self.clip_stats.update(clip.get("stats", {}))
         self.clip_recent = dict(clip.get("recent", {}))
         self.version = state["version"]
-        self.lr_factor = state["lr_factor"]
+        self.guard.lr_factor = state["lr_factor"]
         self.last_step_loss = state["last_step_loss"]
 
     def prepare_update(self) -> None:
         """The first part of ``U``, before clipping (runs once per update; a rank's clipper calls it
-        for each of its stages before their norms are exchanged): the non-finite guard's update-time
-        check, the divergence stop, the last stage's step loss and, with ``grad_sync``, the average
-        over the replicas."""
+        for each of its stages before their norms are exchanged): the steps ``non_finite`` (the
+        guard's update-time check and the divergence stop), ``step_loss`` (last stage) and
+        ``grad_sync`` (data parallelism: the average over the replicas), ``update.UPDATE_ORDER``."""
         if self._prepared == self.version:
             return
         self._prepared = self.version
-        if self.nan_policy != "off":
-            grads = [p.grad for p in self.grad_params if p.grad is not None]
-            if self._tainted or not _finite(grads):
-                if not self._tainted:
-                    self._poison(None, None, "accumulated weight gradient (this stage's update is dropped)")
-                # without clipping a zero-gradient update, as for a dropped micro-batch; with clipping a
-                # non-finite norm, which skips the update (on every stage under sync, [Note: clip scopes])
-                fill = 0.0 if self.clipper is None else math.nan
-                for g in grads:
-                    g.fill_(fill)
-                self._tainted = False
-                self._kept_since_update = 0  # counts as an update without a usable micro-batch
-        self._check_divergence()
-        step_loss = None
-        if self._step_losses:  # one host synchronisation per update, on the last stage only
-            values = torch.stack(self._step_losses).tolist()
-            step_loss = sum(values) / len(values)
-            self._step_losses = []
-        if self.grad_sync is not None:
-            step_loss = self.grad_sync(self.grad_params, step_loss)
-        self._step_loss = step_loss
+        self._ctx = UpdateContext(self.version, self.params, self.grad_params, clipper=self.clipper, executor=self)
+        run_steps(self.prepare_steps, self._ctx)
 
     def update(self) -> None:
         """Applies the accumulated gradients, zeroes them and bumps the weight version.
 
-        With ``grad_sync`` (data parallelism) the gradients are first averaged over the
-        replicas; the last stage's step loss becomes the replicas' mean. With a ``clipper`` the
-        gradients are then clipped, or the update is skipped (no optimizer step) when the norm it
-        clips by is non-finite ([Note: clip scopes] in ``runtime/clipping.py``).
+        Runs the update's steps in ``update.UPDATE_ORDER`` (the first part through
+        :meth:`prepare_update`): with ``grad_sync`` (data parallelism) the gradients are first
+        averaged over the replicas and the last stage's step loss becomes the replicas' mean; with a
+        ``clipper`` the gradients are then clipped, or the update is skipped (no optimizer step, no
+        error feedback, no bf16 copy) when the norm it clips by is non-finite ([Note: clip scopes]
+        in ``runtime/clipping.py``).
         """
         self.prepare_update()
-        step_loss, self._step_loss = self._step_loss, None
-        apply = True
-        if self.clipper is not None:
-            apply = self.clipper.clip(self)
-        elif self.clip_grad_norm is not None:
-            torch.nn.utils.clip_grad_norm_(self.grad_params, self.clip_grad_norm)
+        ctx, self._ctx = self._ctx, None
         self.peak_grad_bytes = max(self.peak_grad_bytes, tensor_bytes([p.grad for p in self.grad_params]))
-        before = [p.detach().clone() for p in self.params] if self.velocity is not None else None
-        if self.last_update is not None:
-            with torch.no_grad():
-                for d, p in zip(self.last_update, self.params):
-                    d.copy_(p)
-        if self.error_feedback is not None and apply:
-            self.error_feedback.snapshot()
-        if apply:  # a skipped update moves nothing: weights, moments and error feedback stay
-            # in place: in-flight graphs (built under SavedByReference) read the new weights at their backward
-            self.optimizer.step()
-            if self.error_feedback is not None:  # on the stepped tensors, before the bf16 copy
-                self.error_feedback.correct()
-            if self.masters is not None:  # bf16 parameters ← rounded fp32 masters, in place
-                copy_masters(self.params, self.masters)
-        # the applied update W − W_prev, as the weights hold it (error feedback's correction included)
-        if self.last_update is not None:
-            with torch.no_grad():
-                for d, p in zip(self.last_update, self.params):
-                    d.neg_().add_(p)
+        run_steps(self.apply_steps, ctx)
         self.optimizer.zero_grad(set_to_none=True)
-        if before is not None:  # PipeMare T2 velocity: δ ← γ δ + (1 − γ)(w_new − w_old)
-            with torch.no_grad():
-                for v, p, b in zip(self.velocity, self.params, before):
-                    v.mul_(self.velocity_decay).add_(p - b, alpha=1.0 - self.velocity_decay)
         if self.backward_weights == "stashed":  # drop the old version once nothing in flight uses it
             entry = self.stash.get(self.version)
             if entry is not None and entry[1] == 0:
@@ -747,8 +671,8 @@ class StageExecutor:
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
         self.version += 1
-        if step_loss is not None:
-            self.last_step_loss = step_loss
+        if ctx.step_loss is not None:
+            self.last_step_loss = ctx.step_loss
 
     def run(self, action: Action, payload: torch.Tensor | None = None) -> torch.Tensor | None:
         """Dispatches one action; returns the tensor to send (or ``None``)."""
@@ -765,13 +689,6 @@ class StageExecutor:
             self.update()
             return None
         raise NotImplementedError(f"action {action}: kind {action.kind.value} is not supported by this executor")
-
-
-def _finite(tensors: list[torch.Tensor | None]) -> bool:
-    """True if every element of ``tensors`` is finite (max |x| per tensor, NaN and ±inf propagate;
-    one host synchronisation; 5× cheaper on small CPU tensors than ``get_total_norm``)."""
-    ts = [t.detach().abs().amax().float() for t in tensors if t is not None]
-    return not ts or bool(torch.isfinite(torch.stack(ts)).all())
 
 
 # [Note: random numbers per micro-batch]

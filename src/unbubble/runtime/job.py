@@ -68,7 +68,7 @@ class PipelineJob:
         checkpoint: where and how often stages save their state, and the step to resume
             from ([Note: the checkpoint cut] in docs/architecture.md); ``None``: never.
         nan_policy: the non-finite guard (skip, lower-lr, abort, off; [Note: non-finite guard]
-            in ``executor.py``).
+            in ``guard.py``).
         nan_lr_factor: learning-rate factor per dropped micro-batch with ``"lower-lr"``.
         seed: the training RNG (dropout): each forward of micro-batch k on stage s draws from a
             generator seeded from (``seed``, replica, s, k), so every engine, order and resume draws

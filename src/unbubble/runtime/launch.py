@@ -39,6 +39,8 @@ from unbubble.errors import ConfigError, NonFiniteError, PipelineFailure, Second
 from unbubble.runtime import lazy_dynamo
 from unbubble.runtime.clipping import clip_summary
 from unbubble.runtime.job import PipelineJob
+from unbubble.runtime.reports import Done, Event, Failed, Final, Records, Report, Snapshot, Started, StepLoss, \
+    Stopped
 from unbubble.runtime.telemetry import Listener, RunResult, Telemetry
 from unbubble.runtime.worker import from_bytes, run_stage
 from unbubble.schedules.policy import Cuts
@@ -294,7 +296,7 @@ def _stage_entry(rank: int, job: PipelineJob, replay, q, port: int, threads: int
         dist.destroy_process_group()
     except BaseException as exc:  # noqa: BLE001 - reported to the coordinator, then exit 1
         text = f"{type(exc).__name__}: {exc}"
-        q.put(("error", rank, text))
+        q.put(Failed(rank, text))
         # a neighbour's failure (the launcher names the culprit) or a known condition: no traceback
         if not any(mark in text for mark in _SECONDARY) and not isinstance(exc, NonFiniteError):
             traceback.print_exc()
@@ -305,12 +307,12 @@ def _stage_entry(rank: int, job: PipelineJob, replay, q, port: int, threads: int
 
 
 class _Collector:
-    """Turns stage reports into telemetry (shared by the local launcher and torchrun)."""
+    """Turns stage reports (``runtime/reports.py``) into telemetry (shared by the local launcher and torchrun)."""
 
     def __init__(self, job: PipelineJob, listener: Listener | None):
         self.job = job
         self.telemetry = Telemetry(job, listener, start_step=job.start_step)
-        self.finals: dict[int, tuple[dict, float, dict, dict, dict]] = {}
+        self.finals: dict[int, Final] = {}
         self.done_walls: list[float] = []  # from replicas d > 0
         self.stopped_at: int | None = None
 
@@ -320,41 +322,47 @@ class _Collector:
         n = self.job.schedule.n_stages
         return len(self.finals) == n and len(self.done_walls) == (self.job.dp - 1) * n
 
-    def handle(self, msg: tuple) -> None:
-        kind, stage, payload = msg
-        if kind == "records":
-            for action, start, end, version, weights in payload:
-                self.telemetry.add_record(ActionRecord(Action.parse(action), start, end, version, weights))
-        elif kind == "step_loss":
-            self.telemetry.add_step_loss(payload)
-        elif kind == "snapshot":
-            version, data = payload
-            self.telemetry.add_snapshot(stage, version, from_bytes(data))
-        elif kind == "final":
-            data, wall, opt_bytes, memory, clip_stats = payload
-            self.finals[stage] = (from_bytes(data), wall, opt_bytes, memory, clip_stats)
-        elif kind == "done":
-            self.done_walls.append(payload)
-        elif kind == "event":
-            self.telemetry.add_event(payload)
-        elif kind == "stopped":
-            self.stopped_at = payload
-        elif kind == "start":
-            self.telemetry.set_start(payload)
+    def handle(self, report: Report) -> None:
+        """Adds one report (a :class:`Failed` is the launcher's to handle, not this).
+
+        Raises:
+            TypeError: ``report`` is not a report this collector knows.
+        """
+        match report:
+            case Records(records=records):
+                for action, start, end, version, weights in records:
+                    self.telemetry.add_record(ActionRecord(Action.parse(action), start, end, version, weights))
+            case StepLoss(loss=loss):
+                self.telemetry.add_step_loss(loss)
+            case Snapshot(stage=stage, version=version, state=state):
+                self.telemetry.add_snapshot(stage, version, from_bytes(state))
+            case Final(stage=stage):
+                self.finals[stage] = report
+            case Done(wall_s=wall_s):
+                self.done_walls.append(wall_s)
+            case Event(event=event):
+                self.telemetry.add_event(event)
+            case Stopped(step=step):
+                self.stopped_at = step
+            case Started(t0=t0):
+                self.telemetry.set_start(t0)
+            case _:
+                raise TypeError(f"a stage report of type {type(report).__name__} is not one of runtime/reports.py's")
 
     def result(self) -> RunResult:
         n = self.job.schedule.n_stages
-        wall = max([f[1] for f in self.finals.values()] + self.done_walls)
-        return self.telemetry.result([self.finals[s][0] for s in range(n)], wall,
-                                     optimizer_bytes=[self.finals[s][2] for s in range(n)], stopped_at=self.stopped_at,
-                                     memory=[self.finals[s][3] for s in range(n)],
-                                     clip=clip_summary(self.job, [self.finals[s][4] for s in range(n)]))
+        finals = [self.finals[s] for s in range(n)]
+        wall = max([f.wall_s for f in finals] + self.done_walls)
+        return self.telemetry.result([from_bytes(f.state) for f in finals], wall,
+                                     optimizer_bytes=[f.optimizer_bytes for f in finals], stopped_at=self.stopped_at,
+                                     memory=[f.memory for f in finals],
+                                     clip=clip_summary(self.job, [f.clip_stats for f in finals]))
 
 
 _SECONDARY = ("PeerFailure", "Connection closed by peer", "Connection reset by peer", "Broken pipe")
 
 
-def _root_cause(first: tuple, q, wait_s: float = 2.0) -> tuple:
+def _root_cause(first: Failed, q, wait_s: float = 2.0) -> Failed:
     """Among the errors stages report within ``wait_s``, the one that is not a neighbour's
     reaction to another failure (a closed connection, a receive timeout)."""
     errors, deadline = [first], time.monotonic() + wait_s
@@ -363,9 +371,9 @@ def _root_cause(first: tuple, q, wait_s: float = 2.0) -> tuple:
             msg = q.get(timeout=0.1)
         except queue.Empty:
             continue
-        if msg[0] == "error":
+        if isinstance(msg, Failed):
             errors.append(msg)
-    primary = [e for e in errors if not any(mark in e[2] for mark in _SECONDARY)]
+    primary = [e for e in errors if not any(mark in e.text for mark in _SECONDARY)]
     return (primary or errors)[0]
 
 
@@ -408,154 +416,180 @@ def run_processes(job: PipelineJob, replay: list[list[Action]] | None = None, li
         os._exit(_NO_GUARD_EXIT)  # silently: the launcher says why
     check_main_guard()
     check_picklable(job)  # before any process starts: a lambda would fail inside Process.start
-    n = job.schedule.n_ranks
-    world = job.dp * n
-    backend = choose_backend(world, backend)
+    backend = choose_backend(job.dp * job.schedule.n_ranks, backend)
     hang_s = min(hang_s, max(3.0, timeout_s / 2))  # the hung stage, not its waiting neighbour
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    port = _free_port()
-    beats = ctx.Array("d", world, lock=False)
-    last_actions = [ctx.Array("c", 32, lock=False) for _ in range(world)]
-    procs = [
-        ctx.Process(target=_stage_entry, name=f"unbubble-rank-{g}",
-                    args=(g, job, None if replay is None else replay[g % n], q, port, threads_per_stage, timeout_s,
-                          backend, beats, last_actions, os.getpid()))
-        for g in range(world)
-    ]
-    signals: list[int] = []
-    forwarded: set[int] = set()
+    return _LocalLaunch(job, replay, listener, threads_per_stage, timeout_s, backend, hang_s).run()
 
-    def forward_stop() -> None:
-        """Passes a stop on to each stage once it has installed its handlers (its heartbeat runs):
-        a stage still starting ignores SIGINT/SIGTERM (inherited SIG_IGN), so it is told later."""
-        for g, p in enumerate(procs):
-            if signals and g not in forwarded and beats[g] > 0 and p.is_alive():
-                os.kill(p.pid, signals[0])
-                forwarded.add(g)
 
-    starting = [True]  # while the stage processes are spawned: a stop waits until they all have been
+class _LocalLaunch:
+    """One :func:`run_processes` call: the stage processes, their heartbeats and last actions, the
+    stop signals and the reports' collector."""
 
-    def startup_interrupted(signum: int) -> StartupInterrupted:
-        return StartupInterrupted(f"{signal.Signals(signum).name} before the first step: every stage process "
-                                  "was ended (nothing to save; the newest checkpoint, if any, is unchanged)")
+    def __init__(self, job: PipelineJob, replay: list[list[Action]] | None, listener: Listener | None,
+                 threads_per_stage: int, timeout_s: float, backend: str, hang_s: float):
+        self.job, self.hang_s = job, hang_s
+        n = job.schedule.n_ranks
+        self.world = world = job.dp * n
+        ctx = mp.get_context("spawn")
+        self.q = ctx.Queue()
+        port = _free_port()
+        self.beats = ctx.Array("d", world, lock=False)
+        self.last_actions = [ctx.Array("c", 32, lock=False) for _ in range(world)]
+        self.procs = [
+            ctx.Process(target=_stage_entry, name=f"unbubble-rank-{g}",
+                        args=(g, job, None if replay is None else replay[g % n], self.q, port, threads_per_stage,
+                              timeout_s, backend, self.beats, self.last_actions, os.getpid()))
+            for g in range(world)
+        ]
+        self.signals: list[int] = []
+        self.forwarded: set[int] = set()
+        self.starting = True  # while the stage processes are spawned: a stop waits until they all have been
+        self.echo = _Echoes()
+        self.on_main = threading.current_thread() is threading.main_thread()
+        self.previous = {sig: signal.getsignal(sig) for sig in _STOP_SIGNALS} if self.on_main else {}
+        self.collector = _Collector(job, listener)
 
-    echo = _Echoes()
+    def run(self) -> RunResult:
+        try:
+            self._start()
+            self._collect()
+            for p in self.procs:
+                p.join(timeout=60)
+        except SecondSignal as exc:  # the stages die first, so no checkpoint completes after the line is written
+            for p in self.procs:
+                if p.pid is not None and p.is_alive():
+                    p.kill()
+            for p in self.procs:
+                if p.pid is not None:
+                    p.join(timeout=10)
+            raise PipelineFailure(stopped_at_once(exc.signame, self.job.checkpoint, self.job.schedule.n_stages)) \
+                from None
+        except KeyboardInterrupt as exc:
+            raise PipelineFailure(f"{exc}; the newest complete checkpoint, if any, is unchanged") from None
+        finally:
+            self._clean_up()
+        result = self.collector.result()
+        if self.signals and result.stopped_at in (None, self.job.schedule.steps):  # the stop cut nothing short
+            pass_on_late_stop(self.previous.get(self.signals[0]), self.signals[0])
+        return result
 
-    def on_signal(signum, frame):
-        if echo():
-            return  # the same stop, delivered twice
-        signals.append(signum)
-        if starting[0]:  # raising inside Process.start would cut a child's pickled input short
-            return  # (its "EOFError: Ran out of input" traceback): raised once all have started
-        if not collector.telemetry.step_losses:  # nothing done yet, so nothing to save
-            raise startup_interrupted(signum)
-        if len(signals) > 1:
-            raise SecondSignal(signal.Signals(signum).name)
-        log.warning("%s: the run stops at the next step boundary, after a checkpoint (send it again to stop at "
-                    "once)", signal.Signals(signum).name)
-        forward_stop()
-
-    on_main = threading.current_thread() is threading.main_thread()
-    previous = {sig: signal.getsignal(sig) for sig in _STOP_SIGNALS} if on_main else {}
-
-    def last(g: int) -> str:
-        return last_actions[g].value.decode() or "none (still starting)"
-
-    def culprit() -> str | None:
-        """[Note: failure handling]: a stage killed by a signal, or hung (stale heartbeat), is the
-        cause; its neighbours' errors (closed connections, receive timeouts) are consequences."""
-        for g, p in enumerate(procs):
-            if p.exitcode is not None and p.exitcode < 0:
-                return (f"stage {_rank_name(job, g)} was killed by {signal.Signals(-p.exitcode).name} without a "
-                        f"report; its last action was {last(g)}")
-        now = time.time()
-        for g in range(world):
-            if beats[g] > 0 and now - beats[g] > hang_s and procs[g].exitcode is None:
-                procs[g].kill()  # a stopped process ignores SIGTERM
-                return (f"stage {_rank_name(job, g)} stopped responding (no heartbeat for {now - beats[g]:.0f} s); "
-                        f"its last action was {last(g)}")
-        return None
-
-    collector = _Collector(job, listener)
-    try:
-        if on_main:  # children start with SIGINT/SIGTERM blocked (a terminal's Ctrl-C reaches them too, and
+    def _start(self) -> None:
+        """Spawns the stage processes with stop signals held back until all have started."""
+        if self.on_main:  # children start with SIGINT/SIGTERM blocked (a terminal's Ctrl-C reaches them too, and
             # they discard it); here a signal that arrives while they start waits until they all have
             for sig in _STOP_SIGNALS:
-                signal.signal(sig, on_signal)
+                signal.signal(sig, self._on_signal)
             signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
         try:
-            for p in procs:
+            for p in self.procs:
                 p.start()
         finally:
-            if on_main:  # (another thread of this process may still have run on_signal meanwhile)
+            if self.on_main:  # (another thread of this process may still have run _on_signal meanwhile)
                 signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
-            starting[0] = False
-        if signals:
-            raise startup_interrupted(signals[0])
-        while not collector.complete:
-            forward_stop()
+            self.starting = False
+        if self.signals:
+            raise self._startup_interrupted(self.signals[0])
+
+    def _collect(self) -> None:
+        """Reads reports until every stage has finished; raises for a stage that failed, died or hung."""
+        while not self.collector.complete:
+            self._forward_stop()
             try:
-                msg = q.get(timeout=0.5)
+                report = self.q.get(timeout=0.5)
             except queue.Empty:
-                dead = [(g, p.exitcode) for g, p in enumerate(procs) if p.exitcode not in (None, 0)]
-                if dead:
-                    try:  # its error report may still be in the queue
-                        msg = q.get(timeout=1.0)
-                        if msg[0] == "error":
-                            _raise_stage_error(_root_cause(msg, q), job, last, culprit)
-                        collector.handle(msg)
-                    except queue.Empty:
-                        pass
-                    g, code = dead[0]
-                    if code == _NO_GUARD_EXIT:
-                        raise ConfigError(_no_guard_message(getattr(sys.modules["__main__"], "__file__", "?")))
-                    raise PipelineFailure(culprit() or f"stage {_rank_name(job, g)} exited with code {code} without "
-                                          f"a report; its last action was {last(g)}")
-                found = culprit()
-                if found:
-                    raise PipelineFailure(found)
+                self._check_processes()
                 continue
-            if msg[0] == "error":
-                _raise_stage_error(_root_cause(msg, q), job, last, culprit)
-            collector.handle(msg)
-        for p in procs:
-            p.join(timeout=60)
-    except SecondSignal as exc:  # the stages die first, so no checkpoint completes after the line is written
-        for p in procs:
-            if p.pid is not None and p.is_alive():
-                p.kill()
-        for p in procs:
-            if p.pid is not None:
-                p.join(timeout=10)
-        raise PipelineFailure(stopped_at_once(exc.signame, job.checkpoint, job.schedule.n_stages)) from None
-    except KeyboardInterrupt as exc:
-        raise PipelineFailure(f"{exc}; the newest complete checkpoint, if any, is unchanged") from None
-    finally:
-        for sig, handler in previous.items():
+            if isinstance(report, Failed):
+                self._raise_stage_error(_root_cause(report, self.q))
+            self.collector.handle(report)
+
+    def _check_processes(self) -> None:
+        """With no report for a while: raises for a stage process that exited non-zero (its error
+        report first, if it is still in the queue), was killed or hung."""
+        dead = [(g, p.exitcode) for g, p in enumerate(self.procs) if p.exitcode not in (None, 0)]
+        if dead:
+            try:  # its error report may still be in the queue
+                report = self.q.get(timeout=1.0)
+                if isinstance(report, Failed):
+                    self._raise_stage_error(_root_cause(report, self.q))
+                self.collector.handle(report)
+            except queue.Empty:
+                pass
+            g, code = dead[0]
+            if code == _NO_GUARD_EXIT:
+                raise ConfigError(_no_guard_message(getattr(sys.modules["__main__"], "__file__", "?")))
+            raise PipelineFailure(self._culprit() or f"stage {_rank_name(self.job, g)} exited with code {code} "
+                                  f"without a report; its last action was {self._last(g)}")
+        found = self._culprit()
+        if found:
+            raise PipelineFailure(found)
+
+    def _clean_up(self) -> None:
+        """Restores the signal handlers and kills what still runs (after a failure: SIGTERM would only
+        ask a stage to stop at a checkpoint)."""
+        for sig, handler in self.previous.items():
             signal.signal(sig, handler)
-        started = [p for p in procs if p.pid is not None]  # a failed start leaves some never started
-        for p in started:  # after a failure: SIGTERM would only ask them to stop at a checkpoint
+        started = [p for p in self.procs if p.pid is not None]  # a failed start leaves some never started
+        for p in started:
             if p.is_alive():
                 p.kill()
         for p in started:
             p.join(timeout=10)
-    result = collector.result()
-    if signals and result.stopped_at in (None, job.schedule.steps):  # the stop cut nothing short
-        pass_on_late_stop(previous.get(signals[0]), signals[0])
-    return result
 
+    def _forward_stop(self) -> None:
+        """Passes a stop on to each stage once it has installed its handlers (its heartbeat runs):
+        a stage still starting ignores SIGINT/SIGTERM (inherited SIG_IGN), so it is told later."""
+        for g, p in enumerate(self.procs):
+            if self.signals and g not in self.forwarded and self.beats[g] > 0 and p.is_alive():
+                os.kill(p.pid, self.signals[0])
+                self.forwarded.add(g)
 
-def _raise_stage_error(msg: tuple, job: PipelineJob, last, culprit) -> None:
-    """Raises for a stage's ``("error", global rank, text)`` report, naming the culprit instead
-    when the report is a neighbour's reaction to it."""
-    _, rank, text = msg
-    if any(mark in text for mark in _SECONDARY):
-        found = culprit()
-        if found:
-            raise PipelineFailure(found)
-    where = "" if "last action" in text else f"; its last action was {last(rank)}"
-    raise PipelineFailure(f"stage {_rank_name(job, rank)} failed: {text}{where}")
+    @staticmethod
+    def _startup_interrupted(signum: int) -> StartupInterrupted:
+        return StartupInterrupted(f"{signal.Signals(signum).name} before the first step: every stage process "
+                                  "was ended (nothing to save; the newest checkpoint, if any, is unchanged)")
+
+    def _on_signal(self, signum, frame):
+        if self.echo():
+            return  # the same stop, delivered twice
+        self.signals.append(signum)
+        if self.starting:  # raising inside Process.start would cut a child's pickled input short
+            return  # (its "EOFError: Ran out of input" traceback): raised once all have started
+        if not self.collector.telemetry.step_losses:  # nothing done yet, so nothing to save
+            raise self._startup_interrupted(signum)
+        if len(self.signals) > 1:
+            raise SecondSignal(signal.Signals(signum).name)
+        log.warning("%s: the run stops at the next step boundary, after a checkpoint (send it again to stop at "
+                    "once)", signal.Signals(signum).name)
+        self._forward_stop()
+
+    def _last(self, g: int) -> str:
+        return self.last_actions[g].value.decode() or "none (still starting)"
+
+    def _culprit(self) -> str | None:
+        """[Note: failure handling]: a stage killed by a signal, or hung (stale heartbeat), is the
+        cause; its neighbours' errors (closed connections, receive timeouts) are consequences."""
+        for g, p in enumerate(self.procs):
+            if p.exitcode is not None and p.exitcode < 0:
+                return (f"stage {_rank_name(self.job, g)} was killed by {signal.Signals(-p.exitcode).name} without a "
+                        f"report; its last action was {self._last(g)}")
+        now = time.time()
+        for g in range(self.world):
+            if self.beats[g] > 0 and now - self.beats[g] > self.hang_s and self.procs[g].exitcode is None:
+                self.procs[g].kill()  # a stopped process ignores SIGTERM
+                return (f"stage {_rank_name(self.job, g)} stopped responding (no heartbeat for "
+                        f"{now - self.beats[g]:.0f} s); its last action was {self._last(g)}")
+        return None
+
+    def _raise_stage_error(self, report: Failed) -> None:
+        """Raises for a stage's :class:`Failed` report, naming the culprit instead when the report is a
+        neighbour's reaction to it."""
+        if any(mark in report.text for mark in _SECONDARY):
+            found = self._culprit()
+            if found:
+                raise PipelineFailure(found)
+        where = "" if "last action" in report.text else f"; its last action was {self._last(report.rank)}"
+        raise PipelineFailure(f"stage {_rank_name(self.job, report.rank)} failed: {report.text}{where}")
 
 
 def under_torchrun() -> bool:
@@ -588,7 +622,7 @@ def run_torchrun(job: PipelineJob, replay: list[list[Action]] | None = None, lis
     if job.compile_backend is None:  # [Note: eager stage processes without Dynamo]
         lazy_dynamo.defer()
     rank = dist.get_rank()
-    messages: list[tuple] = []
+    messages: list[Report] = []
     cuts = job.cuts()
     install_stop_handlers(cuts)  # torchrun forwards SIGINT/SIGTERM to every worker
     run_stage(job, rank, messages.append, None if replay is None else replay[rank % n],
@@ -599,12 +633,12 @@ def run_torchrun(job: PipelineJob, replay: list[list[Action]] | None = None, lis
     if rank != 0:
         return None
     collector = _Collector(job, listener)
-    for stage_msgs in gathered:
+    for stage_msgs in gathered:  # every rank's records first
         for msg in stage_msgs:
-            if msg[0] == "records":
+            if isinstance(msg, Records):
                 collector.handle(msg)
     for stage_msgs in gathered:
         for msg in stage_msgs:
-            if msg[0] != "records":
+            if not isinstance(msg, Records):
                 collector.handle(msg)
     return collector.result()

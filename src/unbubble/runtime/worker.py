@@ -6,7 +6,7 @@ import io
 import logging
 import signal
 import time
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -16,6 +16,8 @@ from unbubble.runtime.checkpoint import CutWriter
 from unbubble.runtime.clipping import attach_dist
 from unbubble.runtime.job import PipelineJob
 from unbubble.runtime.data_parallel import GradientAverager, Layout
+from unbubble.runtime.reports import Done, Event, Final, Record, Records, Report, Snapshot, Started, StepLoss, \
+    Stopped
 from unbubble.runtime.transport import END, P2PTransport, PeerFailure, channel_groups
 from unbubble.runtime.telemetry import process_memory
 from unbubble.schedules.actions import Action, ActionKind
@@ -24,8 +26,8 @@ from unbubble.schedules.policy import CutPolicy, Cuts, ListPolicy, RankView, Sta
 
 log = logging.getLogger(__name__)
 
-#: A message from a stage to the coordinator: ``(kind, stage, payload)``.
-Sink = Callable[[tuple], None]
+#: Where a stage's reports go (``runtime/reports.py``: one dataclass per kind).
+Sink = Callable[[Report], None]
 
 
 def to_bytes(state: dict) -> bytes:
@@ -88,150 +90,191 @@ def run_stage(job: PipelineJob, rank: int, sink: Sink, replay: list[Action] | No
         PeerFailure: a neighbour stopped sending within ``recv_timeout_s``.
         ConfigError: a checkpoint to resume is missing, damaged or from another configuration.
     """
-    sched = job.schedule
-    n = sched.n_stages
-    layout = Layout(job.dp, sched.n_ranks)
-    replica, prank = layout.split(rank)
-    primary = replica == 0  # replica 0 reports; the others' weights are identical
-    stages = sched.stages_of(prank)
-    # [Note: 2-D rank layout]: every rank creates every data-parallel group, in the same order
-    dp_groups = channel_groups([(("dp", r), layout.replica_ranks(r)) for r in range(sched.n_ranks)]) \
-        if job.dp > 1 else None
-    averager = GradientAverager(dp_groups[prank], job.dp, device) if dp_groups else None
-    execs = {s: job.build_executor(s, replica=replica, grad_sync=averager, device=device) for s in stages}
-    cuts = cuts or job.cuts()
-    start = job.start_step
-    m = sched.mb_per_step
-    torch.manual_seed(job.seed + 1_000_003 * (rank + 1))  # outside forwards (each forward seeds its own)
-    if start:
-        for ex in execs.values():
-            job.load_checkpoint(ex)
-    # [Note: clip scopes]: one group per replica's pipeline ranks, created by every rank in the same order
-    clipper = None
-    if job.clip_grad_norm is not None:
-        clip_groups = channel_groups([(("clip", d), [layout.global_rank(d, r) for r in range(sched.n_ranks)])
-                                      for d in range(job.dp)])
-        clipper = attach_dist(job, execs, prank, clip_groups[replica], device)
-    if primary and job.wants_snapshot(0) and not start:
-        for s, ex in execs.items():
-            sink(("snapshot", s, (0, to_bytes(ex.module.state_dict()))))
-    transport = P2PTransport(prank, sched.n_ranks, n, sched.total_mb, replica=replica, dp=job.dp, device=device,
-                             placement=sched.ranks)
-    transport.start(start * m)
-    inner = ListPolicy(replay) if replay is not None else sched.policy(prank, job.order)
-    states = {s: StageState(s, n, sched.total_mb) for s in stages}
-    view = states[prank] if len(stages) == 1 else RankView(list(states.values()))
-    if start:
-        for st in states.values():
-            resume_state(st, start, m)
-        if isinstance(inner, ListPolicy):
-            view.n_actions = resume_position(inner.actions, stages, start)
-    policy = CutPolicy(inner, cuts)
-    inputs: dict[tuple[ActionKind, int, int], torch.Tensor] = {}
-    writer = CutWriter(job, cuts, enabled=primary)
-    end_sent = {True: not any(s < n - 1 for s in stages), False: not any(s > 0 for s in stages)}
-    stage0_group = dp_groups[0] if dp_groups and prank == 0 else None
+    run = _RankRun(job, rank, sink, replay, device, cuts or job.cuts())
+    run.start(control_group)
+    run.loop(recv_timeout_s, on_action)
+    return run.finish()
 
-    def at_stop() -> None:
+
+class _RankRun:
+    """One call of :func:`run_stage`: the rank's executors, transport and policy (set up in the
+    constructor, in the same order on every rank: the collectives that create groups and exchange
+    sizes must match), its training loop and its final reports."""
+
+    def __init__(self, job: PipelineJob, rank: int, sink: Sink, replay: list[Action] | None,
+                 device: torch.device | None, cuts: Cuts):
+        self.job, self.rank, self.sink, self.device, self.cuts = job, rank, sink, device, cuts
+        sched = job.schedule
+        self.n, self.m, start = sched.n_stages, sched.mb_per_step, job.start_step
+        layout = Layout(job.dp, sched.n_ranks)
+        self.replica, self.prank = layout.split(rank)
+        self.primary = self.replica == 0  # replica 0 reports; the others' weights are identical
+        self.stages = sched.stages_of(self.prank)
+        # [Note: 2-D rank layout]: every rank creates every data-parallel group, in the same order
+        dp_groups = channel_groups([(("dp", r), layout.replica_ranks(r)) for r in range(sched.n_ranks)]) \
+            if job.dp > 1 else None
+        averager = GradientAverager(dp_groups[self.prank], job.dp, device) if dp_groups else None
+        self.execs = {s: job.build_executor(s, replica=self.replica, grad_sync=averager, device=device)
+                      for s in self.stages}
+        torch.manual_seed(job.seed + 1_000_003 * (rank + 1))  # outside forwards (each forward seeds its own)
+        if start:
+            for ex in self.execs.values():
+                job.load_checkpoint(ex)
+        # [Note: clip scopes]: one group per replica's pipeline ranks, created by every rank in the same order
+        self.clipper = None
+        if job.clip_grad_norm is not None:
+            clip_groups = channel_groups([(("clip", d), [layout.global_rank(d, r) for r in range(sched.n_ranks)])
+                                          for d in range(job.dp)])
+            self.clipper = attach_dist(job, self.execs, self.prank, clip_groups[self.replica], device)
+        if self.primary and job.wants_snapshot(0) and not start:
+            for s, ex in self.execs.items():
+                sink(Snapshot(s, 0, to_bytes(ex.module.state_dict())))
+        self.transport = P2PTransport(self.prank, sched.n_ranks, self.n, sched.total_mb, replica=self.replica,
+                                      dp=job.dp, device=device, placement=sched.ranks)
+        self.transport.start(start * self.m)
+        self.policy, self.states, self.view = self._policy(replay, start)
+        self.inputs: dict[tuple[ActionKind, int, int], torch.Tensor] = {}
+        self.writer = CutWriter(job, cuts, enabled=self.primary)
+        # whether this rank's end frame has gone downstream (True) / upstream (False); none to send on an edge
+        self.end_sent = {True: not any(s < self.n - 1 for s in self.stages), False: not any(s > 0 for s in self.stages)}
+        self.stage0_group = dp_groups[0] if dp_groups and self.prank == 0 else None
+        self.records: list[Record] = []
+        self.t0 = 0.0
+
+    def _policy(self, replay: list[Action] | None, start: int) -> tuple[CutPolicy, dict[int, StageState], Any]:
+        """The rank's policy (its recorded list, or the schedule's) behind the cut points, its stages'
+        states and the view the policy reads; positioned at step ``start`` after a resume."""
+        sched = self.job.schedule
+        inner = ListPolicy(replay) if replay is not None else sched.policy(self.prank, self.job.order)
+        states = {s: StageState(s, self.n, sched.total_mb) for s in self.stages}
+        view = states[self.prank] if len(self.stages) == 1 else RankView(list(states.values()))
+        if start:
+            for st in states.values():
+                resume_state(st, start, self.m)
+            if isinstance(inner, ListPolicy):
+                view.n_actions = resume_position(inner.actions, self.stages, start)
+        return CutPolicy(inner, self.cuts), states, view
+
+    def start(self, control_group) -> None:
+        """Unblocks stop signals and agrees on the start time shared by all ranks."""
+        # set-up is done: a stop signal the launcher blocked during the rendezvous arrives now
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, (signal.SIGINT, signal.SIGTERM))
+        # a start time shared by every rank (host tensors), taken once all have finished setting up
+        dist.barrier(group=control_group)
+        t_ref = torch.tensor([time.time()], dtype=torch.float64)
+        dist.broadcast(t_ref, src=0, group=control_group)
+        self.t0 = float(t_ref[0])
+        if self.rank == 0:
+            self.sink(Started(self.t0))
+
+    def at_stop(self) -> None:
         """After a stop is placed: save stages at T, send end frames once their part is done."""
-        t = cuts.stop_step
-        writer.at_stop(execs.values())
-        if not end_sent[True] and all(states[s].n_fwd >= t * m for s in stages if s < n - 1):
-            transport.send_end(True, t)
-            end_sent[True] = True
-        if not end_sent[False] and all(ex.version >= t for ex in execs.values()):
-            transport.send_end(False, t)
-            end_sent[False] = True
+        t, m, n = self.cuts.stop_step, self.m, self.n
+        self.writer.at_stop(self.execs.values())
+        if not self.end_sent[True] and all(self.states[s].n_fwd >= t * m for s in self.stages if s < n - 1):
+            self.transport.send_end(True, t)
+            self.end_sent[True] = True
+        if not self.end_sent[False] and all(ex.version >= t for ex in self.execs.values()):
+            self.transport.send_end(False, t)
+            self.end_sent[False] = True
 
-    # set-up is done: a stop signal the launcher blocked during the rendezvous arrives now
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, (signal.SIGINT, signal.SIGTERM))
-    # a start time shared by every rank (host tensors), taken once all have finished setting up
-    dist.barrier(group=control_group)
-    t_ref = torch.tensor([time.time()], dtype=torch.float64)
-    dist.broadcast(t_ref, src=0, group=control_group)
-    t0 = float(t_ref[0])
-    if rank == 0:
-        sink(("start", 0, t0))
-    records: list[tuple[str, float, float, int, int]] = []
-    last: Action | None = None
-
-    def take(messages) -> None:
+    def take(self, messages) -> None:
+        """Stores arrived activations and gradients (marking them ready) and end frames' stop steps."""
         for kind, s, k, payload in messages:
             if kind is END:  # k: the stop step placed upstream
-                if cuts.stop_step is None:
-                    cuts.stop_step = k
+                if self.cuts.stop_step is None:
+                    self.cuts.stop_step = k
                 continue
-            inputs[(kind, s, k)] = payload
-            (states[s].fwd_ready if kind is ActionKind.F else states[s].bwd_ready).add(k)
+            self.inputs[(kind, s, k)] = payload
+            (self.states[s].fwd_ready if kind is ActionKind.F else self.states[s].bwd_ready).add(k)
 
-    while not policy.done(view):
-        take(transport.poll())
-        if cuts.stop_step is not None:
-            at_stop()
-        action = policy.next_action(view)
-        if action is None:
+    def loop(self, recv_timeout_s: float, on_action: Callable[[Action], None] | None) -> None:
+        """Runs the policy's actions as their inputs arrive until it is done (or stopped)."""
+        policy, view, cuts = self.policy, self.view, self.cuts
+        last: Action | None = None
+        while not policy.done(view):
+            self.take(self.transport.poll())
             if cuts.stop_step is not None:
-                at_stop()
-                if policy.done(view):
-                    break
-            try:
-                take(transport.poll(block_s=recv_timeout_s))
-            except PeerFailure as exc:
-                raise PeerFailure(f"rank {rank}: {exc}; last action {last or 'none'}") from exc
-            continue
-        s = action.stage
-        ex = execs[s]
+                self.at_stop()
+            action = policy.next_action(view)
+            if action is None:
+                if cuts.stop_step is not None:
+                    self.at_stop()
+                    if policy.done(view):
+                        break
+                try:
+                    self.take(self.transport.poll(block_s=recv_timeout_s))
+                except PeerFailure as exc:
+                    raise PeerFailure(f"rank {self.rank}: {exc}; last action {last or 'none'}") from exc
+                continue
+            self.run_action(action)
+            last = action
+            if on_action is not None:
+                on_action(action)
+            ex = self.execs[action.stage]
+            for event in ex.events:
+                self.sink(Event(action.stage, event))
+            ex.events.clear()
+            if action.kind is ActionKind.U:
+                self.after_update(ex)
+
+    def run_action(self, action: Action) -> None:
+        """Runs one action with its arrived input, sends its output, records its times."""
+        s, ex = action.stage, self.execs[action.stage]
         payload = None
         if action.kind is ActionKind.F and s > 0:
-            payload = inputs.pop((ActionKind.F, s, action.mb))
-        elif action.kind in (ActionKind.B, ActionKind.I) and s < n - 1:
-            payload = inputs.pop((ActionKind.B, s, action.mb))
+            payload = self.inputs.pop((ActionKind.F, s, action.mb))
+        elif action.kind in (ActionKind.B, ActionKind.I) and s < self.n - 1:
+            payload = self.inputs.pop((ActionKind.B, s, action.mb))
         version, weights = ex.version, ex.weights_version(action)
-        t_start = time.time() - t0
+        t_start = time.time() - self.t0
         out = ex.run(action, payload)
-        end = time.time() - t0
+        end = time.time() - self.t0
         if out is not None:  # first, so the neighbour's wait is not lengthened by bookkeeping
-            transport.send(action.kind, s, action.mb, out)
-        records.append((str(action), t_start, end, version, weights))
-        view.apply(action)
-        last = action
-        if on_action is not None:
-            on_action(action)
-        for event in ex.events:
-            sink(("event", s, event))
-        ex.events.clear()
-        if action.kind is ActionKind.U:
-            if stage0_group is not None and s == 0:  # replicas of stage 0 agree on the stop
-                flag = torch.tensor([float(cuts.stop_requested), float(-(-states[0].n_fwd // m))], device=device)
-                dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=stage0_group)
-                if flag[0] > 0 and cuts.stop_step is None:
-                    cuts.stop_step = int(flag[1])
-            writer.after_update(ex)
-            if not primary:
-                records = []
-                continue
-            sink(("records", s, records))
-            records = []
-            if ex.is_last and ex.last_step_loss is not None:
-                sink(("step_loss", s, ex.last_step_loss))
-            if job.wants_snapshot(ex.version):
-                sink(("snapshot", s, (ex.version, to_bytes(ex.module.state_dict()))))
-    if cuts.stop_step is not None:
-        at_stop()
-    if clipper is not None and clipper.exchange is not None:  # stale: the last s updates' collectives
-        clipper.exchange.drain()
-    transport.close()
-    wall = time.time() - t0
-    if cuts.stop_step is not None:  # before "final"/"done": the launcher stops reading once all have come
-        sink(("stopped", prank, cuts.stop_step))
-    if not primary:
-        for s in execs:
-            sink(("done", s, wall))
+            self.transport.send(action.kind, s, action.mb, out)
+        self.records.append((str(action), t_start, end, version, weights))
+        self.view.apply(action)
+
+    def after_update(self, ex) -> None:
+        """After an update of ``ex``: stage 0's replicas agree on a stop, a cut is saved, and replica 0
+        reports the records, the step loss and a snapshot when evaluation wants one."""
+        cuts, s = self.cuts, ex.stage
+        if self.stage0_group is not None and s == 0:  # replicas of stage 0 agree on the stop
+            flag = torch.tensor([float(cuts.stop_requested), float(-(-self.states[0].n_fwd // self.m))],
+                                device=self.device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.stage0_group)
+            if flag[0] > 0 and cuts.stop_step is None:
+                cuts.stop_step = int(flag[1])
+        self.writer.after_update(ex)
+        records, self.records = self.records, []
+        if not self.primary:
+            return
+        self.sink(Records(s, records))
+        if ex.is_last and ex.last_step_loss is not None:
+            self.sink(StepLoss(s, ex.last_step_loss))
+        if self.job.wants_snapshot(ex.version):
+            self.sink(Snapshot(s, ex.version, to_bytes(ex.module.state_dict())))
+
+    def finish(self) -> int | None:
+        """Saves a stop's cut, drains the clip exchange, closes the transport and sends the final
+        reports; returns the stop step (``None``: ran to the end)."""
+        cuts = self.cuts
+        if cuts.stop_step is not None:
+            self.at_stop()
+        if self.clipper is not None and self.clipper.exchange is not None:  # stale: the last s updates' collectives
+            self.clipper.exchange.drain()
+        self.transport.close()
+        wall = time.time() - self.t0
+        if cuts.stop_step is not None:  # before Final/Done: the launcher stops reading once all have come
+            self.sink(Stopped(self.prank, cuts.stop_step))
+        if not self.primary:
+            for s in self.execs:
+                self.sink(Done(s, wall))
+            return cuts.stop_step
+        if self.records:
+            self.sink(Records(self.prank, self.records))
+        for s, ex in self.execs.items():
+            memory = {**ex.memory_bytes(), **{f"process_{k}": v for k, v in process_memory().items()}}
+            self.sink(Final(s, to_bytes(ex.module.state_dict()), wall, optimizer_state_bytes(ex.optimizer), memory,
+                            dict(ex.clip_stats)))
         return cuts.stop_step
-    if records:
-        sink(("records", prank, records))
-    for s, ex in execs.items():
-        memory = {**ex.memory_bytes(), **{f"process_{k}": v for k, v in process_memory().items()}}
-        sink(("final", s, (to_bytes(ex.module.state_dict()), wall, optimizer_state_bytes(ex.optimizer), memory,
-                           dict(ex.clip_stats))))
-    return cuts.stop_step
