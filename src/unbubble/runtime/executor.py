@@ -14,10 +14,11 @@ from unbubble.runtime import pytree
 from unbubble.runtime.compiled import COMPILED_PREFIX, compile_stage
 from unbubble.runtime.guard import MAX_DROPPED_UPDATES as MAX_DROPPED_UPDATES  # re-exported
 from unbubble.runtime.guard import NonFiniteGuard, finite as _finite
-from unbubble.runtime.precision import SavedBytes, check_modes, compute_context, device_type, fold_grads, \
-    replayed_rng, rng_state, tensor_bytes
-from unbubble.runtime.update import PREPARE_STEPS, ErrorFeedbackSteps, GradClip, GradSync, MasterCopy, \
-    OptimizerStep, PipeMareVelocity, MeanLoss, UpdateContext, UpdateStep, WeightPrediction, ordered, run_steps
+from unbubble.runtime.held import HeldBytes
+from unbubble.runtime.precision import check_modes, compute_context, device_type, fold_grads, replayed_rng, \
+    rng_state, tensor_bytes
+from unbubble.runtime.update import PREPARE_STEPS, ErrorFeedbackSteps, GradClip, GradSync, MasterCopy, MeanLoss, \
+    OptimizerStep, PipeMareVelocity, UpdateContext, UpdateStep, WeightPrediction, ordered, run_steps
 from unbubble.runtime.versions import SavedByReference
 from unbubble.schedules.actions import Action, ActionKind
 
@@ -132,13 +133,8 @@ class StageExecutor:
         self.grad_params = self.params if masters is None else list(masters)
         self._device_type = device_type(module)
         self._replay: dict[int, tuple] = {}  # recompute: k -> (forward input, RNG state)
-        # bytes held per micro-batch k: [stored from F (activations, or the input when recomputing),
-        # weight copies saved by F, activations of a recomputed forward (from recompute to B / W)]
-        self._held: dict[int, list[int]] = {}
-        self.held_bytes = [0, 0, 0]  # now, summed over k
-        self.peak_bytes = [0, 0, 0]  # maxima of: stored, weight copies, stored + recomputed
-        self.mb_bytes: dict[str, int] = {}  # one micro-batch's measured bytes (last forward / recompute)
-        self._sizes: dict[tuple, list[int]] = {}  # (forward or recomputed, input shape, dtype) -> saved bytes
+        #: bytes held per in-flight micro-batch, measured (``held.py``)
+        self.held = HeldBytes(module, by_value=compile_backend is not None)
         self.peak_grad_bytes = 0
         self.version = 0
         self.store: dict[int, tuple] = {}  # k -> (input leaf or leaves, output) [+ incoming gradient between I and W]
@@ -259,13 +255,13 @@ class StageExecutor:
                 out, loss = self._compute(k, x)
             self._replay[k] = (x, state)
             self.store[k] = (inp, None)
-            self._hold(k, (pytree.storage_bytes(x), 0, 0), "input")  # a view keeps its whole storage
+            self.held.hold(k, (pytree.storage_bytes(x), 0, 0), "input")  # a view keeps its whole storage
         else:
-            with self._by_reference(), self._measured("forward", x) as sizes, self._predicted():
+            with self._by_reference(), self.held.measured("forward", x) as sizes, self._predicted():
                 out, loss = self._compute(k, x)
             self.store[k] = (inp, out)
-            self._hold(k, (sizes[0], sizes[1], 0), "forward")
-            self.mb_bytes["input"] = pytree.storage_bytes(x)  # what recomputation would keep (sim.memory)
+            self.held.hold(k, (sizes[0], sizes[1], 0), "forward")
+            self.held.per_mb["input"] = pytree.storage_bytes(x)  # what recomputation would keep (sim.memory)
         if self.is_last:
             self.losses[k] = loss  # read at U: no host synchronisation per micro-batch
             return None
@@ -301,45 +297,15 @@ class StageExecutor:
             The output, or on the last stage the scaled loss.
         """
         x, state = self._replay.pop(k)
-        with replayed_rng(state), self._by_reference(), self._measured("recomputed", x) as sizes:
+        with replayed_rng(state), self._by_reference(), self.held.measured("recomputed", x) as sizes:
             out, _ = self._compute(k, x)
-        self._hold(k, (0, sizes[1], sizes[0]), "recomputed")
+        self.held.hold(k, (0, sizes[1], sizes[0]), "recomputed")
         return out
 
-    @contextlib.contextmanager
-    def _measured(self, what: str, x: Any):
-        """Yields ``[activation bytes, weight-copy bytes]`` that the forward in the block saves;
-        measured with ``SavedBytes`` the first time a ``what`` forward sees ``x``'s shapes and dtypes
-        (saved sizes depend only on them), then reused: the hooks cost ≈ 4 % of a small forward."""
-        key = (what, pytree.signature(x))
-        sizes = self._sizes.get(key)
-        if sizes is not None:
-            yield sizes
-            return
-        sizes = [0, 0]
-        # a recomputed forward's input is already counted as stored
-        with SavedBytes(self.module, exclude=pytree.tensors(x) if what == "recomputed" else (),
-                        by_value=self.compile_backend is not None) as saved:
-            yield sizes
-        sizes[:] = saved.activation_bytes, saved.weight_copy_bytes
-        self._sizes[key] = sizes
-
-    def _hold(self, k: int, sizes: tuple[int, int, int], what: str) -> None:
-        """Counts ``sizes`` (stored, weight-copy, recomputed bytes) as held for ``k``."""
-        self.mb_bytes[what] = sum(sizes)
-        if sizes[1]:
-            self.mb_bytes["weight_copies"] = sizes[1]
-        held = self._held.setdefault(k, [0, 0, 0])
-        for i, b in enumerate(sizes):
-            held[i] += b
-            self.held_bytes[i] += b
-        h = self.held_bytes
-        self.peak_bytes = [max(self.peak_bytes[0], h[0]), max(self.peak_bytes[1], h[1]),
-                           max(self.peak_bytes[2], h[0] + h[2])]
-
-    def _unhold(self, k: int) -> None:
-        for i, b in enumerate(self._held.pop(k, (0, 0, 0))):
-            self.held_bytes[i] -= b
+    @property
+    def held_bytes(self) -> list[int]:
+        """Bytes the in-flight micro-batches hold now: stored from F, weight copies, recomputed."""
+        return self.held.now
 
     def memory_bytes(self) -> dict[str, Any]:
         """This stage's measured memory, bytes (the run's summary.json ``memory`` entry).
@@ -367,12 +333,12 @@ class StageExecutor:
                 "master_bytes": tensor_bytes(self.masters or []),
                 "grad_bytes": self.peak_grad_bytes,
                 "optimizer_state_bytes": optimizer_state_bytes(self.optimizer)["state_bytes"],
-                "stored_activation_bytes": self.peak_bytes[0], "activation_bytes": self.peak_bytes[2],
-                "weight_copy_bytes": self.peak_bytes[1],
+                "stored_activation_bytes": self.held.peak[0], "activation_bytes": self.held.peak[2],
+                "weight_copy_bytes": self.held.peak[1],
                 "prediction_bytes": 0 if self.prediction is None else tensor_bytes(self.prediction.last_update
                                                                                     + self.prediction.scratch),
                 "error_feedback_bytes": 0 if self.error_feedback is None else self.error_feedback.nbytes(),
-                "per_micro_batch": dict(self.mb_bytes)}
+                "per_micro_batch": dict(self.held.per_mb)}
 
     def _on_device(self, t):
         """A micro-batch (tensor or pytree) from ``batch_fn`` on the stage's device (non-blocking copies)."""
@@ -484,7 +450,7 @@ class StageExecutor:
     def _release(self, k: int) -> None:
         """Forgets micro-batch ``k`` without using its gradients."""
         self._replay.pop(k, None)
-        self._unhold(k)
+        self.held.release(k)
         version = self.fwd_version.pop(k)
         if self.is_last:
             self.losses.pop(k, None)
@@ -546,7 +512,7 @@ class StageExecutor:
     def _finish(self, k: int) -> None:
         """After the backward of ``k``: move stashed-version gradients to the live parameters."""
         self.guard.kept_since_update += 1
-        self._unhold(k)
+        self.held.release(k)
         version = self.fwd_version.pop(k)
         self.drift_sum += self.version - version
         self.drift_count += 1
