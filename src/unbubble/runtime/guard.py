@@ -1,18 +1,8 @@
 """The non-finite guard of one stage: per micro-batch drops, the update-time check, the divergence stop.
 
-[Note: non-finite guard]
-Checked per micro-batch: the loss (last stage) and the incoming gradient; a micro-batch that
-fails contributes a zero gradient here and the stage sends a NaN-filled gradient upstream,
-which every earlier stage recognises and drops in turn (stages downstream of the one that
-found it have applied their finite part). The update still comes, with the other
-micro-batches' gradients and the usual 1/a (1/m) scale. Checked per backward: the input
-gradient this stage sends, and per update: the accumulated weight gradients (one norm). A
-non-finite gradient made inside the stage is already in the sum, so that stage's whole
-update becomes a zero gradient, and the micro-batch is dropped upstream as above. "lower-lr"
-also multiplies the stage's learning rate by ``nan_lr_factor`` per event; "abort" raises
-``NonFiniteError``. Each event is logged with stage, micro-batch and weight version
-(``events``). A clean run computes exactly what it computes with the guard off; on CUDA each
-check is one host synchronisation; ``nan_policy="off"`` removes them.
+A non-finite loss or gradient must not reach the weights, and one bad micro-batch should not end a
+run: the guard drops what is non-finite and tells the previous stage by a NaN-filled gradient.
+[Note: non-finite guard] in docs/architecture.md#checkpoints-stops-and-faults-runtimecheckpointpy-schedulespolicypy-runtimelaunchpy.
 """
 
 from __future__ import annotations
