@@ -7,7 +7,7 @@ import pytest
 
 from unbubble.schedules import SCHEDULES, ActionKind, get_schedule
 from unbubble.schedules.registry import V_SHAPED, VIRTUAL
-from unbubble.sim import PipelineCosts, StageCosts, Straggler, UniformCosts, run_policies
+from unbubble.sim import PipelineCosts, StageCosts, Straggler, UniformCosts, kernel, run_policies
 
 K = ActionKind
 
@@ -36,8 +36,12 @@ _COSTS = [
 
 
 @pytest.mark.parametrize("name", [s for s in SCHEDULES if s not in VIRTUAL + V_SHAPED])  # 4-stage PipelineCosts: one stage a rank
-def test_fast_engine_equals_reference(name):
-    """[Note: engine fast paths]: the inlined ListPolicy/PaciPolicy rules give the reference's trace."""
+def test_kernel_equals_reference(name, monkeypatch):
+    """[Note: engine fast paths]: the kernel's ListPolicy/PaciPolicy rules give the reference's trace (the
+    kernel compiled with numba, or run as plain Python without it)."""
+    monkeypatch.delenv("UNBUBBLE_SIM_NUMBA", raising=False)
+    if kernel.compiled() is None:
+        monkeypatch.setattr(kernel, "compiled", lambda: kernel._kernel)
     for n, x, costs in itertools.product([1, 2, 4], [1, 3, 4], _COSTS):
         if isinstance(costs, PipelineCosts) and n != 4:
             continue
@@ -46,6 +50,7 @@ def test_fast_engine_equals_reference(name):
         except Exception:  # e.g. pipedream-2bw needs m ≥ N−1
             continue
         fast, ref = run_policies(sched, costs), run_policies(sched, costs, fast=False)
+        assert fast.columns() is not None and ref.columns() is None  # the kernel's trace, the reference's
         assert _rows(fast) == _rows(ref), (name, n, x, costs)
         assert fast.max_delay() == ref.max_delay() and fast.utilization() == ref.utilization()
 

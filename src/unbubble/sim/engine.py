@@ -8,20 +8,17 @@ send latency. Ties are broken by event creation order, so a run is deterministic
 ``execute`` hook attached, each action also runs for real at its simulated start (the
 emulator, DESIGN §3).
 
-[Note: engine fast paths] ``_run_reference`` is the semantics: it asks each policy, keeps a
-heap of (time, creation order) wake-ups, and handles any policy, cost model, rank layout and
-``execute`` hook. ``ListPolicy`` and ``PaciPolicy`` are pure functions of the stage's local
-state, so when every rank is one stage with exactly one of these classes, the cost model has a
-duration table and no hook is attached, ``_run_fast`` evaluates their rules inline on plain
-integers (no ``Action`` or state object per decision) and groups wake-ups of equal time in one
-heap entry. It makes the same decisions at the same times in the same order;
-``test_fast_engine_equals_reference`` checks the two traces are identical over a grid with
-jitter, latency and zero-length actions. When numba is installed, the same case runs on the
-compiled kernel instead (``_run_compiled``, [Note: compiled engine] in ``sim/kernel.py``), which
-again gives the identical trace (``tests/unit/test_sim_kernel.py``: seeded random schedules, costs
-and replayed orders through every path). Pass ``fast=False`` to force the reference, or set
-``UNBUBBLE_SIM_NUMBA=0`` to force the pure-Python fast path. A run with a per-update global
-operation (``global_op``: [Note: the barrier] in ``sim/barrier.py``) always takes the reference path.
+[Note: engine fast paths] The semantics are written twice, no more. ``_run_reference`` is their
+definition: it asks each policy, keeps a heap of (time, creation order) wake-ups, and handles any
+policy, cost model, rank layout and ``execute`` hook; without numba it runs every simulation.
+``ListPolicy`` and ``PaciPolicy`` are pure functions of the stage's local state, so when every
+rank is one stage with exactly one of these classes (a list without compound actions), the cost
+model has a duration table (and, if it jitters, the built-in sampler) and no hook is attached, ``kernel.run`` evaluates their rules on
+flat arrays, compiled with numba ([Note: compiled engine] in ``sim/kernel.py``): the same
+decisions at the same times in the same order, checked row for row against the reference by
+``tests/unit/test_sim_kernel.py`` (every registered schedule, random costs and replayed orders).
+Pass ``fast=False`` or set ``UNBUBBLE_SIM_NUMBA=0`` to force the reference. A run with a per-update
+global operation (``global_op``: [Note: the barrier] in ``sim/barrier.py``) always takes the reference.
 """
 
 from __future__ import annotations
@@ -39,7 +36,7 @@ from unbubble.schedules.actions import Action, ActionKind, format_order
 from unbubble.schedules.policy import ListPolicy, PaciPolicy, RankView, StageState
 from unbubble.schedules.registry import Schedule
 from unbubble.sim import kernel
-from unbubble.sim.costs import KIND_INDEX, KINDS, _Sampler
+from unbubble.sim.costs import KIND_INDEX, KINDS
 
 _F, _B, _I, _W, _U = range(5)
 
@@ -359,7 +356,8 @@ def run_policies(schedule: Schedule, costs: CostModel, execute: Execute | None =
         execute: called with each action at its simulated start, in start-time order;
             the emulator runs real computation here.
         policies: per-rank policies overriding ``schedule.policy`` (replay mode).
-        fast: allow the inline evaluation of ``ListPolicy``/``PaciPolicy`` ([Note: engine fast paths]).
+        fast: allow the compiled kernel where it applies ([Note: engine fast paths]); ``False``
+            always runs the reference.
         global_op: a per-update global operation (:class:`~unbubble.sim.barrier.GlobalOp`, e.g. the
             gradient-norm all-reduce of global clipping; [Note: the barrier] in ``sim/barrier.py``);
             runs on the reference path, its log in ``Trace.global_op_log``. ``None`` or scope
@@ -374,8 +372,8 @@ def run_policies(schedule: Schedule, costs: CostModel, execute: Execute | None =
         ConfigError: the cost model does not fit the schedule (e.g. another stage count).
 
     Cost (``benchmarks/bench_sim.py``, N = 32, 10,000 micro-batches, CPU time): 0.14–0.25 µs per
-    action on the compiled kernel (numba, the ``fast`` extra), 0.65–1.7 µs on the pure-Python fast
-    path and 2–4 µs on the reference path; the higher ends of the fast paths with jittered costs.
+    action on the compiled kernel (numba, the ``fast`` extra), 2–4 µs on the reference (without
+    numba every run takes it); the higher ends with jittered costs.
     """
     n, n_ranks = schedule.n_stages, schedule.n_ranks
     pols = policies if policies is not None else [schedule.policy(r) for r in range(n_ranks)]
@@ -386,16 +384,14 @@ def run_policies(schedule: Schedule, costs: CostModel, execute: Execute | None =
     stashed = getattr(schedule, "backward_weights", "current") == "stashed"
     if global_op is not None and not global_op.active:
         global_op = None
+    out = None
     if (fast and global_op is None and execute is None and table is not None and n_ranks == n
-            and all(type(p) in (ListPolicy, PaciPolicy) for p in pols)):
-        out = _run_compiled(n, schedule.total_mb, pols, table, noise, fdelay, bdelay, stashed)
-        if out is not None:
-            cols, views, stage_lists = out
-            trace = Trace._from_columns(n, n_ranks, cols, stage_lists=stage_lists)
-        else:
-            rows, views, stage_lists = _run_fast(n, schedule.total_mb, pols, table, noise, fdelay, bdelay, stashed)
-            trace = Trace._from_rows(n, n_ranks, rows, stage_lists=stage_lists)
-        states = views
+            and all(type(p) is PaciPolicy or type(p) is ListPolicy and not p.overlaps for p in pols)):
+        out = kernel.run(n, schedule.total_mb, pols, table, noise, fdelay, bdelay, stashed)
+    if out is not None:
+        cols, states, stage_lists = out
+        views = states
+        trace = Trace._from_columns(n, n_ranks, cols, stage_lists=stage_lists)
     else:
         rows, actions, states, views, gop_log = _run_reference(schedule, pols, costs, table, noise, fdelay, bdelay,
                                                                execute, stashed, global_op)
@@ -578,176 +574,3 @@ def _run_reference(schedule, pols, costs, table, noise, fdelay, bdelay, execute,
             bin_[s - 1].append((end + bdelay[s], mb))
             wake(end + bdelay[s], rank_of[s - 1])
     return rows, actions, states, views, gop_log
-
-
-def _run_fast(n, total, pols, table, noise, fdelay, bdelay, stashed):
-    """``_run_reference`` for one-stage ranks with ListPolicy/PaciPolicy, rules inlined.
-
-    Differences in mechanics only ([Note: engine fast paths]): (1) wake-ups of equal time share
-    one heap entry (``buckets[time]`` keeps their creation order); (2) a message's wake-up is not
-    created when the receiver is busy past its arrival (the reference pops and skips it);
-    (3) when a stage's own wake-up would be the next event popped, it is taken at once.
-    """
-    is_paci = [type(p) is PaciPolicy for p in pols]
-    kmb = [None if is_paci[s] else [(KIND_INDEX[a.kind], -1 if a.mb is None else a.mb) for a in p.actions]
-           for s, p in enumerate(pols)]  # ListPolicy lists as (kind index, mb)
-    n_list = [0 if is_paci[s] else len(kmb[s]) for s in range(n)]
-    acc = [p.a if is_paci[s] else 0 for s, p in enumerate(pols)]
-    cap = [p.cap if is_paci[s] else 0 for s, p in enumerate(pols)]
-    in_flight = [0] * n
-    bsu = [0] * n  # backward passes since the last update
-    version = [0] * n
-    n_fwd = [0] * n
-    n_bwd = [0] * n
-    n_act = [0] * n
-    fwd_ready: list[set[int]] = [set() for _ in range(n)]
-    bwd_ready: list[set[int]] = [set() for _ in range(n)]
-    fin: list[deque] = [deque() for _ in range(n)]  # (arrival_s, mb) of activations, arrival order
-    bin_: list[deque] = [deque() for _ in range(n)]  # (arrival_s, mb) of gradients
-    fv: dict[tuple[int, int], int] = {}  # (stage, mb) -> v_F, kept only when backwards use stashed weights
-    fac = None  # the sampler's jitter factors drawn ahead ([Note: compiled engine]), read in place of noise()
-    if isinstance(noise, _Sampler) and noise.sigma:
-        counts = kernel.action_counts(total, pols, [None if is_paci[s] else [k for k, _ in kmb[s]] for s in range(n)])
-        factors, offsets = noise.draws(counts)
-        fac, pos, slow = factors.tolist(), offsets[:-1].tolist(), noise.slow
-    busy = [0.0] * n
-    last = n - 1
-    rows: list[Row] = []
-    row = rows.append
-    buckets: dict[float, list[int]] = {0.0: list(range(n))}
-    times: list[float] = [0.0]
-    heappush, heappop = heapq.heappush, heapq.heappop
-
-    while times:
-        t0 = heappop(times)
-        bucket = buckets.pop(t0)  # wake-ups created from now on at t0 go to a new bucket, after these
-        nb = len(bucket)
-        for j in range(nb):
-            s = bucket[j]
-            t = t0
-            while True:
-                if t < busy[s]:
-                    break
-                fr, br = fwd_ready[s], bwd_ready[s]
-                q = fin[s]
-                while q and q[0][0] <= t:
-                    fr.add(q.popleft()[1])
-                q = bin_[s]
-                while q and q[0][0] <= t:
-                    br.add(q.popleft()[1])
-                if is_paci[s]:  # PaciPolicy.next_action
-                    if bsu[s] >= acc[s]:
-                        k, mb = _U, -1
-                    elif br:
-                        k, mb = _B, min(br)
-                    else:
-                        mb = n_fwd[s]
-                        if mb < total and in_flight[s] < cap[s] and (s == 0 or mb in fr):
-                            k = _F
-                        else:
-                            break
-                else:  # ListPolicy.next_action
-                    i = n_act[s]
-                    if i >= n_list[s]:
-                        break
-                    k, mb = kmb[s][i]
-                    if k == _F:
-                        if not (mb < total if s == 0 else mb in fr):
-                            break
-                    elif k == _B or k == _I:
-                        if mb not in br:
-                            break
-                if fac is None:
-                    end = t + (table[s][k] if noise is None else noise(s, k, t))
-                else:  # _Sampler.__call__ inlined, the same arithmetic
-                    i = pos[5 * s + k]
-                    pos[5 * s + k] = i + 1
-                    d = table[s][k] * fac[i]
-                    if slow[s]:
-                        for st in slow[s]:
-                            if st.start_s <= t < st.end_s:
-                                d *= st.slowdown
-                    end = t + d
-                v = version[s]
-                if not stashed or k == _U:
-                    row((s, k, mb, t, end, v, v))
-                elif k == _F:
-                    fv[(s, mb)] = v
-                    row((s, k, mb, t, end, v, v))
-                else:
-                    row((s, k, mb, t, end, v, fv[(s, mb)]))
-                busy[s] = end
-                n_act[s] += 1
-                # own wake-up first (created before the message's); skipped when it is the next event
-                again = j == nb - 1 and (not times or times[0] > end)
-                if not again:
-                    b = buckets.get(end)
-                    if b is None:
-                        buckets[end] = [s]
-                        heappush(times, end)
-                    else:
-                        b.append(s)
-                if k == _F:  # StageState.apply, then the send
-                    fr.discard(mb)
-                    in_flight[s] += 1
-                    n_fwd[s] += 1
-                    if s == last:
-                        br.add(mb)
-                    else:
-                        arrival = end + fdelay[s]
-                        fin[s + 1].append((arrival, mb))
-                        if arrival >= busy[s + 1]:
-                            b = buckets.get(arrival)
-                            if b is None:
-                                buckets[arrival] = [s + 1]
-                                heappush(times, arrival)
-                            else:
-                                b.append(s + 1)
-                elif k == _B or k == _I:
-                    br.discard(mb)
-                    in_flight[s] -= 1
-                    n_bwd[s] += 1
-                    bsu[s] += 1
-                    if s > 0:
-                        arrival = end + bdelay[s]
-                        bin_[s - 1].append((arrival, mb))
-                        if arrival >= busy[s - 1]:
-                            b = buckets.get(arrival)
-                            if b is None:
-                                buckets[arrival] = [s - 1]
-                                heappush(times, arrival)
-                            else:
-                                b.append(s - 1)
-                elif k == _U:
-                    version[s] += 1
-                    bsu[s] = 0
-                if not again:
-                    break
-                t = end
-
-    states = [StageState(s, n, total, fwd_ready=fwd_ready[s], bwd_ready=bwd_ready[s], in_flight=in_flight[s],
-                         bwd_since_update=bsu[s], version=version[s], n_fwd=n_fwd[s], n_bwd=n_bwd[s],
-                         n_actions=n_act[s]) for s in range(n)]
-    stage_lists = [None if is_paci[s] else pols[s].actions for s in range(n)]
-    return rows, states, stage_lists
-
-
-def _run_compiled(n, total, pols, table, noise, fdelay, bdelay, stashed):
-    """``_run_fast`` on the compiled kernel ([Note: compiled engine] in ``sim/kernel.py``): the trace's
-    seven columns, the final states and the action lists; ``None`` without the kernel (no numba, or
-    ``UNBUBBLE_SIM_NUMBA=0``) or when the noise is not the built-in sampler."""
-    run = kernel.compiled()
-    if run is None:
-        return None
-    is_paci = [type(p) is PaciPolicy for p in pols]
-    args = kernel.prepare(n, total, pols, is_paci, table, noise, fdelay, bdelay, stashed)
-    if args is None:
-        return None
-    nr, ri, rf, state, fr, br = run(*args)
-    cols = (ri[0, :nr], ri[1, :nr], ri[2, :nr], rf[0, :nr], rf[1, :nr], ri[3, :nr], ri[4, :nr])
-    states = [StageState(s, n, total, fwd_ready=set(fr[s].nonzero()[0].tolist()),
-                         bwd_ready=set(br[s].nonzero()[0].tolist()), in_flight=q, bwd_since_update=bsu,
-                         version=v, n_fwd=nf, n_bwd=nb, n_actions=na)
-              for s, (q, bsu, v, nf, nb, na) in enumerate(zip(*state.tolist()))]
-    stage_lists = [None if is_paci[s] else pols[s].actions for s in range(n)]
-    return cols, states, stage_lists

@@ -1,25 +1,29 @@
-"""The engine's fast path on flat arrays, compiled with numba when it is installed.
+"""The engine's fast path: ``_run_reference``'s semantics on flat arrays, compiled with numba.
 
-[Note: compiled engine] ``_kernel`` is ``engine._run_fast`` written on integer and float
-arrays only: action lists become ``(kind, mb)`` arrays with per-stage offsets, the ready sets
-become per-stage bitmaps (with a count and a lower bound, so PACI's ``min(bwd_ready)`` is a
-short scan), message queues become per-stage slices of one flat array (appended in arrival
-order, read from a head index), the wake-ups a binary heap of ``(time, creation order, stage)``
-(the reference's own order, without ``_run_fast``'s buckets; a stage's own wake-up is taken at
-once when it would be popped next, as in ``_run_fast``), and jitter factors are drawn before the run from the same streams the sampler would use
-([Note: common random numbers] in ``costs.py``: the n-th action of a kind on a stage gets the
-n-th draw of that stream, so the draws depend only on counts known from the policies). It makes
-the same decisions at the same times in the same order as ``_run_reference``;
-``tests/unit/test_sim_kernel.py`` checks whole traces on seeded random schedules, costs and
-replayed orders, compiled and interpreted.
+[Note: compiled engine] ``_kernel`` runs ``engine._run_reference`` for one-stage ranks driven by
+``ListPolicy`` or ``PaciPolicy`` ([Note: engine fast paths] in ``sim/engine.py``): action lists
+become ``(kind, mb)`` arrays with per-stage offsets; the ready sets per-stage bitmaps (with a count
+and a lower bound, so PACI's ``min(bwd_ready)`` is a short scan); message queues per-stage slices of
+one flat array (appended in arrival order, read from a head index); the wake-ups a binary heap of
+``(time, creation order, stage)``, the reference's own order. Two shortcuts change the mechanics,
+not the result: a message's wake-up is not created when the receiver is busy past its arrival (the
+reference pops and skips it), and a stage's own wake-up is taken at once when it would be popped
+next. Jitter factors are drawn before the run from the streams the sampler would use ([Note:
+common random numbers] in ``costs.py``: the n-th action of a kind on a stage gets the n-th draw of
+that stream, so the draws depend only on counts known from the policies). PACI's parameters come
+from the policy objects (``PaciPolicy.a`` and its admission bound ``PaciPolicy.cap`` = N + 1 − i);
+its decision order (U, then the oldest ready B, then F while q_i < cap) is this file's compiled copy
+of ``PaciPolicy.next_action``, not a shared function: numba's on-disk cache is keyed on this file
+alone, so a rule imported from ``schedules/policy.py`` would stay compiled in its old form after an
+edit there. ``tests/unit/test_sim_kernel.py`` checks the kernel's whole trace and memory peaks
+against the reference (every registered schedule, random N, m, a, v, stage costs and replayed orders).
 
 Why numba: the loop is sequential (each decision depends on the ones before), so it does not
-vectorise with numpy, and in CPython the interpreter itself is the cost (cProfile of
-``_run_fast`` at N = 32: 66–81 % of the time is its own bytecode; the sampler calls, heap and
-dict operations are the rest). The same source runs compiled (``numba.njit``, the ``fast``
-extra: ``pip install unbubble[fast]``) or as plain Python (the tests run it so, with or without
-numba; it is slower than ``_run_fast``, which is therefore the engine's fallback).
-``UNBUBBLE_SIM_NUMBA=0`` forces the fallback.
+vectorise with numpy, and in CPython the interpreter itself is the cost (cProfile of an inlined
+pure-Python version at N = 32: 66–81 % of the time was its own bytecode). Without numba (the
+``fast`` extra: ``pip install unbubble[fast]``), or with ``UNBUBBLE_SIM_NUMBA=0``, ``run`` returns
+``None`` and the engine runs the reference; the tests also run ``_kernel`` uncompiled, as plain
+Python (slow, but the same source).
 
 Cost: about 0.1 µs per action compiled, plus ~0.07 µs per action of a static list to turn its
 ``Action`` objects into arrays; the trace keeps the kernel's numpy columns and builds row tuples
@@ -35,6 +39,7 @@ import os
 
 import numpy as np
 
+from unbubble.schedules.policy import PaciPolicy, StageState
 from unbubble.sim.costs import KIND_INDEX, _Sampler
 
 _F, _B, _I, _W, _U = 0, 1, 2, 3, 4
@@ -137,7 +142,7 @@ def _kernel(n, total, is_paci, acc, cap, prog_kind, prog_mb, prog_off, table, ha
                     if mb < br_lo[s]:
                         br_lo[s] = mb
                 bq_h[s] += 1
-            # decide (PaciPolicy.next_action / ListPolicy.next_action)
+            # decide (PaciPolicy.next_action with its a and cap / ListPolicy.next_action)
             if is_paci[s]:
                 if bsu[s] >= acc[s]:
                     k = _U
@@ -307,7 +312,7 @@ def prepare(n, total, pols, is_paci, table, noise, fdelay, bdelay, stashed):
 
     Returns:
         The positional arguments of ``_kernel``, or ``None`` when ``noise`` is some other callable
-        (its draws cannot be taken ahead; the engine then runs ``_run_fast``).
+        (its draws cannot be taken ahead; the engine then runs the reference).
     """
     if noise is not None and not isinstance(noise, _Sampler):
         return None
@@ -355,3 +360,38 @@ def prepare(n, total, pols, is_paci, table, noise, fdelay, bdelay, stashed):
             np.asarray(st[0], np.int64), np.asarray(st[1], np.float64), np.asarray(st[2], np.float64),
             np.asarray(st[3], np.float64), noise is not None, np.asarray(fdelay, np.float64),
             np.asarray(bdelay, np.float64), bool(stashed), max_rows, max_mb + 1, fq_off, bq_off)
+
+
+def run(n, total, pols, table, noise, fdelay, bdelay, stashed):
+    """One run on the compiled kernel ([Note: compiled engine]).
+
+    Args:
+        n: stages, one per rank. total: micro-batches of the run.
+        pols: per-stage ``ListPolicy`` or ``PaciPolicy`` (exactly these classes).
+        table: ``(n, 5)`` mean durations in seconds, kinds in ``KIND_INDEX`` order.
+        noise: ``None`` or a fresh sampler from the cost model's ``noise(n)``.
+        fdelay, bdelay: per-stage send latency (s) of activations to s + 1 and gradients to s − 1.
+        stashed: backwards use their forward's weight version.
+
+    Returns:
+        ``(columns, states, stage_lists)``: the trace's seven :data:`~unbubble.sim.engine.Row`
+        columns as numpy arrays, each stage's final :class:`StageState`, and each ``ListPolicy``'s
+        action list (``None`` for PACI stages); or ``None`` when the kernel is off (no numba, or
+        ``UNBUBBLE_SIM_NUMBA=0``) or ``noise`` is not the built-in sampler: the engine then runs the
+        reference.
+    """
+    fn = compiled()
+    if fn is None:
+        return None
+    is_paci = [type(p) is PaciPolicy for p in pols]
+    args = prepare(n, total, pols, is_paci, table, noise, fdelay, bdelay, stashed)
+    if args is None:
+        return None
+    nr, ri, rf, state, fr, br = fn(*args)
+    cols = (ri[0, :nr], ri[1, :nr], ri[2, :nr], rf[0, :nr], rf[1, :nr], ri[3, :nr], ri[4, :nr])
+    states = [StageState(s, n, total, fwd_ready=set(fr[s].nonzero()[0].tolist()),
+                         bwd_ready=set(br[s].nonzero()[0].tolist()), in_flight=q, bwd_since_update=bsu,
+                         version=v, n_fwd=nf, n_bwd=nb, n_actions=na)
+              for s, (q, bsu, v, nf, nb, na) in enumerate(zip(*state.tolist()))]
+    stage_lists = [None if is_paci[s] else pols[s].actions for s in range(n)]
+    return cols, states, stage_lists
