@@ -6,7 +6,7 @@ What is measured, in one process and one run (no torch):
    for PACI (a = 8), 1F1B-flush (m = 8 and m = 128) and ZB-H1 (m = 128), with unit costs (F = 1, B = 2:
    every event time ties, the worst case for event ordering) and with jittered per-stage costs (distinct
    times). Each variant is timed on the default path (the numba-compiled kernel, [Note: compiled engine]
-   in ``sim/kernel.py``; without numba, or with ``UNBUBBLE_SIM_NUMBA=0``, the reference) and on the
+   in docs/architecture.md; without numba, or with ``UNBUBBLE_SIM_NUMBA=0``, the reference) and on the
    reference (``fast=False``, which asks every policy), and the two traces are checked equal. Policies
    are built before timing (building a synchronous schedule's lists is the registry's work, reported
    apart as "lists").

@@ -1,5 +1,5 @@
-"""The compiled kernel against the reference engine ([Note: engine fast paths] in ``sim/engine.py``,
-[Note: compiled engine] in ``sim/kernel.py``).
+"""The compiled kernel against the reference engine ([Note: engine fast paths] in docs/architecture.md,
+[Note: compiled engine] in docs/architecture.md).
 
 The simulator's semantics are written twice: ``_run_reference`` (the definition, and the path every run
 takes without numba) and ``_kernel`` (flat arrays, numba). The kernel must give the reference's trace row

@@ -1,19 +1,9 @@
 """Process engine: one process per pipeline rank and replica on this machine, or under ``torchrun``.
 
-A run has ``job.dp × R`` processes ([Note: 2-D rank layout] in ``data_parallel.py``). The backend
-is NCCL with one CUDA device per process when CUDA has enough devices, else gloo on the CPU.
-
-[Note: failure handling]
-Every blocking receive has a timeout (``timeout_s``, 60 s by default): a stage whose neighbour
-stops sending fails with ``PeerFailure`` naming its last action. The local launcher also
-watches each stage process: a process that exits non-zero or is killed, or whose heartbeat
-thread (one beat a second) falls silent for ``hang_s`` (20 s), ends the run at once. The
-error names the culprit, not its neighbours (their closed connections and timeouts are
-consequences), with the last action it ran from a shared slot the stage writes after each
-action. All processes are then killed (SIGTERM would ask them for a checkpoint); they run in their own
-process group and get SIGKILL if the launcher dies (``PR_SET_PDEATHSIG``), so none is orphaned.
-Under torchrun, its agent restarts or stops the group when a worker dies; a hung worker is
-caught by its neighbours' receive timeouts.
+A run has ``job.dp × R`` processes ([Note: 2-D rank layout] in docs/architecture.md); the backend is NCCL
+with one CUDA device per process when CUDA has enough devices, else gloo on the CPU. A failure ends the
+run at once, naming the culprit and its last action, never leaving a process behind:
+[Note: failure handling] in docs/architecture.md#runtimelaunchpy.
 """
 
 from __future__ import annotations

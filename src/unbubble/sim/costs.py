@@ -330,7 +330,7 @@ class _Sampler:
     def draws(self, counts) -> tuple["np.ndarray", "np.ndarray"]:
         """The first ``counts[s][k]`` jitter factors of every stream (s, k), as ``__call__`` would
         return them one by one (drawn in the same chunks, so bit for bit equal), for engines that
-        look factors up by index ([Note: compiled engine] in ``sim/kernel.py``).
+        look factors up by index ([Note: compiled engine] in docs/architecture.md).
 
         Args:
             counts: ``(n_stages, 5)`` draws per stream (kind indices as in :data:`KIND_INDEX`).

@@ -1,24 +1,12 @@
 """Discrete-event execution of per-rank policies.
 
-Every rank (a device: one stage, or the v virtual stages of interleaved 1F1B) runs its own
-:class:`~unbubble.schedules.policy.Policy` on a simulated clock: a rank that is idle asks its
-policy for an action; the action occupies the rank for the cost model's duration; a forward's
-activation reaches stage s+1 and a backward's (B or I) gradient reaches stage s−1 after the
-send latency. Ties are broken by event creation order, so a run is deterministic. With an
-``execute`` hook attached, each action also runs for real at its simulated start (the
-emulator, DESIGN §3).
+Every rank (one stage, or the v virtual stages of an interleaved schedule) runs its own
+:class:`~unbubble.schedules.policy.Policy` on a simulated clock; ties break by event creation order, so a
+run is deterministic. With an ``execute`` hook each action also runs for real at its simulated start
+(the emulator: docs/architecture.md#one-policy-three-engines). The semantics are written twice:
+``_run_reference`` defines them, the numba kernel (``sim/kernel.py``) is the one fast path.
 
-[Note: engine fast paths] The semantics are written twice, no more. ``_run_reference`` is their
-definition: it asks each policy, keeps a heap of (time, creation order) wake-ups, and handles any
-policy, cost model, rank layout and ``execute`` hook; without numba it runs every simulation.
-``ListPolicy`` and ``PaciPolicy`` are pure functions of the stage's local state, so when every
-rank is one stage with exactly one of these classes (a list without compound actions), the cost
-model has a duration table (and, if it jitters, the built-in sampler) and no hook is attached, ``kernel.run`` evaluates their rules on
-flat arrays, compiled with numba ([Note: compiled engine] in ``sim/kernel.py``): the same
-decisions at the same times in the same order, checked row for row against the reference by
-``tests/unit/test_sim_kernel.py`` (every registered schedule, random costs and replayed orders).
-Pass ``fast=False`` or set ``UNBUBBLE_SIM_NUMBA=0`` to force the reference. A run with a per-update
-global operation (``global_op``: [Note: the barrier] in ``sim/barrier.py``) always takes the reference.
+Notes: [Note: engine fast paths] in docs/architecture.md#simenginepy.
 """
 
 from __future__ import annotations

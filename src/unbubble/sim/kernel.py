@@ -1,36 +1,11 @@
 """The engine's fast path: ``_run_reference``'s semantics on flat arrays, compiled with numba.
 
-[Note: compiled engine] ``_kernel`` runs ``engine._run_reference`` for one-stage ranks driven by
-``ListPolicy`` or ``PaciPolicy`` ([Note: engine fast paths] in ``sim/engine.py``): action lists
-become ``(kind, mb)`` arrays with per-stage offsets; the ready sets per-stage bitmaps (with a count
-and a lower bound, so PACI's ``min(bwd_ready)`` is a short scan); message queues per-stage slices of
-one flat array (appended in arrival order, read from a head index); the wake-ups a binary heap of
-``(time, creation order, stage)``, the reference's own order. Two shortcuts change the mechanics,
-not the result: a message's wake-up is not created when the receiver is busy past its arrival (the
-reference pops and skips it), and a stage's own wake-up is taken at once when it would be popped
-next. Jitter factors are drawn before the run from the streams the sampler would use ([Note:
-common random numbers] in ``costs.py``: the n-th action of a kind on a stage gets the n-th draw of
-that stream, so the draws depend only on counts known from the policies). PACI's parameters come
-from the policy objects (``PaciPolicy.a`` and its admission bound ``PaciPolicy.cap`` = N + 1 − i);
-its decision order (U, then the oldest ready B, then F while q_i < cap) is this file's compiled copy
-of ``PaciPolicy.next_action``, not a shared function: numba's on-disk cache is keyed on this file
-alone, so a rule imported from ``schedules/policy.py`` would stay compiled in its old form after an
-edit there. ``tests/unit/test_sim_kernel.py`` checks the kernel's whole trace and memory peaks
-against the reference (every registered schedule, random N, m, a, v, stage costs and replayed orders).
+For one-stage ranks driven by ``ListPolicy`` or ``PaciPolicy`` the kernel makes the reference's decisions
+at the same times in the same order (checked row for row by ``tests/unit/test_sim_kernel.py``). Why numba:
+the loop is sequential, so it does not vectorise, and in CPython the interpreter itself is the cost.
+Without numba, or with ``UNBUBBLE_SIM_NUMBA=0``, ``run`` returns ``None`` and the engine runs the reference.
 
-Why numba: the loop is sequential (each decision depends on the ones before), so it does not
-vectorise with numpy, and in CPython the interpreter itself is the cost (cProfile of an inlined
-pure-Python version at N = 32: 66–81 % of the time was its own bytecode). Without numba (the
-``fast`` extra: ``pip install unbubble[fast]``), or with ``UNBUBBLE_SIM_NUMBA=0``, ``run`` returns
-``None`` and the engine runs the reference; the tests also run ``_kernel`` uncompiled, as plain
-Python (slow, but the same source).
-
-Cost: about 0.1 µs per action compiled, plus ~0.07 µs per action of a static list to turn its
-``Action`` objects into arrays; the trace keeps the kernel's numpy columns and builds row tuples
-only when something iterates them (~0.2 µs per action). The first call in a process loads the
-compiled code from numba's cache in ``__pycache__`` (about 0.3 s) or compiles it (about 5 s, once
-per installation). Memory: two ``uint8`` bitmaps of N × micro-batches (plus an ``int32`` array
-when stashing) and about 70 bytes per action.
+Notes: [Note: compiled engine] in docs/architecture.md#simkernelpy.
 """
 
 from __future__ import annotations
