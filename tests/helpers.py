@@ -71,6 +71,17 @@ def job_batches(job: PipelineJob, m: int, start: int = 0):
 
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "torch_pipelining_paci.py"
+#: The published results and the raw tables they were built from (``unbubble experiment NAME --analyze``).
+RESULTS, PUBLISHED_DATA = EXAMPLE.parents[1] / "docs" / "results.md", EXAMPLE.parents[1] / "docs" / "data"
+
+
+def unpublished_rows(markdown: str) -> list[str]:
+    """The table rows of an experiment's section (above its "Command:" line) that docs/results.md does not
+    hold verbatim; asserts the section has tables at all."""
+    rows = [line for line in markdown.split("Command:")[0].splitlines() if line.startswith("| ")]
+    assert len(rows) >= 4, markdown[:500]
+    published = set(RESULTS.read_text().splitlines())
+    return [row for row in rows if row not in published]
 
 
 def example_module():

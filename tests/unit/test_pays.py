@@ -1,16 +1,19 @@
-"""pays-study (issue 36): the commit every result row records, the map's arithmetic, and a tiny run of
-all four parts whose tables are rebuilt from its CSVs."""
+"""pays-study (issue 36): the commit every result row records, the map's arithmetic worked by hand, a tiny
+run of all four parts, and the published tables rebuilt from their CSVs."""
 
 import csv
 import re
+import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
 
-from unbubble.experiments.pays import map_rows, pays_study
+from unbubble.experiments.pays import OWN, map_rows, pays_study
 from unbubble.experiments.study_specs import PAYS_PARTS
 from unbubble.experiments.sweep import source_commit
+
+from helpers import unpublished_rows
 
 
 def test_source_commit_names_the_checkouts_head():
@@ -22,32 +25,53 @@ def test_source_commit_names_the_checkouts_head():
     assert re.fullmatch(re.escape(head) + r"(\+dirty)?", source_commit())
 
 
-def test_the_map_divides_the_simulated_throughput_by_the_measured_overhead():
+def test_the_map_cell_of_1f1b_on_unit_costs_is_the_bubble_formula():
+    """On unit costs (F = 1, B = 2) 1F1B-flush's step is (m + N − 1)(F + B) and PACI's steady update
+    m(F + B) (no bubble): at N = 8, m = 4 the ratio is (4 + 7) / 4 = 2.75."""
     from unbubble.experiments.overhead import break_even_barrier_rows
 
-    measured = [{"N": 8, "a = m": 4, "model": "deep-cpu", "method": "paci a=4 + muon + error feedback @4×",
-                 "token overhead ÷ flush": "1.25 ± 0.02"}]
+    row = next(r for r in break_even_barrier_rows((8,), (4,), ("1f1b-flush",)) if r["setup"].startswith("unit"))
+    assert row["none"] == "2.75 (1f1b-flush)"
+
+
+def test_the_map_divides_the_simulated_throughput_by_the_measured_overhead(monkeypatch):
+    """The simulated cells are given (throughput ratio 2.75 without a barrier, 2.60 with the clip at
+    N = 8, m = 4; 1.50 and 1.40 elsewhere); the measured cell is worked by hand: seeds' overheads 1.2 and
+    1.3 give 2.75 / 1.2 = 2.2917 and 2.75 / 1.3 = 2.1154, mean 2.2035, std |2.2917 − 2.1154| / √2 = 0.1247;
+    with the clip 2.6 / 1.2 = 2.1667 and 2.6 / 1.3 = 2.0, mean 2.0833, std 0.1179."""
+    from unbubble.experiments import overhead
+
+    def given(ns, ms):
+        assert (tuple(ns), tuple(ms)) == ((8, 16), (1, 2, 4, 8))
+        cells = [{"setup": setup, "N": n, "m": m, "none": "1.50 (zb-h2)", "stale vs sync": "1.40 (zb-h2)"}
+                 for setup in ("unit costs (F = 1, B = 2)", "gpt2-medium, H200") for n in ns for m in ms]
+        for c in cells:
+            if c["setup"].startswith("gpt2") and (c["N"], c["m"]) == (8, 4):
+                c.update({"none": "2.75 (1f1b-flush)", "stale vs sync": "2.60 (1f1b-flush)"})
+        return cells
+
+    monkeypatch.setattr(overhead, "break_even_barrier_rows", given)
     label = "paci a=4 + muon + error feedback @4×"
+    measured = [{"N": 8, "a = m": 4, "model": "deep-cpu", "method": label, "token overhead ÷ flush": "1.25 ± 0.02"}]
     facts = {label: {"overhead": 1.25, "relation": "=", "per_seed": [(1.2, "="), (1.3, "=")]}}
     grid = map_rows(measured, facts)
     assert len(grid) == 8 and {(r["N"], r["m = a"]) for r in grid} == {(n, m) for n in (8, 16) for m in (1, 2, 4, 8)}
-    sim = next(r for r in break_even_barrier_rows((8, 16), (1, 2, 4, 8)) if r["setup"].startswith("gpt2")
-               and r["N"] == 8 and r["m"] == 4)
     cell = next(r for r in grid if r["cell"] == "measured")
-    assert (cell["N"], cell["m = a"]) == (8, 4)
-    t, c = float(sim["none"].split()[0]), float(sim["stale vs sync"].split()[0])
-    # paired: the ratio per seed (t / 1.2, t / 1.3), then mean ± std (was: t over the mean overhead)
-    mean, std = (t / 1.2 + t / 1.3) / 2, abs(t / 1.2 - t / 1.3) / 2 ** 0.5
-    assert cell["time-to-target ÷ fastest sync"] == f"{mean:.2f} ± {std:.2f}"
-    assert cell["with clip"].startswith(f"{(c / 1.2 + c / 1.3) / 2:.2f} ± ")
+    assert (cell["N"], cell["m = a"], cell["model, horizon"]) == (8, 4, "deep-cpu, 4×")
+    assert cell["throughput ÷ fastest sync"] == "2.75 (1f1b-flush)"
+    # paired: the ratio per seed, then mean ± std (was: the throughput over the mean overhead, 2.75 / 1.25 = 2.20)
+    assert cell["time-to-target ÷ fastest sync"] == "2.20 ± 0.12"
+    assert cell["with clip"] == "2.08 ± 0.12"
     other = next(r for r in grid if (r["N"], r["m = a"]) == (16, 2))
-    assert other["cell"] == "simulated" and other["time-to-target ÷ fastest sync"].startswith("≥ 1 while overhead <")
-    # seed 1 not reached within the budgets: its overhead is a lower bound, its ratio an upper one; seeds in order
+    assert other["cell"] == "simulated" and other["time-to-target ÷ fastest sync"] == "≥ 1 while overhead < 1.50"
+    assert other["with clip"] == "≥ 1 while overhead < 1.40"
+    # seed 1 not reached within the budgets: its overhead (1.5) is a lower bound, its ratio 2.75 / 1.5 = 1.83
+    # an upper one; seeds in order
     facts[label].update(relation=">", per_seed=[(1.2, "="), (1.5, ">")])
-    assert map_rows(measured, facts)[2]["time-to-target ÷ fastest sync"] == f"{t / 1.2:.2f}, ≤ {t / 1.5:.2f}"
+    assert map_rows(measured, facts)[2]["time-to-target ÷ fastest sync"] == "2.29, ≤ 1.83"
     # PACI's own run reached the twin's loss (overhead ≤ 1): the speed-up is at least the ratio
     facts[label].update(overhead=1.0, relation="≤", per_seed=[(1.0, "≤")])
-    assert map_rows(measured, facts)[2]["time-to-target ÷ fastest sync"] == f"≥ {t:.2f}"
+    assert map_rows(measured, facts)[2]["time-to-target ÷ fastest sync"] == "≥ 2.75"
 
 
 def test_tiny_study_trains_every_part_records_commits_and_rebuilds_from_its_csvs(tmp_path):
@@ -60,8 +84,13 @@ def test_tiny_study_trains_every_part_records_commits_and_rebuilds_from_its_csvs
     table = list(csv.DictReader(open(out / "pays_study.csv")))
     assert {r["part"] for r in table} == set(PAYS_PARTS)
     assert "Re-run of a published row at commit" in result.markdown
-    again = pays_study(tmp_path / "again", size="tiny", analyze=out)
-    assert again.markdown.split("Command:")[0] == result.markdown.split("Command:")[0]
+    # the tables come from the parts' CSVs alone: the published ones rebuild to docs/results.md's figures (the
+    # analysis writes its tables beside the parts: a copy)
+    shutil.copytree(OWN, tmp_path / "published")
+    published = pays_study(tmp_path / "again", analyze=tmp_path / "published")
+    assert "| default | 8 | deep-cpu | 4 | paci a=4 + muon + error feedback @4× | muon μ=0.95 | 0.01 (edge) | 3 | " \
+           "1.053 ± 0.006 | 1.043 ± 0.004 (lr 0.01) | 0.009902 | 1.08, 1.15 | > 1.08, 1.08, 1.04 |" in published.markdown
+    assert unpublished_rows(published.markdown) == []
 
 
 def _run(method, seed, loss, budget=1.0, commit="c0ffee", schedule="1f1b-flush"):
