@@ -9,7 +9,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from unbubble.errors import ConfigError, did_you_mean
+from unbubble.errors import ConfigError, check_int, did_you_mean
 from unbubble.schedules.policy import check_order  # [Note: deterministic order]
 from unbubble.schedules.registry import schedule_name
 
@@ -184,8 +184,7 @@ class TrainConfig:
 
         def pos_int(name: str, lo: int = 1, hi: int | None = MAX_COUNT) -> None:
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-                raise ConfigError(f"{name}={v!r} is invalid: must be an integer ≥ {lo} (set --{_flag(name)})")
+            check_int(name, v, lo, f"set --{_flag(name)}")
             if hi is not None and v > hi:  # numpy and torch index with int64; no run gets near this
                 raise ConfigError(f"{name}={v} is too large: must be at most {hi:,} (2^31 − 1) (set --{_flag(name)})")
 

@@ -5,7 +5,8 @@ class ConfigError(ValueError):
     """A configuration value, file or combination is invalid.
 
     The message names the offending value, what would be valid and, where
-    possible, the option to change (``"a=0 is invalid: must be >= 1 (set --a)"``).
+    possible, the option to change (``"a=0 is invalid: must be an integer ≥ 1 (set --a)"``,
+    :func:`check_int`).
     """
 
 
@@ -43,6 +44,34 @@ class SecondSignal(KeyboardInterrupt):
     def __init__(self, signame: str):
         super().__init__(f"second {signame}: stopped at once")
         self.signame = signame
+
+
+def check_int(name: str, value: object, lo: int | None = 1, fix: str = "", hi: int | None = None, *,
+              valid: str | None = None, error: type[Exception] = ConfigError, integers: tuple = (int,)) -> None:
+    """The one check of "an integer, not a bool, in lo..hi" (``None``: unbounded on that side).
+
+    Args:
+        name: what the message calls the value (``"a"``, ``"straggler stage"``).
+        value: the value checked; a bool is refused though Python counts it an int (``True`` is no count).
+        lo: the smallest valid value.
+        fix: the option to set or what the value means, shown in parentheses (``"set --a"``).
+        hi: the largest valid value.
+        valid: what is valid, where the range alone does not say it (default ``"must be an integer ≥ lo"``,
+            ``"must be an integer in lo..hi"``, ``"must be an integer"``).
+        error: the exception raised (a call site's own: ``ConfigError``, ``ValueError``, ``TypeError``).
+        integers: the types that count as integers (``(int, np.integer)`` where numpy's are taken too).
+
+    Raises:
+        ``error``: ``"name=value is invalid: <valid> (<fix>)"`` when ``value`` is a bool, not one of
+        ``integers``, or outside lo..hi.
+    """
+    if not isinstance(value, bool) and isinstance(value, integers) and (lo is None or value >= lo) \
+            and (hi is None or value <= hi):
+        return
+    if valid is None:
+        valid = ("must be an integer" if lo is None and hi is None else f"must be an integer ≥ {lo}" if hi is None
+                 else f"must be an integer ≤ {hi}" if lo is None else f"must be an integer in {lo}..{hi}")
+    raise error(f"{name}={value!r} is invalid: {valid}" + (f" ({fix})" if fix else ""))
 
 
 #: Names people commonly type for a valid one: ``did_you_mean`` offers the meaning (``adam`` is AdamW here, an

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from unbubble.errors import ConfigError
+from unbubble.errors import ConfigError, check_int
 from unbubble.pipeline import merge_state_dicts
 from unbubble.runtime.checkpoint import complete_steps, load_stage, stage_path
 from unbubble.safety import atomic_save
@@ -577,8 +577,7 @@ def sample(model: torch.nn.Module, prompt: str, tokens: int = 100, temperature: 
         raise ConfigError("sample needs a tokenizer: give tokenizer=unbubble.data.get_tokenizer(NAME)")
     if not prompt:
         raise ConfigError("prompt='' is invalid: give some text to continue")
-    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
-        raise ConfigError(f"tokens={tokens!r} is invalid: must be an integer ≥ 1")
+    check_int("tokens", tokens)
     if not temperature >= 0:
         raise ConfigError(f"temperature={temperature!r} is invalid: must be ≥ 0 (0: the likeliest token)")
     config = getattr(model, "config", None)

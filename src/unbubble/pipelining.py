@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from unbubble.errors import ConfigError
+from unbubble.errors import ConfigError, check_int
 from unbubble.runtime.pytree import Layout, flatten, unflatten
 from unbubble.runtime.versions import SavedByReference
 from unbubble.schedules.actions import ActionKind
@@ -221,11 +221,6 @@ def _decode_shapes(buf: torch.Tensor) -> tuple:
             out.append(tuple(words[i + 1:i + 1 + words[i]]))
             i += 1 + words[i]
     return tuple(out)
-
-
-def _check_int(name: str, value: Any, what: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"{name}={value!r} is invalid: must be an integer ≥ 1 ({what})")
 
 
 # [Note: how a batch is split]
@@ -506,9 +501,9 @@ class SchedulePACI(PipelineScheduleSingle):
     def __init__(self, stage: PipelineStage, n_microbatches: int, loss_fn: LossFn, a: int | None = None, *,
                  flush: bool = False, scale_grads: bool = True):
         _check_torch_version()
-        _check_int("n_microbatches", n_microbatches, "micro-batches per batch of the data iterator")
+        check_int("n_microbatches", n_microbatches, 1, "micro-batches per batch of the data iterator")
         a = n_microbatches if a is None else a
-        _check_int("a", a, "backward passes per step() and local update")
+        check_int("a", a, 1, "backward passes per step() and local update")
         if loss_fn is None:
             raise ConfigError("loss_fn=None is invalid: SchedulePACI trains, give loss_fn(output, target) -> scalar")
         if not isinstance(stage, PipelineStage):
@@ -1079,9 +1074,8 @@ def split_torchtitan_model(model: nn.Module, stage: int, n_stages: int,
     if not isinstance(model.layers, nn.ModuleDict):
         raise ConfigError(f"model.layers={type(model.layers).__name__} is invalid: it must be an nn.ModuleDict keyed "
                           "by layer index (torchtitan's layout), so pruned stages keep the original names")
-    _check_int("n_stages", n_stages, "pipeline stages")
-    if isinstance(stage, bool) or not isinstance(stage, int) or not 0 <= stage < n_stages:
-        raise ConfigError(f"stage={stage!r} is invalid: must be in 0 … {n_stages - 1} (n_stages={n_stages})")
+    check_int("n_stages", n_stages, 1, "pipeline stages")
+    check_int("stage", stage, 0, f"n_stages={n_stages}", n_stages - 1, valid=f"must be in 0 … {n_stages - 1}")
     n_layers = len(model.layers)
     cuts = None
     if layers_per_stage is None:
@@ -1201,8 +1195,8 @@ def build_pipeline_schedule(*, parallelism: Any, local_batch_size: int, stages: 
     name = parallelism.pipeline_parallel_schedule
     csv = getattr(parallelism, "pipeline_parallel_schedule_csv", None)
     mbs = getattr(parallelism, "pipeline_parallel_microbatch_size", 1)
-    _check_int("local_batch_size", local_batch_size, "samples per step on this data-parallel rank")
-    _check_int("pipeline_parallel_microbatch_size", mbs, "samples per micro-batch")
+    check_int("local_batch_size", local_batch_size, 1, "samples per step on this data-parallel rank")
+    check_int("pipeline_parallel_microbatch_size", mbs, 1, "samples per micro-batch")
     if local_batch_size % mbs:
         raise ConfigError(f"local_batch_size={local_batch_size} is invalid with pipeline_parallel_microbatch_size="
                           f"{mbs}: a multiple of the micro-batch size (m = local_batch_size / micro-batch size)")

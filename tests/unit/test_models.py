@@ -291,8 +291,8 @@ def test_unknown_preset_lists_names():
 @pytest.mark.parametrize(
     ("kwargs", "msg"),
     [
-        (dict(n_layer=0), "n_layer=0 is invalid: must be an integer >= 1"),
-        (dict(vocab_size=-1), "vocab_size=-1 is invalid: must be an integer >= 1"),
+        (dict(n_layer=0), "n_layer=0 is invalid: must be an integer ≥ 1"),
+        (dict(vocab_size=-1), "vocab_size=-1 is invalid: must be an integer ≥ 1"),
         (
             dict(n_embd=30),
             "n_embd=30 is invalid: must be divisible by n_head=4 "

@@ -117,7 +117,8 @@ def test_report_of_the_same_folder_twice_gets_distinct_labels(two_runs, tmp_path
                   "starts"),
     ("malformed", "holds malformed JSON"),
     ("no-steps", "records no training step"),
-    ("bad-steps", "has steps_done='3': must be an integer ≥ 0"),
+    ("bad-steps", "summary.json: steps_done='3' is invalid: must be an integer ≥ 0 (not a run folder of unbubble "
+                  "train)"),
 ])
 def test_bad_run_folder_one_line_exit_2(two_runs, tmp_path, breakage, message):
     bad = tmp_path / "bad"

@@ -338,6 +338,6 @@ def test_the_emulator_runs_on_the_threads_it_is_given_and_restores_the_callers()
         assert seen == [1, 2] and torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(1)
-    with pytest.raises(ConfigError, match=r"^threads=0 is invalid for the emulator: give a positive integer, or "
-                                          r"None to keep torch's setting$"):
+    with pytest.raises(ConfigError, match=r"^threads=0 is invalid: must be an integer ≥ 1 \(the emulator's torch "
+                                          r"threads; None keeps torch's setting\)$"):
         run_emulator(job, threads=0)

@@ -19,7 +19,7 @@ from typing import Any
 import click
 import numpy as np
 
-from unbubble.errors import ConfigError
+from unbubble.errors import ConfigError, check_int
 from unbubble.safety import atomic_write_text
 
 log = logging.getLogger("unbubble.report")
@@ -116,9 +116,8 @@ def load_report_run(path: str | Path) -> ReportRun:
                           "of unbubble train")
     for key in ("steps", "steps_done"):
         value = summary.get(key)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
-            raise ConfigError(f"{path / 'summary.json'} has {key}={value!r}: must be an integer ≥ 0 (not a run "
-                              "folder of unbubble train)")
+        if value is not None:
+            check_int(f"{path / 'summary.json'}: {key}", value, 0, "not a run folder of unbubble train")
     run = load_run(path) if (path / "actions.jsonl").is_file() else None  # a run that ended by an error has none
     try:
         steps = [(int(r["step"]), float(r["loss"]), float(r.get("elapsed_s", math.nan)))

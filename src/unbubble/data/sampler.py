@@ -13,23 +13,15 @@ import logging
 import numpy as np
 import torch
 
-from unbubble.errors import ConfigError
+from unbubble.errors import ConfigError, check_int
 
 logger = logging.getLogger(__name__)
 
 
-def _is_int(v: object) -> bool:
-    return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
-
-
 def _check_tokens(tokens: np.ndarray, micro_batch_size: int, seq_len: int) -> np.ndarray:
     """Validates sampler arguments; returns ``tokens`` as a 1-D integer array (no copy)."""
-    if not _is_int(micro_batch_size) or micro_batch_size < 1:
-        raise ConfigError(
-            f"micro_batch_size={micro_batch_size!r} is invalid: must be an integer >= 1 (set --micro-batch-size)"
-        )
-    if not _is_int(seq_len) or seq_len < 1:
-        raise ConfigError(f"seq_len={seq_len!r} is invalid: must be an integer >= 1 (set --seq-len)")
+    check_int("micro_batch_size", micro_batch_size, 1, "set --micro-batch-size", integers=(int, np.integer))
+    check_int("seq_len", seq_len, 1, "set --seq-len", integers=(int, np.integer))
     arr = tokens if isinstance(tokens, np.ndarray) else np.asarray(tokens)
     if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
         raise ConfigError(f"tokens of shape {arr.shape} and dtype {arr.dtype} are invalid: must be a 1-D integer array")
@@ -88,8 +80,7 @@ class MicroBatchSampler:
 
     def __init__(self, tokens: np.ndarray, micro_batch_size: int, seq_len: int, seed: int) -> None:
         self.tokens = _check_tokens(tokens, micro_batch_size, seq_len)
-        if not _is_int(seed) or seed < 0:
-            raise ConfigError(f"seed={seed!r} is invalid: must be an integer >= 0 (set --seed)")
+        check_int("seed", seed, 0, "set --seed", integers=(int, np.integer))
         self.micro_batch_size = int(micro_batch_size)
         self.seq_len = int(seq_len)
         self.seed = int(seed)
@@ -104,8 +95,7 @@ class MicroBatchSampler:
         Returns:
             int64 array, shape ``(micro_batch_size,)``, values in ``[0, len(tokens) - seq_len - 1]``.
         """
-        if not _is_int(k) or k < 0:
-            raise ValueError(f"micro-batch id k={k!r} must be an integer >= 0")
+        check_int("micro-batch id k", k, 0, error=ValueError, integers=(int, np.integer))
         rng = np.random.default_rng([self.seed, int(k)])
         return rng.integers(0, self.n_starts, size=self.micro_batch_size, dtype=np.int64)
 
@@ -169,8 +159,7 @@ def val_batches(
         ConfigError: On invalid sizes or a stream too small for ``seq_len``.
     """
     arr = _check_tokens(tokens, micro_batch_size, seq_len)
-    if not _is_int(n_batches) or n_batches < 1:
-        raise ConfigError(f"n_batches={n_batches!r} is invalid: must be an integer >= 1 (set --eval-batches)")
+    check_int("n_batches", n_batches, 1, "set --eval-batches", integers=(int, np.integer))
     n = int(n_batches) * int(micro_batch_size)
     last = arr.size - seq_len - 1  # largest valid start
     if n == 1:

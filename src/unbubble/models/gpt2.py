@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from unbubble.errors import ConfigError, did_you_mean
+from unbubble.errors import ConfigError, check_int, did_you_mean
 
 logger = logging.getLogger(__name__)
 
@@ -137,8 +137,7 @@ class GPTConfig:
     def __post_init__(self) -> None:
         for name in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"{name}={value!r} is invalid: must be an integer >= 1")
+            check_int(name, value)
         if self.n_embd % self.n_head != 0:
             raise ConfigError(
                 f"n_embd={self.n_embd} is invalid: must be divisible by n_head={self.n_head} "
@@ -433,8 +432,7 @@ def check_stage_args(n_layer: int, layers: range, first: bool, last: bool, seed:
             f"last={last} is invalid for layers ending at {layers.stop}: the stage holding block "
             f"{n_layer - 1} and only that stage owns the head"
         )
-    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < _MAX_SEED:
-        raise ConfigError(f"seed={seed!r} is invalid: must be an integer in 0..2**40-1 (set --seed)")
+    check_int("seed", seed, 0, "set --seed", _MAX_SEED - 1, valid="must be an integer in 0..2**40-1")
 
 
 # ----------------------------------------------------------------------------------------------

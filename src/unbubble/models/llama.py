@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from unbubble.errors import ConfigError
+from unbubble.errors import ConfigError, check_int
 from unbubble.models.gpt2 import EMBEDDING_COMPONENT, INIT_STD, allocate_on_cpu, check_stage_args, generator, \
     meta_embedding, refuse_untied_state
 
@@ -64,8 +64,7 @@ class LlamaConfig:
     def __post_init__(self) -> None:
         for name in ("n_layer", "n_head", "n_kv_head", "n_embd", "hidden", "block_size", "vocab_size"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"{name}={value!r} is invalid: must be an integer >= 1")
+            check_int(name, value)
         if self.n_embd % self.n_head != 0 or (self.n_embd // self.n_head) % 2 != 0:
             raise ConfigError(
                 f"n_embd={self.n_embd} is invalid: must be n_head={self.n_head} times an even head size "

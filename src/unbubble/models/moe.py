@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from unbubble.errors import ConfigError
+from unbubble.errors import ConfigError, check_int
 from unbubble.models.gpt2 import INIT_STD
 from unbubble.models.llama import Block, LlamaConfig, LlamaStage
 
@@ -45,10 +45,8 @@ class MoEConfig(LlamaConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if isinstance(self.n_expert, bool) or not isinstance(self.n_expert, int) or self.n_expert < 1:
-            raise ConfigError(f"n_expert={self.n_expert!r} is invalid: must be an integer >= 1")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or not 1 <= self.top_k <= self.n_expert:
-            raise ConfigError(f"top_k={self.top_k!r} is invalid: must be an integer in 1..n_expert={self.n_expert}")
+        check_int("n_expert", self.n_expert)
+        check_int("top_k", self.top_k, 1, hi=self.n_expert, valid=f"must be an integer in 1..n_expert={self.n_expert}")
         if self.capacity_factor is not None and not self.capacity_factor > 0:
             raise ConfigError(f"capacity_factor={self.capacity_factor!r} is invalid: must be > 0, or None for "
                               "no capacity limit")

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from unbubble.errors import ConfigError
+from unbubble.errors import ConfigError, check_int
 from unbubble.models.gpt2 import GPTConfig, count_params
 from unbubble.models.moe import MoEConfig
 from unbubble.models.registry import ModelConfig, stage_class
@@ -325,10 +325,9 @@ def build_stages(
         ConfigError: ``n_stages``, ``seq_len``, ``seed`` or ``only`` out of range.
     """
     ranges = partition_layers(config, n_stages, seq_len)
-    if only is not None and (isinstance(only, bool) or not isinstance(only, int) or not 0 <= only < n_stages):
-        raise ConfigError(
-            f"only={only!r} is invalid: with stages={n_stages} the stage index must be in 0..{n_stages - 1}"
-        )
+    if only is not None:
+        check_int("only", only, 0, hi=n_stages - 1,
+                  valid=f"with stages={n_stages} the stage index must be in 0..{n_stages - 1}")
     costs = stage_costs(config, ranges, seq_len)
     cls = stage_class(config)
     stages: list[nn.Module | None] = []
@@ -351,19 +350,13 @@ build_gpt_stages = build_stages  # the name from before other architectures exis
 
 
 def _check_n_stages(n_stages: int, n_layer: int) -> None:
-    if isinstance(n_stages, bool) or not isinstance(n_stages, int) or not 1 <= n_stages <= n_layer:
-        raise ConfigError(
-            f"stages={n_stages!r} is invalid: the model has {n_layer} layers, so stages must be in "
-            f"1..{n_layer} (set --stages or pick a deeper --model)"
-        )
+    check_int("stages", n_stages, 1, "set --stages or pick a deeper --model", n_layer,
+              valid=f"the model has {n_layer} layers, so stages must be in 1..{n_layer}")
 
 
 def _resolve_seq_len(config: ModelConfig, seq_len: int | None) -> int:
     if seq_len is None:
         return config.block_size
-    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or not 1 <= seq_len <= config.block_size:
-        raise ConfigError(
-            f"seq_len={seq_len!r} is invalid: must be in 1..block_size={config.block_size} "
-            f"(set --seq-len or a larger --block-size)"
-        )
+    check_int("seq_len", seq_len, 1, "set --seq-len or a larger --block-size", config.block_size,
+              valid=f"must be in 1..block_size={config.block_size}")
     return seq_len

@@ -1,4 +1,5 @@
-"""Input checks shared by the optimizers and the factory; every message follows STYLE's template.
+"""Input checks shared by the optimizers and the factory; every message follows STYLE's template
+(integers: :func:`unbubble.errors.check_int`).
 
 ``name=value is invalid: <what is valid> (<the fix>)`` and raises ``ConfigError``.
 """
@@ -21,13 +22,6 @@ def check_choice(name: str, value: Any, choices: Sequence[str], fix: str) -> Non
     if not isinstance(value, str) or value not in choices:
         hint = did_you_mean(value, choices) if isinstance(value, str) else ""
         _fail(name, value, f"must be one of {', '.join(choices)}{hint}", fix)
-
-
-def check_int(name: str, value: Any, lo: int, fix: str, hi: int | None = None) -> None:
-    """Raises ConfigError unless ``value`` is an int (not bool) in [lo, hi]."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < lo or (hi is not None and value > hi):
-        valid = f"must be an integer ≥ {lo}" if hi is None else f"must be an integer in {lo}..{hi}"
-        _fail(name, value, valid, fix)
 
 
 def check_nonneg(name: str, value: Any, fix: str) -> None:

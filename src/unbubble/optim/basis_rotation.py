@@ -18,9 +18,9 @@ from typing import Any
 
 import torch
 
-from unbubble.errors import ConfigError
+from unbubble.errors import ConfigError, check_int
 from unbubble.optim import keys as K
-from unbubble.optim._checks import check_betas, check_choice, check_int, check_nonneg, check_unit
+from unbubble.optim._checks import check_betas, check_choice, check_nonneg, check_unit
 from unbubble.optim.memory import optimizer_state_bytes
 
 logger = logging.getLogger(__name__)

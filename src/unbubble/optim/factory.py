@@ -8,9 +8,9 @@ from typing import Any
 
 import torch
 
-from unbubble.errors import ConfigError, did_you_mean
+from unbubble.errors import ConfigError, check_int, did_you_mean
 from unbubble.optim._checks import (
-    check_betas, check_choice, check_int, check_nonneg, check_unit,
+    check_betas, check_choice, check_nonneg, check_unit,
 )
 from unbubble.optim.basis_rotation import ALLOCATIONS, GEOMETRIES, SOURCES, BasisRotation, stage_refresh_intervals
 from unbubble.optim.muon import MuonAdamW

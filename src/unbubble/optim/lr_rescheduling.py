@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from unbubble.optim._checks import check_int
+from unbubble.errors import check_int
 
 
 def pipemare_t1_factor(delay: int, step: int, anneal_steps: int) -> float:

@@ -12,7 +12,8 @@ from typing import Any
 
 import torch
 
-from unbubble.optim._checks import check_betas, check_int, check_nonneg, check_unit
+from unbubble.errors import check_int
+from unbubble.optim._checks import check_betas, check_nonneg, check_unit
 
 
 def pipenag_beta1(beta1: float, delay: int, n_stages: int, beta1_max: float = 0.99) -> float:

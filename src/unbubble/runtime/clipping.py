@@ -90,7 +90,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from unbubble.errors import ConfigError, ScheduleError, did_you_mean
+from unbubble.errors import ConfigError, ScheduleError, check_int, did_you_mean
 
 log = logging.getLogger(__name__)
 
@@ -526,11 +526,10 @@ class PipelineClip:
         self.n = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         if lag is None and a is not None:
-            if isinstance(a, bool) or not isinstance(a, int) or a < 1:
-                raise ConfigError(f"a={a!r} is invalid: must be an integer ≥ 1 (PACI's backwards per update)")
+            check_int("a", a, 1, "PACI's backwards per update")
             lag = -(-self.n // a)
-        if scope == "stale" and (lag is None or isinstance(lag, bool) or not isinstance(lag, int) or lag < 1):
-            raise ConfigError(f"lag={lag!r} is invalid for scope 'stale': give a (s = ⌈N/a⌉) or an integer lag ≥ 1")
+        if scope == "stale":
+            check_int("lag", lag, 1, valid="scope 'stale' needs a (s = ⌈N/a⌉) or an integer lag ≥ 1")
         self.lag = lag or 1
         self.step = 0  # updates clipped so far on this rank: the next call is update t = step
         self.recent: dict[int, torch.Tensor] = {}  # stale: own per-tensor norms of the last s updates

@@ -8,7 +8,7 @@ from collections import deque
 
 import torch
 
-from unbubble.errors import ConfigError, ScheduleError
+from unbubble.errors import ConfigError, ScheduleError, check_int
 from unbubble.optim import optimizer_state_bytes
 from unbubble.runtime.checkpoint import CutWriter
 from unbubble.runtime.clipping import attach_local, clip_summary
@@ -62,9 +62,8 @@ def run_emulator(job: PipelineJob, costs: CostModel | None = None, replay: list[
     if job.dp != 1:
         raise ConfigError(f"dp={job.dp} is invalid for the emulator: it runs one replica (dp=1); "
                           "use the processes engine for data parallelism (set --engine processes)")
-    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
-        raise ConfigError(f"threads={threads!r} is invalid for the emulator: give a positive integer, or None to "
-                          "keep torch's setting")
+    if threads is not None:
+        check_int("threads", threads, 1, "the emulator's torch threads; None keeps torch's setting")
     previous = torch.get_num_threads()
     used = previous if threads is None else threads
     log.info("emulator: %d stages in one process, %d torch thread%s (--threads-per-stage)", job.schedule.n_stages,

@@ -10,7 +10,7 @@ import functools
 from dataclasses import dataclass
 from typing import Literal
 
-from unbubble.errors import ConfigError, did_you_mean
+from unbubble.errors import ConfigError, check_int, did_you_mean
 from unbubble.schedules.actions import Action, flatten
 from unbubble.schedules.policy import ListPolicy, OrderedPaciPolicy, PaciPolicy, Policy, check_order
 from unbubble.schedules import static
@@ -193,11 +193,6 @@ def _static_order(name: str, n: int, m: int, steps: int, v: int) -> tuple[tuple[
 def _flat_order(name: str, n: int, m: int, steps: int, v: int) -> tuple[tuple[tuple[Action, ...], frozenset[int]], ...]:
     return tuple((tuple(acts), firsts) for acts, firsts in map(flatten, _static_order(name, n, m, steps, v)))
 
-def _check_int(name: str, value, lo: int = 1) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
-        raise ConfigError(f"{name}={value!r} is invalid: must be an integer ≥ {lo} (set --{name})")
-
-
 def schedule_name(name: object, option: str = "--schedule") -> str:
     """The registry's name of schedule ``name``, matched ignoring case as torch's
     ``get_schedule_class`` does ('PACI' and 'ZBV' are 'paci' and 'zbv').
@@ -231,15 +226,15 @@ def get_schedule(name: str, n_stages: int, steps: int, a: int | None = None, m: 
             message names the option to change).
     """
     name = schedule_name(name)
-    _check_int("stages", n_stages)
-    _check_int("steps", steps)
+    check_int("stages", n_stages, 1, "set --stages")
+    check_int("steps", steps, 1, "set --steps")
     if name in ("async-1f1b", "pipedream", "pipemare"):
         weights = {"async-1f1b": "current", "pipedream": "stashed", "pipemare": "corrected"}[name]
         return Schedule(name, n_stages, 1, steps, True, backward_weights=weights)
     if name in ("paci", "paci-stashed"):
-        _check_int("a", a)
+        check_int("a", a, 1, "set --a")
         return Schedule(name, n_stages, a, steps, True, backward_weights="stashed" if name == "paci-stashed" else "current")
-    _check_int("m", m)
+    check_int("m", m, 1, "set --m")
     if name == "pipedream-2bw":
         if m < n_stages - 1:
             raise ConfigError(f"m={m} is invalid for pipedream-2bw with stages={n_stages}: two weight versions need "
@@ -247,7 +242,7 @@ def get_schedule(name: str, n_stages: int, steps: int, a: int | None = None, m: 
         return Schedule(name, n_stages, m, steps, True, backward_weights="stashed")
     if name in VIRTUAL:
         v = 2 if v is None else v
-        _check_int("v", v)
+        check_int("v", v, 1, "set --v")
         if name == "interleaved-1f1b" and m % n_stages:
             raise ConfigError(f"m={m} is invalid for interleaved-1f1b: it must be a multiple of stages={n_stages} "
                               "(Megatron's interleaved order; set --m)")

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from unbubble.errors import ConfigError, did_you_mean
+from unbubble.errors import ConfigError, check_int, did_you_mean
 from unbubble.sim.costs import PipelineCosts, StageCosts, Straggler
 from unbubble.sim.hardware import Hardware
 from unbubble.sim.memory import MemorySpec
@@ -60,8 +60,8 @@ def make_model(name: str, vocab_size: int | None = None, seq_len: int | None = N
     from unbubble.models.registry import PRESETS, make_config
 
     for option, value in (("seq_len", seq_len), ("vocab_size", vocab_size)):  # named as the user typed them
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise ConfigError(f"{option}={value!r} is invalid: must be an integer ≥ 1 (set --{option.replace('_', '-')})")
+        if value is not None:
+            check_int(option, value, 1, f"set --{option.replace('_', '-')}")
     if name in ZB_MODELS:
         z = ZB_MODELS[name]
         return GPTConfig(n_layer=z["n_layer"], n_head=z["n_head"], n_embd=z["n_embd"],
@@ -207,8 +207,7 @@ def analytic_model(config: "ModelConfig", n_stages: int, hardware: Hardware, mic
                                            partition_for_devices, partition_layers)
 
     for name, v in (("stages", n_stages), ("micro_batch_size", micro_batch_size), ("virtual", virtual)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ConfigError(f"{name}={v!r} is invalid: must be an integer ≥ 1 (set --{name.replace('_', '-')})")
+        check_int(name, v, 1, f"set --{name.replace('_', '-')}")
     n = n_stages * virtual
     T = config.block_size if seq_len is None else seq_len
     emb_f, block_f, head_f = component_costs(config, T)  # forward FLOPs per token; validates seq_len

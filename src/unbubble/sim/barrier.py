@@ -59,7 +59,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from unbubble.errors import ConfigError, did_you_mean
+from unbubble.errors import ConfigError, check_int, did_you_mean
 
 #: ``--clip-scope`` values of the simulator: ``none`` (no global operation), and the runtime's three.
 SCOPES = ("none", "stage", "sync", "stale")
@@ -84,8 +84,7 @@ def stale_lag(n_stages: int, a: int, asynchronous: bool = True) -> int:
     earlier (its in-flight cap), so a stage reaching update t implies every stage has started update
     t − ⌈N/a⌉ — and 1 for a flushed one. ⌈N/a⌉ = ⌊(N − 1)/a⌋ + 1 ≤ ⌈(N − 1)/a⌉ + 1."""
     for name, v in (("stages", n_stages), ("a", a)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ConfigError(f"{name}={v!r} is invalid: must be an integer ≥ 1")
+        check_int(name, v)
     return -(-n_stages // a) if asynchronous else 1
 
 
@@ -95,8 +94,7 @@ def allreduce_latency(hardware, n_ranks: int, nbytes: float = NORM_BYTES) -> flo
     r and r + 1 mod R; a ring that spans nodes crosses the NIC). A latency-bound upper estimate for
     one fp32 value: NCCL's tree and low-latency protocols can be faster; the table's per-message
     latencies are themselves order-of-magnitude assumptions (``sim/hardware.py``). 0 for one rank."""
-    if isinstance(n_ranks, bool) or not isinstance(n_ranks, int) or n_ranks < 1:
-        raise ConfigError(f"n_ranks={n_ranks!r} is invalid: must be an integer ≥ 1")
+    check_int("n_ranks", n_ranks)
     if n_ranks == 1:
         return 0.0
     links = [hardware.link(r, (r + 1) % n_ranks) for r in range(n_ranks)]
@@ -130,9 +128,8 @@ class GlobalOp:
                                                           else (self.norm_s,))):
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < math.inf:
                 raise ConfigError(f"{name}={v!r} is invalid: must be a finite number ≥ 0 (seconds)")
-        if self.lag is not None and (isinstance(self.lag, bool) or not isinstance(self.lag, int) or self.lag < 1):
-            raise ConfigError(f"lag={self.lag!r} is invalid: the stale norm's lag must be an integer ≥ 1 updates "
-                              "(set --clip-lag)")
+        if self.lag is not None:
+            check_int("lag", self.lag, 1, "set --clip-lag", valid="the stale norm's lag must be an integer ≥ 1 updates")
 
     @property
     def active(self) -> bool:

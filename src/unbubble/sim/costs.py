@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
-from unbubble.errors import ConfigError
+from unbubble.errors import ConfigError, check_int
 from unbubble.schedules.actions import Action, ActionKind
 
 if TYPE_CHECKING:  # numpy is imported where it is used (cost models need it only for jitter)
@@ -154,8 +154,7 @@ class Straggler:
     end_s: float = math.inf
 
     def __post_init__(self) -> None:
-        if isinstance(self.stage, bool) or not isinstance(self.stage, int) or self.stage < 0:
-            raise ConfigError(f"straggler stage={self.stage!r} is invalid: must be an integer ≥ 0")
+        check_int("straggler stage", self.stage, 0)
         if not self.slowdown > 0 or math.isinf(self.slowdown):
             raise ConfigError(f"straggler slowdown={self.slowdown!r} is invalid: must be a finite number > 0")
         if not self.end_s > self.start_s:
@@ -229,8 +228,7 @@ class PipelineCosts:
             raise ConfigError("bandwidth_bytes_per_s=0 is invalid: must be > 0 (inf = free links)")
         if not (isinstance(self.jitter, (int, float)) and 0 <= self.jitter < 5):
             raise ConfigError(f"jitter={self.jitter!r} is invalid: the log-normal σ must be in [0, 5) (set --jitter)")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-            raise ConfigError(f"seed={self.seed!r} is invalid: must be an integer (set --seed)")
+        check_int("seed", self.seed, None, "set --seed")
         for st in self.stragglers:
             if st.stage >= n:
                 raise ConfigError(f"straggler stage={st.stage} is invalid: the pipeline has stages 0..{n - 1}")

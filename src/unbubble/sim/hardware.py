@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from unbubble.errors import ConfigError, did_you_mean
+from unbubble.errors import ConfigError, check_int, did_you_mean
 
 GB = 1e9  # data sheets use decimal units
 
@@ -60,8 +60,7 @@ class Hardware:
                      "inter_node_bytes_per_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name}={getattr(self, name)!r} is invalid: must be > 0")
-        if isinstance(self.gpus_per_node, bool) or not isinstance(self.gpus_per_node, int) or self.gpus_per_node < 1:
-            raise ConfigError(f"gpus_per_node={self.gpus_per_node!r} is invalid: must be an integer ≥ 1")
+        check_int("gpus_per_node", self.gpus_per_node)
 
     @property
     def flops(self) -> float:

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from unbubble.errors import ConfigError, did_you_mean
+from unbubble.errors import ConfigError, check_int, did_you_mean
 from unbubble.sim.hardware import GB, HARDWARE, Hardware
 
 if TYPE_CHECKING:
@@ -91,8 +91,7 @@ class Cluster:
     gpus: int
 
     def __post_init__(self) -> None:
-        if isinstance(self.gpus, bool) or not isinstance(self.gpus, int) or self.gpus < 1:
-            raise ConfigError(f"gpus={self.gpus!r} is invalid: must be an integer ≥ 1 (set --gpus COUNTxGPU)")
+        check_int("gpus", self.gpus, 1, "set --gpus COUNTxGPU")
 
     def describe(self) -> str:
         hw = self.hardware
@@ -235,11 +234,6 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _check_positive_int(name: str, value, option: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"{name}={value!r} is invalid: must be an integer ≥ 1 (set --{option})")
-
-
 def _with_allreduce(costs, grads_bytes: Sequence[float], dp: int, hw: Hardware, n_ranks: int, rank_of) -> object:
     """``costs`` with each stage's U extended by a ring all-reduce of its gradients over ``dp`` replicas."""
     from unbubble.sim.costs import StageCosts
@@ -299,7 +293,7 @@ def candidates(model: "str | ModelConfig", cluster: Cluster, global_batch_tokens
         raise ConfigError(f"cluster={cluster!r} is invalid: give a Cluster (unbubble.sim.plan.parse_gpus)")
     cfg = _resolve_model(model, vocab_size, seq_len)
     s_len = cfg.block_size
-    _check_positive_int("global_batch_tokens", global_batch_tokens, "global-batch-tokens")
+    check_int("global_batch_tokens", global_batch_tokens, 1, "set --global-batch-tokens")
     if global_batch_tokens % s_len:
         lo = global_batch_tokens // s_len * s_len
         near = f"{lo} or {lo + s_len}" if lo else f"{s_len} (one sequence) or more"
@@ -312,14 +306,14 @@ def candidates(model: "str | ModelConfig", cluster: Cluster, global_batch_tokens
     gpus = cluster.gpus
     depths = _divisors(gpus) if stages is None else list(stages)
     for n in depths:
-        _check_positive_int("stages", n, "stages")
+        check_int("stages", n, 1, "set --stages")
         if gpus % n:
             raise ConfigError(f"stages={n} does not divide gpus={gpus}: every replica needs N devices "
                               f"(N·dp = gpus; divisors: {', '.join(map(str, _divisors(gpus)))}) (set --stages)")
     for v in v_values:
-        _check_positive_int("v", v, "v")
+        check_int("v", v, 1, "set --v")
     if max_micro_batches is not None:
-        _check_positive_int("max_micro_batches", max_micro_batches, "max-micro-batches")
+        check_int("max_micro_batches", max_micro_batches, 1, "set --max-micro-batches")
     if token_overhead not in (None, "measured") and (
             isinstance(token_overhead, bool) or not isinstance(token_overhead, (int, float))
             or not 0 < token_overhead < math.inf):
