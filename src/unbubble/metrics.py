@@ -313,15 +313,8 @@ class RunWriter:
     def history(self) -> tuple[list[tuple[int, float]], list[tuple[int, float]]]:
         """``(train, validation)`` losses as ``(step, loss)`` pairs of the whole run, across resumes,
         read back from metrics.jsonl."""
-        train, val = [], []
-        path = self.dir / "metrics.jsonl"
-        for line in path.read_text().splitlines() if path.exists() else []:
-            rec = json.loads(line)
-            if "val_loss" in rec:
-                val.append((rec["step"], rec["val_loss"]))
-            elif "loss" in rec and "event" not in rec:
-                train.append((rec["step"], rec["loss"]))
-        return train, val
+        steps, evals = read_metrics(self.dir)
+        return [(r["step"], r["loss"]) for r in steps], [(r["step"], r["val_loss"]) for r in evals]
 
     def _plot(self, train: list[tuple[int, float]], val: list[tuple[int, float]]) -> None:
         os.environ.setdefault("MPLBACKEND", "Agg")
@@ -340,6 +333,31 @@ class RunWriter:
         fig.tight_layout()
         fig.savefig(self.dir / "loss.png", dpi=100)
         plt.close(fig)
+
+
+def read_metrics(run_dir: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """A run folder's metrics.jsonl read back: ``(steps, evaluations)``, its records in file order —
+    a training step's ``{"step", "loss", "elapsed_s", …}`` (the ``on_step`` lines) and an evaluation's
+    ``{"step", "val_loss", "val_ppl"}``; the guard's ``event`` lines, router statistics and blank
+    lines are left out. No file: two empty lists.
+
+    Raises:
+        json.JSONDecodeError: a line is not JSON; ValueError: a line is JSON but not an object (the
+            callers say which folder).
+    """
+    path = Path(run_dir) / "metrics.jsonl"
+    steps, evals = [], []
+    for n, line in enumerate(path.read_text().splitlines() if path.exists() else [], 1):
+        if not line.strip():
+            continue
+        rec = json.loads(line)
+        if not isinstance(rec, dict):
+            raise ValueError(f"line {n} holds {type(rec).__name__}, not an object")
+        if "val_loss" in rec:
+            evals.append(rec)
+        elif "loss" in rec and "event" not in rec:
+            steps.append(rec)
+    return steps, evals
 
 
 def _ending(writer: RunWriter, result: RunResult, summary: dict[str, Any]) -> dict[str, Any]:

@@ -119,6 +119,7 @@ def test_report_of_the_same_folder_twice_gets_distinct_labels(two_runs, tmp_path
     ("no-steps", "records no training step"),
     ("bad-steps", "summary.json: steps_done='3' is invalid: must be an integer ≥ 0 (not a run folder of unbubble "
                   "train)"),
+    ("not-an-object", "metrics.jsonl has a malformed line (line 2 holds int, not an object): not a run folder"),
 ])
 def test_bad_run_folder_one_line_exit_2(two_runs, tmp_path, breakage, message):
     bad = tmp_path / "bad"
@@ -133,11 +134,27 @@ def test_bad_run_folder_one_line_exit_2(two_runs, tmp_path, breakage, message):
     elif breakage == "bad-steps":
         (bad / "summary.json").write_text(json.dumps({**json.loads((bad / "summary.json").read_text()),
                                                       "steps_done": "3"}))
+    elif breakage == "not-an-object":
+        (bad / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 5.0}) + "\n3\n")
     elif breakage == "no-steps":
         (bad / "metrics.jsonl").write_text(json.dumps({"step": 0, "val_loss": 5.0}) + "\n")
     res = CliRunner().invoke(cli, ["report", str(two_runs[0]), str(bad), "--out", str(tmp_path / "out")])
     assert res.exit_code == 2
     assert message in res.stderr and len(res.stderr.strip().splitlines()) == 1
+
+
+def test_metrics_are_read_back_as_steps_and_evaluations(tmp_path):
+    """The one reader of metrics.jsonl (the run's summary and the report both use it): training steps and
+    evaluations in file order; the guard's events, router lines and blank lines left out."""
+    from unbubble.metrics import read_metrics
+
+    lines = [{"step": 0, "val_loss": 4.2, "val_ppl": 66.7}, {"step": 1, "loss": 4.0, "elapsed_s": 0.5},
+             {"event": "nonfinite", "step": 1, "stage": 0, "mb": 3}, {"step": 1, "router": {"max_load": 1.0}},
+             {"step": 2, "loss": 3.5, "elapsed_s": 1.0}, {"step": 2, "val_loss": 3.9, "val_ppl": 49.4}]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in lines) + "\n\n")
+    steps, evals = read_metrics(tmp_path)
+    assert steps == [lines[1], lines[4]] and evals == [lines[0], lines[5]]
+    assert read_metrics(tmp_path / "none") == ([], [])
 
 
 def test_report_needs_a_run():

@@ -95,6 +95,7 @@ def load_report_run(path: str | Path) -> ReportRun:
         ConfigError: the folder or one of config.json, summary.json, metrics.jsonl, actions.jsonl is
             missing or malformed; one line naming the folder and what is wrong.
     """
+    from unbubble.metrics import read_metrics
     from unbubble.sim.measured import load_run
 
     path = Path(path)
@@ -107,10 +108,13 @@ def load_report_run(path: str | Path) -> ReportRun:
     try:
         summary = json.loads((path / "summary.json").read_text()) if (path / "summary.json").is_file() else \
             {"status": "crashed", "error": "no summary.json: the process ended without writing one (killed?)"}
-        records = [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines() if line.strip()]
+        step_records, eval_records = read_metrics(path)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ConfigError(f"{path} holds malformed JSON ({str(exc).splitlines()[0]}): not a run folder of "
                           "unbubble train") from None
+    except ValueError as exc:  # a metrics line that is JSON but no object
+        raise ConfigError(f"{path / 'metrics.jsonl'} has a malformed line ({exc}): not a run folder of unbubble "
+                          "train") from None
     if not isinstance(summary, dict):
         raise ConfigError(f"{path / 'summary.json'} holds {type(summary).__name__}, not an object: not a run folder "
                           "of unbubble train")
@@ -120,9 +124,8 @@ def load_report_run(path: str | Path) -> ReportRun:
             check_int(f"{path / 'summary.json'}: {key}", value, 0, "not a run folder of unbubble train")
     run = load_run(path) if (path / "actions.jsonl").is_file() else None  # a run that ended by an error has none
     try:
-        steps = [(int(r["step"]), float(r["loss"]), float(r.get("elapsed_s", math.nan)))
-                 for r in records if "loss" in r and "val_loss" not in r]
-        evals = sorted((int(r["step"]), float(r["val_loss"])) for r in records if "val_loss" in r)
+        steps = [(int(r["step"]), float(r["loss"]), float(r.get("elapsed_s", math.nan))) for r in step_records]
+        evals = sorted((int(r["step"]), float(r["val_loss"])) for r in eval_records)
     except (KeyError, TypeError, ValueError) as exc:
         raise ConfigError(f"{path / 'metrics.jsonl'} has a malformed line ({type(exc).__name__}: {exc}): "
                           "not a run folder of unbubble train") from None
