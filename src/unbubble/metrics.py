@@ -317,22 +317,18 @@ class RunWriter:
         return [(r["step"], r["loss"]) for r in steps], [(r["step"], r["val_loss"]) for r in evals]
 
     def _plot(self, train: list[tuple[int, float]], val: list[tuple[int, float]]) -> None:
-        os.environ.setdefault("MPLBACKEND", "Agg")
-        import matplotlib.pyplot as plt
+        from unbubble._figures import LOSS_LABEL, new_figure, plot_validation, save
 
-        fig, ax = plt.subplots(figsize=(7, 4))
+        fig = new_figure(7, 4)
+        ax = fig.add_subplot()
         ax.plot([s for s, _ in train], [v for _, v in train], lw=1, label="train (last stage, mean over the step)")
         if val:
-            ax.plot([s for s, _ in val], [v for _, v in val], "o-", label="validation")
+            plot_validation(ax, [s for s, _ in val], [v for _, v in val])
         ax.set_xlabel("optimizer step (weight version)")
-        ax.set_ylabel("loss (nats/token)")
+        ax.set_ylabel(LOSS_LABEL)
         sched = self.job.schedule
         ax.set_title(f"{sched.name}, N={sched.n_stages}, {'a' if sched.asynchronous else 'm'}={sched.mb_per_step}")
-        ax.legend()
-        ax.grid(alpha=0.3)
-        fig.tight_layout()
-        fig.savefig(self.dir / "loss.png", dpi=100)
-        plt.close(fig)
+        save(fig, ax, self.dir / "loss.png")
 
 
 def read_metrics(run_dir: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:

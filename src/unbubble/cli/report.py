@@ -19,6 +19,7 @@ from typing import Any
 import click
 import numpy as np
 
+from unbubble._figures import LOSS_LABEL, new_figure, plot_validation, save
 from unbubble.errors import ConfigError, check_int
 from unbubble.safety import atomic_write_text
 
@@ -156,15 +157,6 @@ def _ema(values: list[float], span: int) -> np.ndarray:
     return out
 
 
-def _figure(width: float, height: float):
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(width, height))
-    FigureCanvasAgg(fig)
-    return fig
-
-
 def status(r: ReportRun) -> str:
     """How the run ended: finished, stopped at step k, diverged or crashed (summary.json's ``status``;
     older summaries: stopped when ``stopped_at_step`` is set, else finished)."""
@@ -183,7 +175,7 @@ def _describe(r: ReportRun) -> str:
 
 def plot_loss(runs: list[ReportRun], out: Path, x: str) -> Path:
     """Training and validation loss of every run against ``x`` = ``"tokens"`` or ``"time"``; returns the PNG."""
-    fig = _figure(8, 4.5)
+    fig = new_figure(8, 4.5)
     ax = fig.add_subplot()
     colors = [f"C{i % 10}" for i in range(len(runs))]
     for r, color in zip(runs, colors):
@@ -195,27 +187,22 @@ def plot_loss(runs: list[ReportRun], out: Path, x: str) -> Path:
                 label=f"{r.label} ({_describe(r)}) train")
         if r.evals:
             ex = [v * r.tokens_per_step if x == "tokens" else r.time_of_step(v) for v, _ in r.evals]
-            ax.plot(ex, [loss for _, loss in r.evals], "o--", color=color, ms=4, lw=1, label=f"{r.label} validation")
+            plot_validation(ax, ex, [loss for _, loss in r.evals], color, f"{r.label} validation")
     if x == "tokens":
         ax.set_xlabel("tokens processed")
         ax.set_title("loss against tokens (same data: curves of equally good optimizers overlap)", fontsize=10)
     else:
         ax.set_xlabel("wall-clock seconds since the start")
         ax.set_title("loss against wall time (faster schedules reach a loss sooner)", fontsize=10)
-    ax.set_ylabel("loss (nats per token)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    path = out / f"loss_vs_{x}.png"
-    fig.savefig(path, dpi=100)
-    return path
+    ax.set_ylabel(LOSS_LABEL)
+    return save(fig, ax, out / f"loss_vs_{x}.png")
 
 
 def plot_drift(runs: list[ReportRun], out: Path) -> Path:
     """Per run, micro-batches per drift value Δ and stage (grouped bars); returns the PNG (runs that
     ended without actions.jsonl are left out)."""
     runs = [r for r in runs if r.run is not None] or runs[:0]
-    fig = _figure(8, 2.6 * max(len(runs), 1) + 0.4)
+    fig = new_figure(8, 2.6 * max(len(runs), 1) + 0.4)
     for row, r in enumerate(runs):
         ax = fig.add_subplot(len(runs), 1, row + 1)
         hist = r.run.trace.drift_histogram()
@@ -244,7 +231,7 @@ def plot_utilization(runs: list[ReportRun], out: Path, bins: int = 60) -> Path:
     from unbubble.analysis import utilization_timeline
 
     runs = [r for r in runs if r.run is not None]
-    fig = _figure(9, 1.0 + sum(0.35 * r.run.trace.ranks + 1.0 for r in runs))
+    fig = new_figure(9, 1.0 + sum(0.35 * r.run.trace.ranks + 1.0 for r in runs))
     for row, r in enumerate(runs):
         ax = fig.add_subplot(len(runs), 1, row + 1)
         edges, util = utilization_timeline(r.run.trace, bins=bins)

@@ -111,10 +111,11 @@ def figure():
 
 
 def save_figure(fig, ax, path: Path) -> Path:
-    """Adds the legend, saves ``fig`` as a small PNG and closes it."""
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
+    """Saves ``fig`` as a small PNG in the house style (:func:`unbubble._figures.save`; no grid, 90 dpi, as
+    the published figures) and closes it."""
+    from unbubble._figures import save
+
+    save(fig, ax, path, dpi=90, grid=None)
     figure().close(fig)
     return path
 
