@@ -5,8 +5,7 @@ class ConfigError(ValueError):
     """A configuration value, file or combination is invalid.
 
     The message names the offending value, what would be valid and, where
-    possible, the option to change (``"a=0 is invalid: must be an integer ≥ 1 (set --a)"``,
-    :func:`check_int`).
+    possible, the option to change (``"a=0 is invalid: must be an integer ≥ 1 (set --a)"``).
     """
 
 
