@@ -46,12 +46,57 @@ def test_muon_adamw_equals_torch_muon_and_adamw_run_apart():
     ours = _params()
     opt = build_optimizer("muon", ours, stage=0, n_stages=1, delay=0, lr=0.02, betas=(0.9, 0.95),
                           weight_decay=0.1)
+    opt.ns_dtype = torch.bfloat16  # torch.optim.Muon's Newton–Schulz dtype (the CPU default is float32)
     ref = _params()
     muon = torch.optim.Muon([ref[0][1]], lr=0.02, weight_decay=0.1, adjust_lr_fn="match_rms_adamw")
     adamw = torch.optim.AdamW([{"params": [ref[2][1]], "weight_decay": 0.1},
                                {"params": [ref[1][1]], "weight_decay": 0.0}], lr=0.02, betas=(0.9, 0.95))
     _assert_equal_after_steps(ours, opt, ref, (muon, adamw))
     assert not torch.equal(ours[0][1], _params()[0][1])  # the matrix did move
+
+
+def test_muon_newton_schulz_runs_in_float32_on_the_cpu_and_stays_near_torch_bfloat16():
+    """Regression: torch.optim.Muon's bfloat16 Newton–Schulz is emulated on this CPU (10–27× slower than
+    float32), so MuonAdamW iterates in float32 on the CPU. Against torch.optim.Muon (bfloat16) over 3
+    steps: the weights are not bit-equal (the dtype differs) but within bfloat16's rounding of the
+    update; each float32 step points along the polar factor UVᵀ of its Nesterov momentum (SVD)."""
+    g = torch.Generator().manual_seed(3)
+    w0 = torch.randn(48, 16, generator=g)
+    grads = [torch.randn(48, 16, generator=g) for _ in range(3)]
+    ours, ref = torch.nn.Parameter(w0.clone()), torch.nn.Parameter(w0.clone())
+    opt = MuonAdamW([{"params": [ours], "muon": True}], lr=0.02, weight_decay=0.1)
+    assert opt.ns_dtype is None  # float32 on the CPU, bfloat16 elsewhere
+    muon = torch.optim.Muon([ref], lr=0.02, weight_decay=0.1, adjust_lr_fn="match_rms_adamw")
+    mu, buf = 0.95, torch.zeros(48, 16)
+    for grad in grads:
+        before = ours.detach().clone()
+        ours.grad, ref.grad = grad.clone(), grad.clone()
+        opt.step()
+        muon.step()
+        buf = mu * buf + (1 - mu) * grad
+        u, _, vh = torch.linalg.svd((1 - mu) * grad + mu * buf, full_matrices=False)
+        step = before * (1 - 0.02 * 0.1) - ours.detach()
+        cos = float((step * (u @ vh)).sum() / (step.norm() * (u @ vh).norm()))
+        assert cos > 0.95
+    moved = (w0 - ref.detach()).norm()
+    gap = float((ours.detach() - ref.detach()).norm() / moved)
+    assert 0 < gap < 0.02, gap  # bfloat16 keeps 8 bits of mantissa: ~0.4 % per element
+
+
+def test_orthogonalize_in_float32_against_float64():
+    """The iteration in float32 equals the same iteration in float64 to float32's precision (a
+    reference that only the dtype separates), for a wide and a tall matrix."""
+    from unbubble.optim.muon import orthogonalize
+
+    g = torch.Generator().manual_seed(1)
+    for shape in ((16, 40), (40, 16)):
+        x = torch.randn(*shape, generator=g)
+        got = orthogonalize(x, (3.4445, -4.775, 2.0315), 5, 1e-7, torch.float32)
+        want = orthogonalize(x.double(), (3.4445, -4.775, 2.0315), 5, 1e-7, torch.float64)
+        assert got.dtype == torch.float32 and got.shape == shape
+        assert torch.allclose(got.double(), want, atol=1e-5)
+    with pytest.raises(ValueError, match=r"ns_dtype=torch.int32 is invalid"):
+        MuonAdamW([{"params": [torch.nn.Parameter(torch.zeros(3, 2))], "muon": True}], lr=0.1, ns_dtype=torch.int32)
 
 
 def test_muon_adamw_lr_schedule_reaches_both_halves_and_state_dict_round_trips():
@@ -95,6 +140,7 @@ def test_muon_gives_stacked_expert_weights_to_adamw():
     ours = [(n, torch.nn.Parameter(t.clone())) for n, t in named]
     ref = [(n, torch.nn.Parameter(t.clone())) for n, t in named]
     opt = build_optimizer("muon", ours, stage=0, n_stages=1, delay=0, lr=0.02, betas=(0.9, 0.95), weight_decay=0.1)
+    opt.ns_dtype = torch.bfloat16
     muon = torch.optim.Muon([ref[0][1]], lr=0.02, weight_decay=0.1, adjust_lr_fn="match_rms_adamw")
     adamw = torch.optim.AdamW([ref[1][1]], lr=0.02, betas=(0.9, 0.95), weight_decay=0.1)
     _assert_equal_after_steps(ours, opt, ref, (muon, adamw))
