@@ -10,8 +10,9 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from unbubble.errors import ConfigError, check_int, did_you_mean
+from unbubble.schedules.clip import CLIP_SCOPES, check_clip
 from unbubble.schedules.policy import check_order  # [Note: deterministic order]
-from unbubble.schedules.registry import schedule_name
+from unbubble.schedules.registry import OPTIONS, names_where, schedule_info, schedule_name
 
 #: the largest count option (steps, a, m, sizes): 2^31 − 1, far past any run and within every index type
 MAX_COUNT = 2**31 - 1
@@ -20,15 +21,13 @@ ENGINES = ("emulator", "processes")
 TOKENIZERS = ("auto", "byte", "gpt2")  # or hf:FOLDER
 #: What a stage does with a non-finite micro-batch ([Note: non-finite guard] in runtime/executor.py).
 NAN_POLICIES = ("skip", "lower-lr", "abort", "off")
-#: Weight prediction modes and the schedules it applies to (current-weights backward with delay).
+#: Weight prediction modes, and the schedules it applies to (the records' ``predicts``: a current-weights
+#: backward with delay).
 PREDICT_MODES = ("none", "bound", "measured")
-PREDICT_SCHEDULES = ("paci", "async-1f1b")
-#: The asynchronous (never-flushed) schedules, the ones error feedback applies to (τ > 0).
-#: ``error_feedback`` of the asynchronous schedules when none is given: horizon-study measured error
-#: feedback (c = 1) as the best delay remedy at 600 updates (docs/results.md).
-DEFAULT_ERROR_FEEDBACK = 1.0
-
-ERROR_FEEDBACK_SCHEDULES = ("paci", "async-1f1b", "paci-stashed", "pipedream", "pipedream-2bw", "pipemare")
+PREDICT_SCHEDULES = names_where(lambda r: r.predicts)
+#: The schedules error feedback applies to (the records' ``error_feedback``: the asynchronous ones, τ > 0);
+#: their default is ``DEFAULT_ERROR_FEEDBACK`` (schedules/registry.py).
+ERROR_FEEDBACK_SCHEDULES = names_where(lambda r: r.error_feedback)
 #: Fields whose default depends on the schedule. A configuration file holds ``auto`` for such a field
 #: when its value is the schedule's default (:func:`config_to_yaml`), and ``auto`` reads back as the
 #: default of whatever schedule the run has, so ``--print-config`` output for one schedule runs with
@@ -40,13 +39,7 @@ OPTIMIZERS = ("adamw", "basis-rotation", "nesterov", "nadam", "pipedream-lr", "s
 #: The schedule options and the schedules that read them (``get_schedule``); every other schedule
 #: ignores them, so a flag given for one of those is refused (:func:`check_schedule_options`).
 SCHEDULE_OPTIONS: dict[str, tuple[tuple[str, ...], str]] = {
-    "a": (("paci", "paci-stashed"), "backward passes per update"),
-    "m": (("gpipe", "1f1b-flush", "interleaved-1f1b", "looped-bfs", "interleaved-zb", "zb-h1", "zb-h2", "zbv", "dualpipev",
-           "pipedream-2bw"),
-          "micro-batches per step"),
-    "v": (("interleaved-1f1b", "looped-bfs", "interleaved-zb"), "virtual stages per device"),
-}
-_UPDATE_EVERY_BACKWARD = ("async-1f1b", "pipedream", "pipemare")
+    opt: (names_where(lambda r, opt=opt: opt in r.takes), meaning) for opt, meaning in OPTIONS.items()}
 
 
 def check_schedule_options(schedules, given: dict) -> None:
@@ -58,26 +51,33 @@ def check_schedule_options(schedules, given: dict) -> None:
             given schedule uses instead.
     """
     schedules = list(schedules)
-    for opt, (takers, meaning) in SCHEDULE_OPTIONS.items():
+    for opt, meaning in OPTIONS.items():
+        takers = names_where(lambda r, opt=opt: opt in r.takes)
         if opt not in given or any(s in takers for s in schedules):
             continue
         effect = "has no effect on"
         if len(schedules) == 1:
             s = schedules[0]
+            info = schedule_info(s)
             what = f"schedule={s!r}"
-            if opt == "v" and s in ("zbv", "dualpipev"):  # they have chunks per device, always two
+            if opt == "v" and info.placement == "v":  # they have chunks per device, always two
                 effect, what = "does not apply to", what + ", which always holds two chunks per device in a V"
-            elif s in _UPDATE_EVERY_BACKWARD and opt != "v":
+            elif info.updates_every_backward and opt != "v":
                 what += ", which updates after every backward"
-            elif opt == "a" and s in SCHEDULE_OPTIONS["m"][0]:
+            elif opt == "a" and "m" in info.takes:
                 what += ", whose micro-batches per step are --m"
-            elif opt == "m" and s in SCHEDULE_OPTIONS["a"][0]:
+            elif opt == "m" and "a" in info.takes:
                 what += ", whose backward passes per update are --a"
         else:
             what = f"schedules {', '.join(schedules)}"
         takes = "takes" if len(takers) == 1 else "take"
         raise ConfigError(f"{opt}={given[opt]} {effect} {what}: only {', '.join(takers)} {takes} --{opt} "
                           f"({meaning}); drop --{opt} or change --schedule")
+
+
+def _listed(names) -> str:
+    """``a, b and c``."""
+    return ", ".join(names[:-1]) + " and " + names[-1] if len(names) > 1 else "".join(names)
 
 
 #: Options ``unbubble train --resume`` lets change: how the run executes, not what it computes.
@@ -93,8 +93,8 @@ class TrainConfig:
     stages: int = field(default=4, metadata={"help": "Pipeline depth N (one process per stage with engine='processes')."})
     dp: int = field(default=1, metadata={"help": "Data-parallel pipeline replicas D: D × stages processes; the replicas of a stage average their gradients at each of its updates (replica d reads micro-batch ids k·D + d)."})
     a: int = field(default=4, metadata={"help": 'PACI accumulation factor: backward passes per local optimizer step (= micro-batches per step).'})
-    m: int = field(default=4, metadata={"help": 'Micro-batches per optimizer step of gpipe, 1f1b-flush, interleaved-1f1b, looped-bfs, interleaved-zb, zb-h1, zb-h2, zbv, dualpipev (m ≥ 2N) and pipedream-2bw.'})
-    v: int = field(default=2, metadata={"help": "Virtual stages (model chunks) per rank for interleaved-1f1b, looped-bfs and interleaved-zb."})
+    m: int = field(default=4, metadata={"help": f'Micro-batches per optimizer step of {_listed(SCHEDULE_OPTIONS["m"][0])} (dualpipev: m ≥ 2N).'})
+    v: int = field(default=2, metadata={"help": f"Virtual stages (model chunks) per rank for {_listed(SCHEDULE_OPTIONS['v'][0])}."})
     micro_batch_size: int = field(default=8, metadata={"help": 'Sequences per micro-batch.'})
     seq_len: int = field(default=128, metadata={"help": "Tokens per sequence (≤ the model's block size)."})
     steps: int = field(default=800, metadata={"help": 'Optimizer steps per stage.'})
@@ -106,7 +106,7 @@ class TrainConfig:
     beta2: float = field(default=0.95, metadata={"help": "AdamW β2 (PACI paper: 0.95)."})
     weight_decay: float = field(default=0.1, metadata={"help": 'AdamW decoupled weight decay, applied to matrices only (β and wd as in the PACI paper).'})
     muon_momentum: float = field(default=0.95, metadata={"help": "Muon's momentum μ on hidden matrices (Nesterov form, torch.optim.Muon; 0.95 as in Jordan et al. 2024). Higher momentum is a delay remedy (Zmushko et al. 2026, arXiv 2606.30634)."})
-    predict_weights: Literal["none", "bound", "measured"] = field(default="none", metadata={"help": "Weight prediction for paci and async-1f1b (SpecTrain arXiv 1809.02839, PipeOptim arXiv 2312.00839): each forward on stage i runs on W + s_i·(W − W_prev), the last applied update extrapolated s_i updates ahead; s_i = the stage's drift bound ⌈(N−i)/a⌉ (bound) or its mean measured drift so far (measured). The backward keeps the current weights; one weight-sized buffer per stage."})
+    predict_weights: Literal["none", "bound", "measured"] = field(default="none", metadata={"help": f"Weight prediction for {_listed(PREDICT_SCHEDULES)} (SpecTrain arXiv 1809.02839, PipeOptim arXiv 2312.00839): each forward on stage i runs on W + s_i·(W − W_prev), the last applied update extrapolated s_i updates ahead; s_i = the stage's drift bound ⌈(N−i)/a⌉ (bound) or its mean measured drift so far (measured). The backward keeps the current weights; one weight-sized buffer per stage."})
     error_feedback: float | None = field(default=None, metadata={"help": "Error feedback for delayed gradients, coefficient c: each update applies x_{t+1} = x_t − u_t − c·(u_t − u_{t−1}), u_t the optimizer's full step (Zmushko et al., arXiv 2606.30634). Default (auto in a config file): 1 on the asynchronous schedules, the best remedy measured (horizon-study, docs/results.md), 0 on the synchronous ones; 0 turns it off. Two fp32 weight-sized buffers per stage."})
     optimizer: Literal["adamw", "basis-rotation", "nesterov", "nadam", "pipedream-lr", "staleness-lr", "muon"] = field(
         default="muon", metadata={"help": "muon (the default: torch.optim.Muon on hidden matrices, AdamW on embeddings, head, norms and biases, arXiv 2502.16982; the optimizer overhead-study supports for PACI); "
@@ -161,8 +161,6 @@ class TrainConfig:
         """A choice given in another case is that choice ('MUON', 'FP32', 'Dynamic'), as a schedule name
         is (:func:`~unbubble.schedules.registry.schedule_name`); anything else is left to the checks."""
         import typing
-
-        from unbubble.runtime.clipping import CLIP_SCOPES
 
         choices = {name: typing.get_args(hint) for name, hint in _field_types().items()
                    if typing.get_origin(hint) is typing.Literal}
@@ -234,13 +232,11 @@ class TrainConfig:
             raise ConfigError(f"muon_momentum={self.muon_momentum!r} is invalid: must be in [0, 1) (set --muon-momentum)")
         if not (isinstance(self.weight_decay, (int, float)) and self.weight_decay >= 0):
             raise ConfigError(f"weight_decay={self.weight_decay!r} is invalid: must be ≥ 0 (set --weight-decay)")
-        from unbubble.runtime.clipping import check_clip  # imports torch: only when validating
-
         if self.clip_scope is not None and self.clip_grad_norm is None:
             raise ConfigError(f"clip_scope={self.clip_scope!r} has no effect without clip_grad_norm: set "
                               "--clip-grad-norm X, or drop --clip-scope")
         if self.clip_grad_norm is not None and self.clip_scope is None:  # clip-study: stale costs no loss, no barrier
-            self.clip_scope = schedule_default("clip_scope", self.schedule)
+            self.clip_scope = schedule_info(self.schedule).default_clip_scope
         check_clip(self.clip_grad_norm, self.clip_scope if self.clip_grad_norm is not None else "sync")
         if self.engine not in ENGINES:
             raise ConfigError(f"engine={self.engine!r} is unknown{did_you_mean(self.engine, ENGINES)}: valid engines are {', '.join(ENGINES)} (set --engine)")
@@ -273,25 +269,28 @@ class TrainConfig:
             raise ConfigError(f"predict_weights={self.predict_weights!r} is invalid{did_you_mean(self.predict_weights, PREDICT_MODES)}: must be one of "
                               f"{', '.join(PREDICT_MODES)} (set --predict-weights)")
         if self.predict_weights != "none":
-            if self.schedule not in PREDICT_SCHEDULES:
-                stashed = "has no drift to predict across: its backward runs on the weights of its forward"
-                why = {"pipemare": "corrects the delay with its own velocity estimate (PipeMare's T2)",
-                       "pipedream": stashed, "pipedream-2bw": stashed, "paci-stashed": stashed,
-                       }.get(self.schedule, "is synchronous: no delay to predict across")
+            info = schedule_info(self.schedule)
+            if not info.predicts:
+                why = "is synchronous: no delay to predict across" if not info.asynchronous else {
+                    "stashed": "has no drift to predict across: its backward runs on the weights of its forward",
+                    "corrected": "corrects the delay with its own velocity estimate (PipeMare's T2)",
+                }[info.backward_weights]
+                valid = ", ".join(names_where(lambda r: r.predicts))
                 raise ConfigError(f"predict_weights={self.predict_weights!r} is for the never-flushed schedules whose "
-                                  f"backward runs on the current weights ({', '.join(PREDICT_SCHEDULES)}): schedule="
+                                  f"backward runs on the current weights ({valid}): schedule="
                                   f"{self.schedule!r} {why} (set --predict-weights none)")
             if self.recompute != "none":
                 raise ConfigError(f"predict_weights={self.predict_weights!r} is invalid with recompute="
                                   f"{self.recompute!r}: a recomputed forward runs on the backward's weights, so the "
                                   "predicted forward would not be the one differentiated (set --recompute none)")
         if self.error_feedback is None:  # the default: on where it corrects a delay (horizon-study's best remedy)
-            self.error_feedback = DEFAULT_ERROR_FEEDBACK if self.schedule in ERROR_FEEDBACK_SCHEDULES else 0.0
+            self.error_feedback = schedule_info(self.schedule).default_error_feedback
         c = self.error_feedback
         if isinstance(c, bool) or not isinstance(c, (int, float)) or not math.isfinite(c) or c < 0:
             raise ConfigError(f"error_feedback={c!r} is invalid: must be a finite number ≥ 0 (0 = off; set --error-feedback)")
-        if c and self.schedule not in ERROR_FEEDBACK_SCHEDULES:
-            raise ConfigError(f"error_feedback={c!r} is for asynchronous schedules ({', '.join(ERROR_FEEDBACK_SCHEDULES)}): "
+        if c and not schedule_info(self.schedule).error_feedback:
+            valid = ", ".join(names_where(lambda r: r.error_feedback))
+            raise ConfigError(f"error_feedback={c!r} is for asynchronous schedules ({valid}): "
                               f"schedule={self.schedule!r} is synchronous, so u_t − u_(t−1) corrects no delay "
                               "(set --error-feedback 0)")
         from unbubble.runtime.compiled import check_backend, check_compile
@@ -320,11 +319,10 @@ class TrainConfig:
 
     @property
     def mb_per_step(self) -> int:
-        """Micro-batches per optimizer step: a for paci, 1 for async-1f1b, pipedream and
-        pipemare (an update after every backward), m otherwise."""
-        if self.schedule in ("paci", "paci-stashed"):
-            return self.a
-        return 1 if self.schedule in ("async-1f1b", "pipedream", "pipemare") else self.m
+        """Micro-batches per optimizer step: ``a`` for the schedules that take ``--a`` (paci,
+        paci-stashed), 1 for those that update after every backward, ``m`` otherwise (the
+        schedule's record, :meth:`~unbubble.schedules.registry.ScheduleInfo.mb_per_update`)."""
+        return schedule_info(self.schedule).mb_per_update(self.a, self.m)
 
     @property
     def warmup_steps(self) -> int:
@@ -337,10 +335,10 @@ class TrainConfig:
         """``switch_after``: an asynchronous schedule that steps after a fixed number of backward passes,
         0 < K < steps, and a run that can hand its checkpoint on."""
         k = self.switch_after
-        if self.schedule not in ("paci", "async-1f1b", "paci-stashed", "pipedream", "pipemare"):
+        if not schedule_info(self.schedule).switchable:
+            valid = ", ".join(names_where(lambda r: r.switchable))
             raise ConfigError(f"switch_after={k} is invalid with schedule={self.schedule!r}: it switches a run from "
-                              "1F1B-flush to an asynchronous schedule (paci, async-1f1b, paci-stashed, pipedream, "
-                              "pipemare; set --schedule)")
+                              f"1F1B-flush to an asynchronous schedule ({valid}; set --schedule)")
         if k >= self.steps:
             raise ConfigError(f"switch_after={k} is invalid with steps={self.steps}: the switch must come before the "
                               f"last update (give 1 … {self.steps - 1}; set --switch-after)")
@@ -556,9 +554,9 @@ def read_yaml(text: str, where: str) -> Any:
 def schedule_default(name: str, schedule: str) -> object:
     """The value ``auto`` stands for in field ``name`` (one of :data:`AUTO_FIELDS`) under ``schedule``."""
     if name == "error_feedback":
-        return DEFAULT_ERROR_FEEDBACK if schedule in ERROR_FEEDBACK_SCHEDULES else 0.0
+        return schedule_info(schedule).default_error_feedback
     if name == "clip_scope":  # with --clip-grad-norm: the scope clip-study found free (docs/results.md)
-        return "stale" if schedule in ERROR_FEEDBACK_SCHEDULES else "sync"
+        return schedule_info(schedule).default_clip_scope
     raise KeyError(name)
 
 

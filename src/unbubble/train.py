@@ -40,7 +40,7 @@ from unbubble.runtime.launch import (choose_backend, install_stop_handlers, pass
 from unbubble.runtime.precision import cpu_has_native_bf16, slow_bf16_warning
 from unbubble.runtime.telemetry import Listener, RunResult
 from unbubble.safety import RunLock, check_memory, os_cause
-from unbubble.schedules.registry import V_SHAPED, get_schedule
+from unbubble.schedules.registry import get_schedule
 
 log = logging.getLogger(__name__)
 
@@ -220,7 +220,7 @@ def build_job(cfg: TrainConfig, tokens: TokenData, model_object: torch.nn.Module
         raise ConfigError(f"seq_len={cfg.seq_len} is invalid: model {cfg.model!r} has block_size={model.block_size}, "
                           f"so seq_len must be ≤ {model.block_size} (set --seq-len)")
     if not external and schedule.virtual > 1 and schedule.n_stages > model.n_layer:
-        if cfg.schedule in V_SHAPED:  # two chunks per device, always: --v is no way out
+        if schedule.placement == "v":  # two chunks per device, always: --v is no way out
             raise ConfigError(f"stages={cfg.stages} is invalid: {cfg.schedule} holds 2 chunks per device in a V, so it "
                               f"needs stages × 2 = {schedule.n_stages} model chunks but model {cfg.model!r} has "
                               f"{model.n_layer} layers (set --stages ≤ {model.n_layer // 2}, or pick a deeper --model)")

@@ -10,6 +10,7 @@ import time
 import click
 
 from unbubble.errors import ConfigError
+from unbubble.schedules.clip import SIM_SCOPES
 from unbubble.sim.hardware import HARDWARE
 
 log = logging.getLogger("unbubble.plan")
@@ -126,7 +127,7 @@ def _print(obj, fmt: str, width: int | None) -> None:
               help="Weight prediction on paci and async-1f1b: its buffers in their memory, and the token overhead "
                    "measured with it.")
 @click.option("--flash-attention/--no-flash-attention", default=False, help="Attention scores are not stored.")
-@click.option("--clip-scope", default="none", type=click.Choice(["none", "stage", "sync", "stale"], case_sensitive=False),
+@click.option("--clip-scope", default="none", type=click.Choice(SIM_SCOPES, case_sensitive=False),
               help="Per-update global operation of every configuration, as `unbubble train --clip-scope` (global "
                    "gradient clipping, the non-finite check): sync, a blocking gradient-norm all-reduce over the "
                    "pipeline's devices (a barrier per update); stale, non-blocking, update t clipped with the norm "

@@ -167,8 +167,10 @@ def status(r: ReportRun) -> str:
 
 def _describe(r: ReportRun) -> str:
     s = r.summary
-    asynchronous = r.run.schedule.asynchronous if r.run is not None else r.config.get("schedule") not in (
-        "gpipe", "1f1b-flush", "interleaved-1f1b", "zb-h1", "zb-h2", "interleaved-zb", "zbv", "dualpipev")
+    from unbubble.schedules.registry import REGISTRY
+
+    info = REGISTRY.get(r.config.get("schedule"))  # a run of an unknown schedule: shown with a, as before
+    asynchronous = r.run.schedule.asynchronous if r.run is not None else info is None or info.asynchronous
     knob = "a" if asynchronous else "m"
     return f"{r.model}, {s.get('schedule', '?')}, N={s.get('stages', '?')}, {knob}={s.get('mb_per_step', '?')}"
 

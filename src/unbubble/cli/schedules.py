@@ -7,7 +7,7 @@ import textwrap
 import click
 
 from unbubble.errors import ConfigError, did_you_mean
-from unbubble.schedules.registry import ASYNC, SCHEDULES
+from unbubble.schedules.registry import REGISTRY, SCHEDULES, names_where
 
 #: Columns of the list: each schedule's line wraps under its description column to fit them.
 WIDTH = 100
@@ -39,8 +39,8 @@ def schedules(export_name: str | None, stages: int | None, m: int | None, v: int
     if export_name not in SCHEDULES:
         raise ConfigError(f"--export {export_name} is unknown{did_you_mean(export_name, SCHEDULES)}: valid schedules "
                           f"are {', '.join(SCHEDULES)}")
-    if export_name in ASYNC:
-        sync = ", ".join(n for n in SCHEDULES if n not in ASYNC)
+    if REGISTRY[export_name].asynchronous:
+        sync = ", ".join(names_where(lambda r: not r.asynchronous))
         raise ConfigError(f"--export {export_name} is invalid: it is asynchronous (U inside a step) and torch's "
                           f"CSV steps the optimizer only between steps; synchronous schedules are {sync}")
     from unbubble.config import check_schedule_options

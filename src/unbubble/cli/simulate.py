@@ -16,19 +16,26 @@ from unbubble.errors import ConfigError, did_you_mean
 log = logging.getLogger("unbubble.simulate")
 
 FORMATS = ("table", "markdown", "csv")
-_ASYNC_SINGLE = ("async-1f1b", "pipedream", "pipemare")  # one micro-batch per update
 
 
 def _schedule(name: str, stages: int, mb: int, a: int, m: int, v: int):
     """The schedule ``name`` running about ``mb`` micro-batches."""
-    from unbubble.schedules.registry import VIRTUAL, get_schedule
+    from unbubble.schedules.registry import get_schedule, schedule_info
 
-    if name == "paci":
-        return get_schedule(name, stages, steps=max(1, math.ceil(mb / a)), a=a)
-    if name in _ASYNC_SINGLE:
-        return get_schedule(name, stages, steps=mb)
-    kw = {"v": v} if name in VIRTUAL else {}
-    return get_schedule(name, stages, steps=max(1, math.ceil(mb / m)), m=m, **kw)
+    per_update = schedule_info(name).mb_per_update(a, m)
+    return get_schedule(name, stages, steps=max(1, math.ceil(mb / per_update)), a=a, m=m, v=v)
+
+
+def _default_m(names, stages: int, least: int = 8) -> int:
+    """The smallest m ≥ ``least`` that every schedule of ``names`` accepts on ``stages`` ranks (each record's
+    ``check``), or ``least`` when none up to 4·max(least, stages) does (the schedule's own error then says why)."""
+    from unbubble.schedules.registry import REGISTRY
+
+    checks = [REGISTRY[n].check for n in names if n in REGISTRY and REGISTRY[n].check is not None]
+    for m in range(least, 4 * max(least, stages) + 1):
+        if all(_fits(lambda c=c: c(stages, m)) for c in checks):
+            return m
+    return least
 
 
 def _fits(build) -> bool:
@@ -297,7 +304,8 @@ def simulate(**o) -> None:
             raise ConfigError(f"{opt}={o[opt]} is invalid: must be an integer ≥ 1 (set --{opt})")
     from click.core import ParameterSource
 
-    from unbubble.config import SCHEDULE_OPTIONS, check_schedule_options
+    from unbubble.config import check_schedule_options
+    from unbubble.schedules.registry import REGISTRY
 
     ctx = click.get_current_context()
     check_schedule_options(names, {k: o[k] for k in ("a", "m", "v")
@@ -315,13 +323,13 @@ def simulate(**o) -> None:
         o["stages"] = 8
     if o["stages"] < 1:
         raise ConfigError(f"stages={o['stages']} is invalid: must be an integer ≥ 1 (set --stages)")
-    if o["m"] is None:  # dualpipev runs only from m = 2N: its default, for every schedule compared with it
-        o["m"] = max(8, 2 * o["stages"]) if "dualpipev" in names else 8
+    if o["m"] is None:  # 8, or the smallest m above it that every compared schedule runs at (dualpipev: m ≥ 2N)
+        o["m"] = _default_m(names, o["stages"])
     if o["micro_batches"] is not None:  # 0 is not "the default"
         if o["micro_batches"] < 1:
             raise ConfigError(f"micro_batches={o['micro_batches']} is invalid: must be ≥ 1 (set --micro-batches)")
         for opt in ("a", "m"):  # fewer micro-batches than one update takes: the run would apply none
-            takers = [n for n in names if n in SCHEDULE_OPTIONS[opt][0]]
+            takers = [n for n in names if opt in REGISTRY[n].takes]
             if takers and o[opt] > o["micro_batches"]:
                 raise ConfigError(f"{opt}={o[opt]} exceeds micro_batches={o['micro_batches']}: {takers[0]} updates "
                                   f"after {o[opt]} micro-batches, so the run would apply no update (give "

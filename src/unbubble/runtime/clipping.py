@@ -90,36 +90,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from unbubble.errors import ConfigError, ScheduleError, check_int, did_you_mean
+from unbubble.errors import ConfigError, ScheduleError, check_int
+from unbubble.schedules.clip import CLIP_SCOPES, check_clip  # noqa: F401 - the scopes' vocabulary, torch-free
+from unbubble.schedules.clip import stale_lag as _lag
 
 log = logging.getLogger(__name__)
 
-#: Where the gradient norm a stage clips by comes from ([Note: clip scopes]).
-CLIP_SCOPES = ("sync", "stale", "stage")
 #: torch.nn.utils.clip_grads_with_norm_'s ε in max_norm / (norm + ε).
 EPS = 1e-6
 _LOGGED = 3
-
-_POST_VALIDATE = ("clip_scope='post-validate' is refused: under PACI later micro-batches' forwards already ran "
-                  "on the eagerly stepped weights, so rolling the step back cannot be exact, and for the synchronous "
-                  "schedules it is not implemented (use sync: exact, or stale: no barrier; set --clip-scope)")
-
-
-def check_clip(max_norm: Any, scope: Any) -> None:
-    """Validates ``clip_grad_norm`` and ``clip_scope``.
-
-    Raises:
-        ConfigError: one line naming the value and what is valid.
-    """
-    if max_norm is not None and (isinstance(max_norm, bool) or not isinstance(max_norm, (int, float))
-                                 or not (0 < max_norm < math.inf)):
-        raise ConfigError(f"clip_grad_norm={max_norm!r} is invalid: must be a finite number > 0 or unset "
-                          "(set --clip-grad-norm)")
-    if scope == "post-validate":
-        raise ConfigError(_POST_VALIDATE)
-    if scope not in CLIP_SCOPES:
-        raise ConfigError(f"clip_scope={scope!r} is invalid{did_you_mean(scope, CLIP_SCOPES)}: must be one of "
-                          f"{', '.join(CLIP_SCOPES)} (set --clip-scope)")
 
 
 def check_rank_updates(schedule) -> None:
@@ -147,10 +126,8 @@ def check_rank_updates(schedule) -> None:
 def stale_lag(schedule) -> int:
     """s of ``clip_scope="stale"``: update t is clipped by the global norm of update t − s;
     ⌈N/a⌉ for the asynchronous schedules (a: micro-batches per update), 1 for the flushed ones
-    ([Note: stale lag])."""
-    if not schedule.asynchronous:
-        return 1
-    return -(-schedule.n_stages // schedule.mb_per_step)
+    ([Note: stale lag]; :attr:`~unbubble.schedules.registry.Schedule.stale_lag`)."""
+    return schedule.stale_lag
 
 
 def tensor_norms(tensors: list[torch.Tensor | None]) -> torch.Tensor:
@@ -527,7 +504,7 @@ class PipelineClip:
         self.rank = dist.get_rank(group)
         if lag is None and a is not None:
             check_int("a", a, 1, "PACI's backwards per update")
-            lag = -(-self.n // a)
+            lag = _lag(self.n, a)
         if scope == "stale":
             check_int("lag", lag, 1, valid="scope 'stale' needs a (s = ⌈N/a⌉) or an integer lag ≥ 1")
         self.lag = lag or 1

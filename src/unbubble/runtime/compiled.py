@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from unbubble.errors import ConfigError, did_you_mean
+from unbubble.schedules.registry import REGISTRY
 
 #: ``--compile-backend``: inductor (generated kernels, the default of ``torch.compile``) or
 #: aot_eager (the AOTAutograd graphs run op by op: compiles in a fraction of a second, for tests
@@ -29,7 +30,7 @@ COMPILED_PREFIX = "_orig_mod."
 #: I would run the whole backward and W run it again (and AOTAutograd's donated buffers forbid the
 #: second run). torch refuses them too (``_check_torch_compile_compatibility`` in
 #: ScheduleInterleavedZeroBubble and ScheduleZBVZeroBubble).
-SPLIT_BACKWARD_SCHEDULES = ("zb-h1", "zb-h2", "interleaved-zb", "zbv", "dualpipev")
+SPLIT_BACKWARD_SCHEDULES = tuple(n for n, r in REGISTRY.items() if r.split_backward)
 
 #: Graphs Dynamo may keep per code object before it stops compiling it. Every stage of a model
 #: class shares its ``forward``'s cache, so the emulator (all stages in one process) needs more
@@ -54,7 +55,8 @@ def check_compile(backend: str, schedule: str) -> None:
     """
     check_backend(backend)
     if schedule in SPLIT_BACKWARD_SCHEDULES:
-        instead = "interleaved-1f1b (the same v stages per device)" if schedule == "interleaved-zb" else "1f1b-flush or paci"
+        chunked = "v" in REGISTRY[schedule].takes
+        instead = "interleaved-1f1b (the same v stages per device)" if chunked else "1f1b-flush or paci"
         raise ConfigError(f"compile=True is invalid with schedule={schedule!r}: its backward is split into I and W, "
                           "but a compiled stage's backward is one autograd node that computes both (I would run the "
                           f"whole backward and W run it again); use --schedule {instead}, or drop --compile")

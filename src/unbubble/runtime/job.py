@@ -151,9 +151,10 @@ class PipelineJob:
             params = [(name, m) for (name, _), m in zip(params, masters)]
         optimizer = self.optimizer_fn(params, stage)
         lr_lambda = self.lr_lambda
-        if self.delay_lr == "staleness":
+        delay_lr = self.delay_lr or self.schedule.info.delay_lr  # the optimizer's, or the schedule's own (PipeMare T1)
+        if delay_lr == "staleness":
             lr_lambda = StalenessLR(self.schedule.delay_bound(stage), self.lr_lambda)
-        elif self.delay_lr or self.schedule.name == "pipemare":  # PipeMare T1 / PipeDream-LR, per stage
+        elif delay_lr:  # PipeMare T1 / PipeDream-LR, per stage
             anneal = self.delay_lr_anneal_steps or max(self.schedule.steps // 10, 1)
             lr_lambda = PipeDreamLR(self.schedule.delay_bound(stage), anneal, self.lr_lambda)
         sched = None if lr_lambda is None else torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda)

@@ -26,11 +26,8 @@ def _fail(order: list[list[Action]], rank: int, pos: int, why: str) -> ScheduleE
 
 def activation_bound(schedule: Schedule, stage: int) -> int | None:
     """Most micro-batches whose activations ``stage`` may hold at once (``None``: not bounded here)."""
-    n, m, s = schedule.n_stages, schedule.mb_per_step, stage
-    if schedule.asynchronous:
-        return n - s  # q_i < N + 1 − i
-    return {"gpipe": m, "looped-bfs": m, "1f1b-flush": min(n - s, m), "zb-h1": min(n, m),
-            "zb-h2": min(2 * n, m)}.get(schedule.name)
+    bound = schedule.info.activations  # the record's (q_i < N + 1 − i for the asynchronous ones)
+    return None if bound is None else bound(schedule.n_stages, schedule.mb_per_step, stage)
 
 
 def validate(schedule: Schedule, order: list[list[Action]] | None = None):

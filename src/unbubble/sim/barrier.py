@@ -31,8 +31,8 @@ schedule:
     last to finish update t's backwards) has reached it too: the staggered stages stall.
   - ``stale``: the norm of update t − s (``lag`` s; none for t ≤ s, which then clip by their local
     norm alone as the runtime does), an all-reduce started at update t − s and not waited for
-    unless it is still running. :func:`stale_lag` gives the runtime's s ([Note: stale lag] in
-    ``runtime/clipping.py``): ⌈N/a⌉ for the asynchronous schedules, which by causality alone
+    unless it is still running. :func:`~unbubble.schedules.clip.stale_lag` gives the runtime's s
+    ([Note: stale lag] in ``runtime/clipping.py``): ⌈N/a⌉ for the asynchronous schedules, which by causality alone
     guarantees that every stage has started update t − s before any stage reaches update t
     (never more than ⌈(N − 1)/a⌉ + 1, the drift bound plus one), and 1 for the flushed ones.
     ``tests/unit/test_sim_barrier.py`` checks on the timeline that no stage waits in steady state,
@@ -59,10 +59,13 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from unbubble.errors import ConfigError, check_int, did_you_mean
+from unbubble.errors import ConfigError, check_int
+from unbubble.schedules.clip import GLOBAL_SCOPES, SIM_SCOPES, stale_lag
+from unbubble.schedules.clip import check_scope as _check_scope
 
-#: ``--clip-scope`` values of the simulator: ``none`` (no global operation), and the runtime's three.
-SCOPES = ("none", "stage", "sync", "stale")
+#: ``--clip-scope`` values of the simulator: ``none`` (no global operation), and the runtime's three
+#: (the one vocabulary, ``schedules/clip.py``).
+SCOPES = SIM_SCOPES
 
 #: Bytes of one stage's contribution to the all-reduce: its local squared norm as one fp32 value (a
 #: non-finite gradient makes it non-finite, so the same value is the global non-finite check).
@@ -71,21 +74,7 @@ NORM_BYTES = 4.0
 
 def check_scope(scope: str) -> None:
     """Raises ConfigError unless ``scope`` is one of :data:`SCOPES` (with a did-you-mean)."""
-    if scope not in SCOPES:
-        raise ConfigError(f"clip_scope={scope!r} is invalid{did_you_mean(str(scope), SCOPES)}: must be one of "
-                          f"{', '.join(SCOPES)} (set --clip-scope)")
-
-
-def stale_lag(n_stages: int, a: int, asynchronous: bool = True) -> int:
-    """s of ``stale``: update t is clipped with the global norm of update t − s. The runtime's lag
-    (``unbubble.runtime.clipping.stale_lag``, [Note: stale lag] there; repeated here because the
-    simulator does not import torch): ⌈N/a⌉ for an asynchronous schedule of N stages and a
-    micro-batches per update — a forward of stage j waits for the backward N − j micro-batches
-    earlier (its in-flight cap), so a stage reaching update t implies every stage has started update
-    t − ⌈N/a⌉ — and 1 for a flushed one. ⌈N/a⌉ = ⌊(N − 1)/a⌋ + 1 ≤ ⌈(N − 1)/a⌉ + 1."""
-    for name, v in (("stages", n_stages), ("a", a)):
-        check_int(name, v)
-    return -(-n_stages // a) if asynchronous else 1
+    _check_scope(scope, SIM_SCOPES)
 
 
 def allreduce_latency(hardware, n_ranks: int, nbytes: float = NORM_BYTES) -> float:
@@ -199,6 +188,6 @@ class GlobalOpLog:
         out = {}
         for r, stages, t, reached, _ in self.updates:
             g = g_of(t)
-            if self.scope in ("sync", "stale") and g >= 1:
+            if self.scope in GLOBAL_SCOPES and g >= 1:
                 out[(r, t)] = self.completed[g] - (reached + sum(self.norm_s[s] for s in stages))
         return out

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from unbubble.errors import ConfigError
-from unbubble.schedules.registry import SCHEDULES, VIRTUAL, get_schedule, schedule_name, stage_rank
+from unbubble.schedules.registry import SCHEDULES, get_schedule, schedule_info, schedule_name, stage_rank
 from unbubble.sim.analytic import ZB_MODELS, analytic_model, make_model, zb_layers_per_stage
 from unbubble.sim.hardware import Hardware
 from unbubble.sim.result import SimResult, simulate
@@ -77,7 +77,8 @@ def _run(name: str, model: str, m: int, hardware: Hardware, flash_attention: boo
     cfg = make_model(model)
     n, b = z["stages"], z["micro_batch_size"]
     k = (cfg.n_layer + 2) // n
-    if name in VIRTUAL:  # interleaved-1f1b, and looped-bfs and interleaved-zb on the same chunks
+    info = schedule_info(name)
+    if "v" in info.takes:  # interleaved-1f1b, and looped-bfs and interleaved-zb on the same chunks
         v = k
         am = analytic_model(cfg, n, hardware, b, virtual=v, layers_per_stage=[0] + [1] * (n * v - 2) + [0],
                             flash_attention=flash_attention)
@@ -85,12 +86,9 @@ def _run(name: str, model: str, m: int, hardware: Hardware, flash_attention: boo
     else:
         am = analytic_model(cfg, n, hardware, b, layers_per_stage=zb_layers_per_stage(cfg.n_layer, n),
                             flash_attention=flash_attention)
-        if name == "paci":
-            sched = get_schedule(name, n, steps=6, a=m)
-        elif name in ("pipedream", "async-1f1b", "pipemare"):
-            sched = get_schedule(name, n, steps=6 * m)
-        else:
-            sched = get_schedule(name, n, steps=3 if name != "pipedream-2bw" else 6, m=m)
+        # asynchronous: 6 updates of m micro-batches (6·m updates of 1 each), synchronous: 3 steps
+        steps = (6 if info.asynchronous else 3) * (m // info.mb_per_update(m, m))
+        sched = get_schedule(name, n, steps=steps, a=m, m=m)
     return simulate(sched, am.costs, am.memory, samples_per_mb=am.samples_per_mb, tokens_per_mb=am.tokens_per_mb)
 
 
@@ -331,7 +329,7 @@ def async_over_sync(costs, n_stages: int, m: int, a: int | None = None, schedule
 
 def sync_label(name: str, v: int = COMPARE_V) -> str:
     """``name``, with `` v=…`` for the schedules in :data:`VIRTUAL`."""
-    return f"{name} v={v}" if name in VIRTUAL else name
+    return f"{name} v={v}" if "v" in schedule_info(name).takes else name
 
 
 def _label(name: str) -> str:

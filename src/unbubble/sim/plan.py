@@ -54,14 +54,15 @@ DEFAULT_PLAN_UPDATES = 2400
 def measured_overhead(schedule: str, error_feedback: bool, predict_weights: bool,
                       updates: int | None = None) -> tuple[float, str] | None:
     """The token overhead measured for ``schedule`` with these remedies (each only where the schedule
-    takes it: error feedback on :data:`~unbubble.config.ERROR_FEEDBACK_SCHEDULES`, prediction on
-    :data:`~unbubble.config.PREDICT_SCHEDULES`) at the measured run length nearest to ``updates``
+    takes it, as its :class:`~unbubble.schedules.registry.ScheduleInfo` says: error feedback on the
+    asynchronous schedules, prediction on paci and async-1f1b) at the measured run length nearest to ``updates``
     optimizer updates (in log updates; ``None``: 600, the overhead-study's), and its words naming
     that length; ``None`` where none was measured."""
-    from unbubble.config import ERROR_FEEDBACK_SCHEDULES, PREDICT_SCHEDULES
+    from unbubble.schedules.registry import REGISTRY
 
-    key = (schedule, error_feedback and schedule in ERROR_FEEDBACK_SCHEDULES,
-           predict_weights and schedule in PREDICT_SCHEDULES)
+    info = REGISTRY.get(schedule)
+    key = (schedule, bool(error_feedback and info is not None and info.error_feedback),
+           bool(predict_weights and info is not None and info.predicts))
     if key not in MEASURED_TOKEN_OVERHEADS:
         return None
     value, words = MEASURED_TOKEN_OVERHEADS[key]
@@ -210,11 +211,11 @@ class PlanRow:
     @property
     def label(self) -> str:
         """``paci a=8``, ``interleaved-1f1b m=16 v=2``, ``pipedream``."""
-        from unbubble.config import SCHEDULE_OPTIONS
+        from unbubble.schedules.registry import REGISTRY
 
         out = self.schedule
         if self.mb_per_update > 1 or not self.asynchronous:
-            out += f" {'a' if self.schedule in SCHEDULE_OPTIONS['a'][0] else 'm'}={self.mb_per_update}"
+            out += f" {'a' if 'a' in REGISTRY[self.schedule].takes else 'm'}={self.mb_per_update}"
         if self.v > 1:
             out += f" v={self.v}"
         return out
@@ -284,8 +285,7 @@ def candidates(model: "str | ModelConfig", cluster: Cluster, global_batch_tokens
     Raises:
         ConfigError: as :func:`plan`, except that nothing fitting is not an error here.
     """
-    from unbubble.config import ERROR_FEEDBACK_SCHEDULES, PREDICT_SCHEDULES
-    from unbubble.schedules.registry import SCHEDULES, VIRTUAL, get_schedule, schedule_name
+    from unbubble.schedules.registry import REGISTRY, SCHEDULES, get_schedule, schedule_name
     from unbubble.sim.analytic import analytic_model, get_precision
     from unbubble.sim.result import simulate
 
@@ -343,7 +343,7 @@ def candidates(model: "str | ModelConfig", cluster: Cluster, global_batch_tokens
                 continue
             per_replica = sequences // dp
             ks = [k for k in _divisors(per_replica) if max_micro_batches is None or k <= max_micro_batches]
-            for v in (v_values if name in VIRTUAL else (None,)):
+            for v in (v_values if "v" in REGISTRY[name].takes else (None,)):
                 seen_fixed = set()
                 for k in ks:
                     try:
@@ -364,8 +364,8 @@ def candidates(model: "str | ModelConfig", cluster: Cluster, global_batch_tokens
                         try:
                             am = analytic_model(cfg, n, hw, b, s_len, virtual=sched.virtual, placement=sched.placement,
                                                 precision=prec, flash_attention=flash_attention, recompute=rc,
-                                                predict_weights=predict_weights and name in PREDICT_SCHEDULES,
-                                                error_feedback=error_feedback and name in ERROR_FEEDBACK_SCHEDULES)
+                                                predict_weights=predict_weights and REGISTRY[name].predicts,
+                                                error_feedback=error_feedback and REGISTRY[name].error_feedback)
                         except ConfigError as exc:
                             unsplittable.append(str(exc))
                             break  # e.g. more chunks than blocks

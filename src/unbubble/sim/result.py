@@ -44,8 +44,8 @@ class SimResult:
     def __post_init__(self) -> None:
         if not self.label:
             s = self.schedule
-            self.label = f"{s.name} ({'a' if s.name == 'paci' else 'm'}={s.mb_per_step})" \
-                if s.name not in ("async-1f1b", "pipedream", "pipemare") else s.name
+            option = s.info.size_option  # None: an update after every backward, nothing to show
+            self.label = f"{s.name} ({option}={s.mb_per_step})" if option else s.name
             if self.global_op is not None and self.global_op.active:
                 self.label += f" clip {self.global_op.scope}"
 
