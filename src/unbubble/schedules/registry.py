@@ -390,11 +390,13 @@ def get_schedule(name: str, n_stages: int, steps: int, a: int | None = None, m: 
         steps: optimizer steps ≥ 1.
         a: backward passes per local update of the schedules taking ``a`` (:attr:`ScheduleInfo.takes`:
             paci, paci-stashed), ≥ 1.
-        m: micro-batches per step of the schedules taking ``m``, ≥ 1, within the record's
-            :attr:`~ScheduleInfo.check` (interleaved-1f1b: a multiple of N; interleaved-zb: a multiple of
-            max(1, ⌊m/N⌋), as torch requires).
-        v: stages per rank of the schedules taking ``v``, ≥ 1 (default 2); the V-shaped ones
-            (:data:`V_SHAPED`) always hold 2 and ignore it. Options a schedule does not take are ignored.
+        m: micro-batches per step of the schedules taking ``m`` (every synchronous one and
+            pipedream-2bw), ≥ 1, within the record's :attr:`~ScheduleInfo.check` (interleaved-1f1b: a
+            multiple of N; interleaved-zb: a multiple of max(1, ⌊m/N⌋), as torch requires; dualpipev:
+            m ≥ 2N; pipedream-2bw: m ≥ N − 1).
+        v: stages per rank of the schedules taking ``v`` (:data:`VIRTUAL`), ≥ 1 (default 2); the
+            V-shaped ones (:data:`V_SHAPED`) always hold 2 and ignore it. Options a schedule does not
+            take are ignored.
 
     Raises:
         ConfigError: unknown name, a value out of range or an invalid combination (the
