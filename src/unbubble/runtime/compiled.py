@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from unbubble.errors import ConfigError, did_you_mean
-from unbubble.schedules.registry import REGISTRY
+from unbubble.schedules.registry import REGISTRY, names_where
 
 #: ``--compile-backend``: inductor (generated kernels, the default of ``torch.compile``) or
 #: aot_eager (the AOTAutograd graphs run op by op: compiles in a fraction of a second, for tests
@@ -30,7 +30,7 @@ COMPILED_PREFIX = "_orig_mod."
 #: I would run the whole backward and W run it again (and AOTAutograd's donated buffers forbid the
 #: second run). torch refuses them too (``_check_torch_compile_compatibility`` in
 #: ScheduleInterleavedZeroBubble and ScheduleZBVZeroBubble).
-SPLIT_BACKWARD_SCHEDULES = tuple(n for n, r in REGISTRY.items() if r.split_backward)
+SPLIT_BACKWARD_SCHEDULES = names_where(lambda r: r.split_backward)
 
 #: Graphs Dynamo may keep per code object before it stops compiling it. Every stage of a model
 #: class shares its ``forward``'s cache, so the emulator (all stages in one process) needs more

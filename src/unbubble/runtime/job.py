@@ -11,7 +11,8 @@ from torch import nn
 
 from unbubble.runtime.checkpoint import Checkpointing, DamagedCheckpoint, check_fingerprint, fingerprint, load_stage, \
     rng_state, save_stage, set_rng_state
-from unbubble.runtime.clipping import check_clip, check_rank_updates
+from unbubble.runtime.clipping import check_rank_updates
+from unbubble.schedules.clip import check_clip
 from unbubble.runtime.compiled import check_compile
 from unbubble.runtime.data_parallel import replica_batch
 from unbubble.runtime.executor import BatchFn, LossFn, StageExecutor

@@ -2,8 +2,8 @@
 
 Global gradient clipping (torchtitan's ``max_norm``, Megatron's ``clip_grad``) and the global
 non-finite check need, at every update, one number from every stage: the squared norm of its
-gradients. Over a pipeline that is an all-reduce across all stages per update (DESIGN §11, "a global
-operation is a barrier"). :class:`GlobalOp` makes it an option of the timed simulator
+gradients. Over a pipeline that is an all-reduce across all stages per update, a barrier
+(docs/architecture.md#global-operations-are-barriers). :class:`GlobalOp` makes it an option of the timed simulator
 (``run_policies(..., global_op=...)``, ``simulate(..., global_op=...)``); ``scope`` mirrors the
 runtime's ``--clip-scope``.
 
