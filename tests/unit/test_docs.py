@@ -52,6 +52,9 @@ def test_citations_of_architecture_md_name_sections_that_exist():
         cited += [(path.name, a) for a in re.findall(r"architecture\.md#([\w-]+)", text)]
     assert len(cited) > 20
     assert [c for c in cited if c[1] not in anchors] == []
+    design = "DESIGN" + " §"  # the design notes outside the repository, which a user never has
+    assert [p.name for p in [*ROOT.glob("src/**/*.py"), *ROOT.glob("tests/**/*.py"), *ROOT.glob("docs/*.md")]
+            if design in p.read_text() or "DESIGN" + ".md" in p.read_text()] == []
 
 
 # The README's and the tutorial's command blocks, run as written (issue 37, item 1) -----------------------------

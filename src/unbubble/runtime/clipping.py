@@ -1,84 +1,14 @@
 """Gradient-norm clipping and the non-finite check over the whole pipeline, for every schedule.
 
-[Note: clip scopes]
-``clip_grad_norm = X`` with ``clip_scope``:
+A global clip needs every stage's gradient norm at every update: an all-reduce across the pipeline,
+a barrier that stalls PACI's staggered stages. Each rank exchanges its stages' per-tensor norms once
+per update and clips with scope ``sync`` (exact, as torchtitan), ``stale`` (the norm of update t − s,
+which by causality never makes a rank wait) or ``stage`` (local); norms are reduced in stage order,
+so the emulator and the processes compute the same bits. The scopes' vocabulary is
+``schedules/clip.py``.
 
-* ``sync``: update t of every stage is clipped by the exact norm of update t's gradients over all
-  stages (after the data-parallel average, so over the replicas too), as torchtitan does. It is one
-  all-gather per update across the pipeline ranks, a barrier: every rank's update t waits until
-  every rank has reached its update t. A non-finite global norm skips update t on every stage (the
-  same value reaches every stage, so the decision is the same everywhere).
-* ``stale``: no rank waits in steady state. At its update t each rank starts a non-blocking
-  all-gather of its stages' norms and clips update t by the global norm of update t − s, for the
-  fixed lag s = :func:`stale_lag`, ⌈N/a⌉ for PACI ([Note: stale lag]); updates t < s have no global norm yet and
-  are clipped like ``stage``. Non-finite values: a stage whose own norm of update t is non-finite
-  skips update t at once (the others cannot know yet); when the global norm of update t − s
-  arrives non-finite (some stage skipped t − s), every stage skips update t — the earliest update
-  at which all can agree without waiting.
-* ``stage``: each stage clips by its own norm against X·√(P_i/P), P_i its parameter count and P
-  the pipeline's. Why this share: the squares of the thresholds sum to X², so the clipped global
-  norm never exceeds X (√Σ_i X²·P_i/P = X), the guarantee a global clip gives; and with entries of
-  equal variance ‖g_i‖² ≈ (P_i/P)·‖g‖², so a stage clips about when the global norm would. A
-  non-finite norm skips that stage's update.
-
-An update that is *skipped* applies no optimizer step (no momentum or Adam-moment change, no
-error-feedback correction); its gradients are discarded, the weight version and the learning-rate
-schedule advance as for any update, and an event is logged (``summary.json``'s
-``nonfinite_dropped``). With clipping on, the non-finite guard's update-time finding (a non-finite
-accumulated gradient, [Note: non-finite guard] in ``guard.py``) feeds this rule instead of
-zeroing the gradients: under ``sync`` it skips the update on every stage.
-
-Norms are computed exactly as ``torch.nn.utils.get_total_norm``: one 2-norm per gradient tensor
-(``torch._foreach_norm``), then the 2-norm of those, in the unsplit model's parameter order (stage
-0's parameters first). So ``sync`` on a flushed schedule equals ``torch.nn.utils.clip_grad_norm_``
-over the unsplit model's parameters bit for bit (tested). The exchange carries the per-tensor
-norms, not a partial sum, so the reduction order is fixed (stage order) and the emulator, which
-assembles the same vector in one process, computes the same bits as the all-gather of the
-process engine.
-
-[Note: stale lag]
-s = ⌈N/a⌉ for the asynchronous schedules (a = micro-batches per update: PACI's a, 1 for
-async-1f1b, pipedream and pipemare, m for pipedream-2bw) and s = 1 for the flushed ones (1F1B, ZB,
-ZBV, interleaved, …). It is never more than ⌈(N−1)/a⌉ + 1, the bound the drift alone gives (PACI's
-stages are staggered by up to ⌈(N−1)/a⌉ updates), and one less when a divides N − 1 with a ≥ 2.
-
-Claim: when stage i starts its update t, every stage j has already started its update t − s (and
-with it that update's all-gather). Proof (0-based stages; every schedule runs a stage's backwards in
-micro-batch order and updates right after every a-th, before any other action, so after its
-backward of micro-batch k a stage has applied ⌊(k+1)/a⌋ updates): update t of stage i follows its
-backward of k* = (t+1)·a − 1. That backward needs
-* for j ≥ i: the backward of k* on stage j (the gradient flows down), which stage j runs after its
-  update t − 1;
-* for j < i: the forward of k* on stage i, hence on stage j. A stage j of an asynchronous schedule
-  holds at most N − j micro-batches in flight (the back-pressure cap N + 1 − i, 1-based), so that
-  forward starts only after its backward of k* − (N − j), after which it has applied
-  ⌊(k* − N + j + 1)/a⌋ = t + 1 − ⌈(N − j)/a⌉ ≥ t + 1 − ⌈N/a⌉ updates. A flushed schedule runs the
-  forwards of step t only after its update t − 1.
-So stage j has applied updates 0 … t − s before stage i's update t can start — by causality alone,
-whatever the costs, the order (deterministic or dynamic), or the engine. Its rank started the
-all-gather of update t − s at that update, so every rank has entered that collective when stage i
-needs it: the wait is the collective's own latency, never a peer's progress. The lag is tight: in
-steady state the cap binds on stage 0 and the last stage's update t is causally preceded by
-exactly t + 1 − ⌈N/a⌉ updates of stage 0. :func:`causal_lag` computes the smallest safe lag of any
-per-rank action lists exactly (vector clocks over program order and messages); it equals
-:func:`stale_lag` for every asynchronous schedule over a grid of N and a and is 1 for every flushed
-one (tested), and the simulator's timelines, jittered, never have a stage wait for it (tested).
-Updates t < s have no global norm: each stage clips them as ``stage`` does, without waiting.
-
-Why ``stale`` cannot deadlock: a rank waits only for the all-gather of an update every rank has
-already entered (the claim), and every rank enters the collectives of updates 0, 1, 2, … in that
-order on one dedicated group, so they match. ``sync`` cannot deadlock either: by induction on t,
-every action a rank runs before its update t depends only on actions its peers run before their
-update t (a PACI stage updates right after its b-th backward, and everything it ran before depends
-on forwards upstream that precede the upstream update t and on backwards downstream of micro-
-batches ≤ k*; a flushed schedule's step t depends on step t only), so every rank reaches the
-barrier. The emulator checks it on the real orders (it would raise ``ScheduleError``).
-
-``post-validate`` (Zero Bubble's optimizer post-validation: step eagerly, roll back when the global
-check fails) is refused: under PACI the forwards of later micro-batches already ran on the stepped
-weights and sent their activations downstream, so a rollback of the weights alone is not exact
-(it would have to replay those forwards on every stage); for the synchronous schedules it is not
-implemented (``sync`` is exact there).
+Notes: [Note: clip scopes], [Note: stale lag] (the lag's proof, why neither scope deadlocks, why
+``post-validate`` is refused) in docs/architecture.md#global-operations-are-barriers.
 """
 
 from __future__ import annotations

@@ -104,7 +104,7 @@ class NonFiniteGuard:
         """The update-time check (step ``"non_finite"``): a non-finite accumulated gradient, or one
         the stage's backward found in its sum, turns the update into a zero gradient (as for a
         dropped micro-batch) or, when the update is clipped (``ctx.clipper``), into NaN, which makes
-        the clip skip it (on every stage under ``sync``, [Note: clip scopes] in ``clipping.py``);
+        the clip skip it (on every stage under ``sync``, [Note: clip scopes] in docs/architecture.md);
         then the divergence stop."""
         if self.on:
             grads = [p.grad for p in ctx.grad_params if p.grad is not None]

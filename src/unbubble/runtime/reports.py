@@ -81,7 +81,7 @@ class Final(Report):
     """Replica 0's end of ``stage``: its weights (``worker.to_bytes``), training wall time (s),
     optimizer-state bytes (``optim.optimizer_state_bytes``), ``memory`` (the executor's
     ``memory_bytes()`` and the process's ``process_rss_bytes``, ``process_peak_rss_bytes``) and the
-    executor's ``clip_stats`` ([Note: clip scopes] in ``clipping.py``)."""
+    executor's ``clip_stats`` ([Note: clip scopes] in docs/architecture.md)."""
 
     stage: int
     state: bytes

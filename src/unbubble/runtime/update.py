@@ -97,7 +97,7 @@ class GradSync:
 
 class GradClip:
     """``clip``: the rank clipper's clip when one is attached ([Note: clip scopes] in
-    ``runtime/clipping.py``; a non-finite norm skips the update), else a plain local
+    docs/architecture.md; a non-finite norm skips the update), else a plain local
     ``torch.nn.utils.clip_grad_norm_`` at ``max_norm`` (``None``: off)."""
 
     def __init__(self, max_norm: float | None = None):
@@ -124,7 +124,7 @@ class OptimizerStep:
 
 class ErrorFeedbackSteps:
     """``error_feedback.snapshot`` / ``.correct``: x_{t+1} = x_t − u_t − c·(u_t − u_{t−1}) around the
-    optimizer step ([Note: error feedback] in ``optim/error_feedback.py``); a skipped update leaves
+    optimizer step ([Note: error feedback] in docs/architecture.md); a skipped update leaves
     the history as it is."""
 
     def __init__(self, feedback: ErrorFeedback):
@@ -141,7 +141,7 @@ class ErrorFeedbackSteps:
 
 class MasterCopy:
     """``masters``: under ``precision="bf16"`` the bf16 parameters ← the stepped fp32 masters,
-    rounded, in place ([Note: precision and version semantics] in ``precision.py``)."""
+    rounded, in place ([Note: precision and version semantics] in docs/architecture.md)."""
 
     def __init__(self, masters: list[torch.Tensor]):
         self.masters = masters

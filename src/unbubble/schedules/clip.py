@@ -1,8 +1,8 @@
 """The clip-scope vocabulary shared by the runtime (``runtime/clipping.py``) and the simulator
 (``sim/barrier.py``): the scopes, the stale norm's lag and their validation (torch-free).
 
-What each scope does is [Note: clip scopes] in ``runtime/clipping.py``; why the lag is ⌈N/a⌉ is
-[Note: stale lag] there. A schedule's default scope is its record's
+What each scope does is [Note: clip scopes] and why the lag is ⌈N/a⌉ is [Note: stale lag], both in
+docs/architecture.md#global-operations-are-barriers. A schedule's default scope is its record's
 (:attr:`~unbubble.schedules.registry.ScheduleInfo.default_clip_scope`).
 """
 
@@ -61,7 +61,7 @@ def stale_lag(n_stages: int, a: int, asynchronous: bool = True) -> int:
     ⌈N/a⌉ for an asynchronous schedule of N stages and a micro-batches per update — a forward of
     stage j waits for the backward N − j micro-batches earlier (its in-flight cap), so a stage
     reaching update t implies every stage has started update t − ⌈N/a⌉ — and 1 for a flushed one.
-    ⌈N/a⌉ = ⌊(N − 1)/a⌋ + 1 ≤ ⌈(N − 1)/a⌉ + 1 ([Note: stale lag] in ``runtime/clipping.py``).
+    ⌈N/a⌉ = ⌊(N − 1)/a⌋ + 1 ≤ ⌈(N − 1)/a⌉ + 1 ([Note: stale lag] in docs/architecture.md).
 
     Raises:
         ConfigError: ``n_stages`` or ``a`` is not an integer ≥ 1.

@@ -3,7 +3,7 @@
 A policy sees only what a real stage can see (:class:`StageState`): which micro-batch
 inputs and output-gradients have arrived, its in-flight count, the backward passes
 since its last update and its own weight version. The same policy object drives the
-simulator, the single-process emulator and the multi-process runtime (DESIGN §3), so
+simulator, the single-process emulator and the multi-process runtime (docs/architecture.md#one-policy-three-engines), so
 a schedule is defined exactly once.
 """
 
@@ -126,7 +126,8 @@ class PaciPolicy:
          q_i < N + 1 − i (local back-pressure).
 
     With a = 1 this is naive asynchronous 1F1B. The weight-version drift of stage i is
-    bounded by Δ_i ≤ ⌈(N − i)/a⌉ and the bound is attained in steady state (DESIGN §2).
+    bounded by Δ_i ≤ ⌈(N − i)/a⌉ and the bound is attained in steady state
+    (docs/architecture.md#schedules-and-their-semantics).
 
     Source: PACI, arXiv 2606.07881, §3 (accumulation as version control, local flow control).
     """

@@ -1,56 +1,12 @@
 """A per-update global operation on the simulator's clock: the gradient-norm all-reduce of global clipping.
 
-Global gradient clipping (torchtitan's ``max_norm``, Megatron's ``clip_grad``) and the global
-non-finite check need, at every update, one number from every stage: the squared norm of its
-gradients. Over a pipeline that is an all-reduce across all stages per update, a barrier
-(docs/architecture.md#global-operations-are-barriers). :class:`GlobalOp` makes it an option of the timed simulator
-(``run_policies(..., global_op=...)``, ``simulate(..., global_op=...)``); ``scope`` mirrors the
-runtime's ``--clip-scope``.
+Global clipping and the global non-finite check are an all-reduce across all stages per update, a
+barrier (docs/architecture.md#global-operations-are-barriers). :class:`GlobalOp` makes it an option of
+the timed simulator (``run_policies(..., global_op=...)``, ``simulate(..., global_op=...)``), so the
+simulator, the planner and the break-even count it; ``scope`` mirrors the runtime's ``--clip-scope``.
 
-[Note: the barrier]
-Update t of a stage is its t-th ``U`` (1-based; its weights go from version t − 1 to t). For every
-schedule:
-
-* **reached**: stage s *reaches* update t when its next action is its t-th ``U``: every backward of
-  update t's micro-batches on s is done (B, or I and W: a synchronous list places a stage's ``U``
-  after its whole step; PACI fires ``U`` after its a-th local backward). A rank hosting several
-  chunks (interleaved, V-shaped schedules) reaches the update when its list reaches the run of
-  consecutive ``U`` that updates its chunks; it computes their local norms together, one all-reduce
-  per rank, as a real rank does.
-* **local norm**: the rank then reads its gradients once to form its local squared norm, ν seconds
-  (``norm_s``: gradient bytes ÷ memory bandwidth in the analytic model, 0 on unit costs).
-* **all-reduce**: update t's all-reduce completes at R_t = max over ranks (reached + ν) + λ, where λ
-  is the all-reduce's latency (``latency_s``; :func:`allreduce_latency` from the hardware table).
-* the step (clip, then the optimizer update) waits for the norm it uses:
-
-  - ``sync``: the norm of update t itself. Nothing may start update t + 1's work before R_t: on a
-    synchronous schedule every stage's next forwards follow its ``U`` in its list, so the step's
-    across-update overlap is gone (ZB-H2 and ZBV pay their flushed step's bubble every update;
-    1F1B-flush, whose next step cannot start before stage 0's last backward anyway, pays only λ
-    and ν); under PACI a stage that reaches update t idles until the slowest stage (stage 0, the
-    last to finish update t's backwards) has reached it too: the staggered stages stall.
-  - ``stale``: the norm of update t − s (``lag`` s; none for t ≤ s, which then clip by their local
-    norm alone as the runtime does), an all-reduce started at update t − s and not waited for
-    unless it is still running. :func:`~unbubble.schedules.clip.stale_lag` gives the runtime's s
-    ([Note: stale lag] in ``runtime/clipping.py``): ⌈N/a⌉ for the asynchronous schedules, which by causality alone
-    guarantees that every stage has started update t − s before any stage reaches update t
-    (never more than ⌈(N − 1)/a⌉ + 1, the drift bound plus one), and 1 for the flushed ones.
-    ``tests/unit/test_sim_barrier.py`` checks on the timeline that no stage waits in steady state,
-    and that the smallest s for which none waits is ⌈(N − 1)·B / (a·(F + B))⌉ on unit costs with
-    λ = 0 (⌊…⌋ + 1 with λ > 0): stage 0 reaches update t (N − 1)·B after the last stage, which
-    completes an update every a·(F + B).
-  - ``stage``: the local norm only, no all-reduce, no wait.
-
-  The ``U`` action carries ν (its duration is ν + u on the first ``U`` of the run) and starts at
-  max(reached, G − ν), G = R_t (``sync``) or R_{t−s} (``stale``): the same end time and busy time as
-  the norm right at ``reached`` followed by the wait. The engine starts it no earlier than the moment
-  G is known (when the last rank reaches the update), which is later than G − ν only when that
-  rank's ν is more than λ shorter than this one's.
-
-A ``U`` that waits is a rank that idles: it runs nothing else meanwhile (a blocking all-reduce). The
-engine records every update's reached and start times and R_t in ``Trace.global_op_log``
-(:class:`GlobalOpLog`). Runs with a global operation take the reference engine ([Note: engine fast
-paths] in ``sim/engine.py``).
+Notes: [Note: the barrier] (when each scope's update may start, and what the trace records) in
+docs/architecture.md#global-operations-are-barriers.
 """
 
 from __future__ import annotations

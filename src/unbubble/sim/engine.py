@@ -259,7 +259,7 @@ class Trace:
         return out
 
     def drift(self) -> dict[tuple[int, int], int]:
-        """``(stage, mb) -> Δ = v_B − v_F`` (DESIGN §1)."""
+        """``(stage, mb) -> Δ = v_B − v_F`` (docs/architecture.md#terms)."""
         bc = self._backward_columns()
         if bc is not None:
             s, mb, vf, _, w = bc

@@ -137,7 +137,8 @@ class Speedup:
     Attributes:
         m: micro-batches per step (PACI: per local update).
         predicted: simulated throughput ratio.
-        analytic: (m + N − 1)/m, the ratio with F:B fixed, free updates and balanced stages (DESIGN §2).
+        analytic: (m + N − 1)/m, the ratio with F:B fixed, free updates and balanced stages
+            (docs/architecture.md#schedules-and-their-semantics).
         paci_bubble, flush_bubble: mean idle fractions.
     """
 
