@@ -120,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.disable(logging.WARNING)
     torch.set_num_threads(1)
     from unbubble.models import hf_zoo
+    from unbubble.testing import Verdict, verdict
 
     families = args.families or hf_zoo.causal_lm_types()
     verdicts = []
@@ -128,10 +129,10 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.from_json) as f:
             for d in json.load(f):
                 d["diffs"] = {int(n): x for n, x in d["diffs"].items()}
-                verdicts.append(hf_zoo.Verdict(**d))
+                verdicts.append(Verdict(**d))
         families = []
     for family in families:
-        v = hf_zoo.verdict(family)
+        v = verdict(family)
         verdicts.append(v)
         print(row(v), f"<!-- {v.seconds:.1f} s -->", flush=True)
     summary = counts(verdicts)

@@ -14,13 +14,13 @@ import sys
 from collections import Counter, defaultdict
 from pathlib import Path
 
-#: The intended layer of each package or top-level module: an import from a lower layer to a higher
-#: one is "upward" (the lower layer then depends on what is built on it).
+#: The layer of each package or top-level module (docs/architecture.md, "Layers"): an import from a lower
+#: layer to a higher one is "upward" (the lower layer then depends on what is built on it).
 LAYERS = {
-    "errors": 0, "lr": 0, "schedules": 1, "sim": 2, "analysis": 2, "data": 3, "models": 3, "optim": 3,
-    "safety": 4, "config": 4, "runtime": 5, "pipeline": 5, "pipelining": 6, "testing": 6, "export": 6,
-    "loggers": 6, "metrics": 7, "progress": 7, "switch": 8, "train": 8, "experiments": 9, "cli": 10,
-    "__init__": 11, "__main__": 11,
+    "errors": 0, "lr": 0, "_figures": 0, "schedules": 1, "data": 1, "models": 1, "optim": 1, "safety": 2,
+    "sim": 2, "analysis": 3, "runtime": 4, "pipeline": 4, "config": 5, "pipelining": 5, "testing": 5,
+    "export": 5, "loggers": 6, "metrics": 7, "progress": 7, "switch": 8, "train": 8, "experiments": 9,
+    "cli": 10, "__init__": 11, "__main__": 11,
 }
 
 

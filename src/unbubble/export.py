@@ -29,13 +29,11 @@ from typing import Any
 import torch
 
 from unbubble.errors import ConfigError, check_int
+from unbubble.models.split import MODEL_DIR, MODEL_INFO
 from unbubble.pipeline import merge_state_dicts
 from unbubble.runtime.checkpoint import complete_steps, load_stage, stage_path
 from unbubble.safety import atomic_save
 
-#: the folder beside the ``step-*`` folders that describes the model (HF runs)
-MODEL_DIR = "model"
-MODEL_INFO = "unbubble-model.json"
 #: the ``_metadata`` key of a ``.pt`` export that lists the weights tied in the model but trained untied
 UNTIED_KEY = "unbubble_untied"
 #: the ``_metadata`` key of a ``.pt`` export that says what model it is (:func:`load` builds it)
@@ -215,7 +213,7 @@ PRESET_TIED = ["wte.weight", "lm_head.weight"]
 
 def untied_names(run_dir: str | Path, owners: dict[str, int]) -> list[list[str]]:
     """The groups of parameter names that are one tensor in the model but were trained on
-    different stages (``untie=True``), from ``model/`` (:func:`save_model_files`); ``[]`` when the
+    different stages (``untie=True``), from ``model/`` (:func:`unbubble.models.split.save_model_files`); ``[]`` when the
     run recorded none.
 
     Args:
@@ -231,29 +229,6 @@ def untied_names(run_dir: str | Path, owners: dict[str, int]) -> list[list[str]]
     else:
         groups = json.loads(info_path.read_text()).get("tied", [])
     return [g for g in groups if len({owners[n] for n in g if n in owners}) > 1]
-
-
-def save_model_files(directory: str | Path, model: torch.nn.Module, untied: bool) -> None:
-    """Writes ``directory/model/`` once: an HF model's ``config.json``, and :data:`MODEL_INFO`
-    (the model class and, with ``untied``, the names of each tensor the model ties, which
-    :func:`untied_names` reads). A model that is neither HF nor untied gets nothing."""
-    out = Path(directory) / MODEL_DIR
-    hf = hasattr(getattr(model, "config", None), "save_pretrained")
-    groups: dict[int, list[str]] = {}
-    if untied:
-        for name, p in model.named_parameters(remove_duplicate=False):
-            groups.setdefault(id(p), []).append(name)
-    tied = [names for names in groups.values() if len(names) > 1]
-    if (out / MODEL_INFO).is_file() or not (hf or tied):
-        return
-    out.mkdir(parents=True, exist_ok=True)
-    if hf:
-        config = model.config
-        if untied and getattr(config, "tie_word_embeddings", False):
-            config = type(config).from_dict({**config.to_dict(), "tie_word_embeddings": False})
-        config.save_pretrained(out)
-    cls = type(model)
-    (out / MODEL_INFO).write_text(json.dumps({"class": f"{cls.__module__}.{cls.__qualname__}", "tied": tied}) + "\n")
 
 
 def _is_hf(directory: Path) -> bool:

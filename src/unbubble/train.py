@@ -458,7 +458,7 @@ def save_tokenizer(tokenizer, directory: Path) -> None:
     ``unbubble export`` gives a folder that ``AutoTokenizer.from_pretrained`` reads too; byte and gpt2
     need no files."""
     from unbubble.data.tokenizer import HFTokenizer
-    from unbubble.export import MODEL_DIR
+    from unbubble.models.split import MODEL_DIR
 
     if isinstance(tokenizer, HFTokenizer):
         tokenizer.save(directory / MODEL_DIR)

@@ -29,6 +29,7 @@ import torch
 pytest.importorskip("transformers")  # the [hf] extra; CI installs it
 
 from unbubble.models import hf_zoo  # noqa: E402
+from unbubble.testing import verdict  # noqa: E402
 
 # --- verdicts: begin (benchmarks/hf_families.py --update-test) ---
 VERDICTS: dict[str, tuple[str, str, tuple[str, ...]]] = {
@@ -265,7 +266,7 @@ def test_no_family_is_recorded_silently_wrong_or_failing():
 @pytest.mark.parametrize("family", sorted(VERDICTS))
 def test_each_family_has_its_verdict(family):
     kind, line, changing = VERDICTS[family]
-    v = hf_zoo.verdict(family, check_features=changing[:2])  # two features: the file's time
+    v = verdict(family, check_features=changing[:2])  # two features: the file's time
     assert (v.kind, _numbers_blurred(v.detail)) == (kind, _numbers_blurred(line))
     if kind == "exact":
         assert v.diffs == {2: 0.0, 4: 0.0}
@@ -286,5 +287,5 @@ def test_a_split_that_drops_the_feature_is_caught_by_the_comparison(family, off)
         plain.load_state_dict(model.state_dict())
         return split_model(plain, n, verify=False)
 
-    v = hf_zoo.verdict(family, stages=(2,), paci=False, check_features=False, split_fn=wrong)
+    v = verdict(family, stages=(2,), paci=False, check_features=False, split_fn=wrong)
     assert v.kind == "differs" and v.diffs[2] > 1e-4, v

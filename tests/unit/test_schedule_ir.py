@@ -9,7 +9,7 @@ import pytest
 from unbubble.errors import ScheduleError
 from unbubble.schedules import Action, ActionKind, get_schedule
 from unbubble.schedules.actions import F, dump_csv, export_torch_csv, load_csv, parse_cell, with_updates
-from unbubble.schedules.validate import validate
+from unbubble.sim.validate import validate
 from unbubble.sim import UniformCosts, run_policies
 
 GOLDEN = Path(__file__).parent.parent / "golden"

@@ -11,7 +11,7 @@ import pytest
 
 from unbubble.errors import ConfigError
 from unbubble.schedules import ActionKind, get_schedule
-from unbubble.schedules.validate import activation_bound, validate
+from unbubble.sim.validate import activation_bound, validate
 from unbubble.sim import UniformCosts, run_policies
 
 OURS_TORCH = [("looped-bfs", "ScheduleLoopedBFS"), ("interleaved-zb", "ScheduleInterleavedZeroBubble")]

@@ -13,7 +13,7 @@ import pytest
 from unbubble.errors import ConfigError
 from unbubble.schedules import ActionKind, dump_csv, get_schedule
 from unbubble.schedules.actions import Overlap, flatten
-from unbubble.schedules.validate import validate
+from unbubble.sim.validate import validate
 from unbubble.sim import UniformCosts, run_policies
 
 from test_schedules_torch import _FakeStage, _compute

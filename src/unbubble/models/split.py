@@ -14,9 +14,11 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import json
 import logging
 import math
 import time
+from pathlib import Path
 from typing import Any, Sequence
 
 import torch
@@ -681,8 +683,6 @@ class SplitModel:
 
     def save_model_files(self, directory: str) -> None:
         """Writes what export needs beside the checkpoints (an HF model's config; ``unbubble.export``)."""
-        from unbubble.export import save_model_files
-
         save_model_files(directory, self.model, self.untie)
 
 
@@ -867,3 +867,32 @@ def causal_lm_loss(logits: torch.Tensor, targets: Any) -> torch.Tensor:
     int64 (already shifted; ``-100`` ignored), or a dict holding them as ``"labels"``."""
     labels = targets["labels"] if isinstance(targets, dict) else targets
     return nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100)
+
+
+#: The folder beside a run's checkpoints that describes its model, and the file in it naming the class
+#: and the tied tensors (read by ``unbubble.export``).
+MODEL_DIR = "model"
+MODEL_INFO = "unbubble-model.json"
+
+
+def save_model_files(directory: str | Path, model: torch.nn.Module, untied: bool) -> None:
+    """Writes ``directory/model/`` once: an HF model's ``config.json``, and :data:`MODEL_INFO`
+    (the model class and, with ``untied``, the names of each tensor the model ties, which
+    :func:`unbubble.export.untied_names` reads). A model that is neither HF nor untied gets nothing."""
+    out = Path(directory) / MODEL_DIR
+    hf = hasattr(getattr(model, "config", None), "save_pretrained")
+    groups: dict[int, list[str]] = {}
+    if untied:
+        for name, p in model.named_parameters(remove_duplicate=False):
+            groups.setdefault(id(p), []).append(name)
+    tied = [names for names in groups.values() if len(names) > 1]
+    if (out / MODEL_INFO).is_file() or not (hf or tied):
+        return
+    out.mkdir(parents=True, exist_ok=True)
+    if hf:
+        config = model.config
+        if untied and getattr(config, "tie_word_embeddings", False):
+            config = type(config).from_dict({**config.to_dict(), "tie_word_embeddings": False})
+        config.save_pretrained(out)
+    cls = type(model)
+    (out / MODEL_INFO).write_text(json.dumps({"class": f"{cls.__module__}.{cls.__qualname__}", "tied": tied}) + "\n")

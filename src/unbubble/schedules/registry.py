@@ -58,7 +58,7 @@ class ScheduleInfo:
             for an asynchronous one (its policy decides at run time).
         check: ``(ranks, m) -> None``, raising ConfigError for sizes the schedule cannot run.
         activations: ``(stages, m, stage) -> most micro-batches whose activations the stage holds``,
-            where the schedule bounds it (checked by :func:`~unbubble.schedules.validate.validate`).
+            where the schedule bounds it (checked by :func:`~unbubble.sim.validate.validate`).
         delay_lr: the per-stage learning-rate rescheduling the schedule itself prescribes
             (``"pipedream"``: PipeMare's T1, lr ÷ τ_s^(1−min(t/K,1)); ``runtime.job.PipelineJob.delay_lr``),
             or ``None``.

@@ -1,4 +1,5 @@
-"""Checks a schedule before anything runs: counts, local causality, caps, deadlock, drift, memory.
+"""Checks a schedule before anything runs, by a dry run on the simulator's clock: counts, local causality,
+caps, deadlock, drift, memory.
 
 Every failure raises :class:`~unbubble.errors.ScheduleError` naming the first offending
 action and showing the per-rank order with that action marked.
