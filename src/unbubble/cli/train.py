@@ -141,7 +141,7 @@ def train(print_config: bool, resume: str | None, **kwargs) -> None:
     """Train a GPT-2-style model on real text across a pipeline of stages.
 
     Defaults: PACI (a = 4) with Muon and error feedback on 4 stage processes, the tiny preset,
-    byte-level King James Bible, 800 steps: 7 min 31 s on 2 CPU cores shared with two training jobs (load 3–8),
+    byte-level King James Bible, 800 steps: 13 min 43 s on 2 CPU cores shared with other jobs (load 7–10),
     ending at validation loss ≈ 1.06. The run folder (runs/<time>-<schedule>-N<stages>/) gets
     config.yaml, metrics.jsonl, actions.jsonl, summary.json, loss.png and TensorBoard events.
 
