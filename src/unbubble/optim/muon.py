@@ -23,9 +23,8 @@ J. Liu et al., "Muon is Scalable for LLM Training", arXiv 2502.16982, §2.2 (RMS
 
 from __future__ import annotations
 
-from typing import Any
-
 import math
+from typing import Any
 
 import torch
 
