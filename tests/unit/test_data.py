@@ -311,6 +311,11 @@ def test_load_bin(tmp_path):
         load_bin(tmp_path / "missing.bin", 257)
     with pytest.raises(ConfigError, match="vocab_size=70000"):
         load_bin(good, 70000)
+    # a bool is no vocabulary size, though Python counts True as 1 (it passed as 1 before)
+    for bad in (True, 0, 2.0):
+        with pytest.raises(ConfigError, match=rf"^vocab_size={bad!r} is invalid: must be an integer ≥ 1 \(set --vocab-size\)$"):
+            load_bin(good, bad)
+    assert load_bin(good, np.int64(50257)).tolist() == [1, 2, 50256, 7]
 
 
 # --------------------------------------------------------------------------- samplers

@@ -22,7 +22,7 @@ import numpy as np
 
 from unbubble.data.corpus import corpus_fingerprint, corpus_kind, open_corpus
 from unbubble.data.tokenizer import Tokenizer, get_tokenizer
-from unbubble.errors import ConfigError
+from unbubble.errors import ConfigError, check_int
 
 logger = logging.getLogger(__name__)
 
@@ -437,8 +437,7 @@ def load_bin(path: str | Path, vocab_size: int, tokenizer: str | None = None) ->
             ``>= vocab_size``, or ``vocab_size`` is not in [1, 65536].
     """
     valid = f"give a non-empty file of uint16 token ids < vocab_size={vocab_size}"
-    if not isinstance(vocab_size, (int, np.integer)) or vocab_size < 1:
-        raise ConfigError(f"vocab_size={vocab_size!r} is invalid: must be an integer >= 1 (set --vocab-size)")
+    check_int("vocab_size", vocab_size, 1, "set --vocab-size", integers=(int, np.integer))
     _check_uint16_vocab(int(vocab_size), f"bin file '{path}'")
     p = Path(path).expanduser()
     if not p.is_file():
