@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from unbubble.experiments.pays import OWN, map_rows, pays_study
+from unbubble.experiments.pays import OWN, map_rows, pays_study, switch_rows
 from unbubble.experiments.study_specs import PAYS_PARTS
 from unbubble.experiments.sweep import source_commit
 
@@ -74,6 +74,36 @@ def test_the_map_divides_the_simulated_throughput_by_the_measured_overhead(monke
     assert map_rows(measured, facts)[2]["time-to-target ÷ fastest sync"] == "≥ 2.75"
 
 
+def test_a_switched_runs_simulated_time_mixes_flushs_and_pacis_throughput_by_its_share(monkeypatch):
+    """Given PACI at 1.50× the fastest synchronous schedule's throughput and 2.50× 1F1B-flush's, flush
+    runs at 1.50 / 2.50 = 0.60 of the fastest. A run with K = 10 % of its tokens on flush has the
+    throughput 1 / (0.1 / 0.6 + 0.9 / 1.5) = 1 / 0.76667 = 1.3043; its seeds' overheads 1.1 and 1.2 give
+    1.3043 / 1.1 = 1.1858 and 1.3043 / 1.2 = 1.0870, mean 1.1364, std 0.0988 / √2 = 0.0699. K = 0 is PACI:
+    1.50, and a seed above the largest budget (> 1.5) bounds its ratio from above (≤ 1.00)."""
+    from unbubble.experiments import overhead
+
+    def given(ns, ms, schedules=overhead.SYNCHRONOUS):
+        assert (tuple(ns), tuple(ms)) == ((8,), (4,))
+        ratio = "2.50 (1f1b-flush)" if tuple(schedules) == ("1f1b-flush",) else "1.50 (zb-h2)"
+        return [{"setup": "unit costs (F = 1, B = 2)", "N": 8, "m": 4, "none": "9.99 (x)"},
+                {"setup": "gpt2-medium, H200", "N": 8, "m": 4, "none": ratio}]
+
+    monkeypatch.setattr(overhead, "break_even_barrier_rows", given)
+    paci, switched = "paci a=4 @1×", "flush 10% → paci a=4 @1×"
+    spec = {"methods": [{"label": "flush @1×"}, {"label": paci, "baseline": "flush @1×"},
+                        {"label": switched, "baseline": "flush @1×", "switch_at": 0.1}]}
+    measured = [{"N": 8, "a = m": 4, "method": label, "token overhead ÷ flush": "o", "per seed (paired)": "s",
+                 "vs fastest synchronous": "c"} for label in (switched, paci, "other @1×")]
+    facts = {switched: {"per_seed": [(1.1, "="), (1.2, "=")]}, paci: {"per_seed": [(1.3, "="), (1.5, ">")]}}
+    rows = switch_rows(measured, facts, spec)
+    assert [(r["horizon"], r["flush share K"]) for r in rows] == [("1×", "0%"), ("1×", "10%")]
+    assert rows[1]["throughput ÷ fastest sync (gpt2-medium, simulated)"] == "1.30"
+    assert rows[1]["time-to-target ÷ fastest sync (gpt2-medium)"] == "1.14 ± 0.07"
+    assert rows[1]["time-to-target ÷ fastest sync (study's clock)"] == "c"
+    assert rows[0]["throughput ÷ fastest sync (gpt2-medium, simulated)"] == "1.50"
+    assert rows[0]["time-to-target ÷ fastest sync (gpt2-medium)"] == "1.15, ≤ 1.00"
+
+
 def test_tiny_study_trains_every_part_records_commits_and_rebuilds_from_its_csvs(tmp_path):
     out = tmp_path / "pays"
     result = pays_study(out, size="tiny", workers=1)
@@ -83,6 +113,9 @@ def test_tiny_study_trains_every_part_records_commits_and_rebuilds_from_its_csvs
         assert runs and all(r["commit"] == head for r in runs), part
     table = list(csv.DictReader(open(out / "pays_study.csv")))
     assert {r["part"] for r in table} == set(PAYS_PARTS)
+    switched = list(csv.DictReader(open(out / "pays_study_switch.csv")))
+    assert [(r["horizon"], r["flush share K"]) for r in switched] == [("1×", "0%"), ("1×", "10%")]
+    assert "**Synchronous, then asynchronous**" in result.markdown
     assert "Re-run of a published row at commit" in result.markdown
     # the tables come from the parts' CSVs alone: the published ones rebuild to docs/results.md's figures (the
     # analysis writes its tables beside the parts: a copy)

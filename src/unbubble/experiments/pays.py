@@ -1,9 +1,10 @@
 """``pays-study``: where asynchrony pays (docs/architecture.md#comparing-convergence, break-even). The default remedy, PACI + Muon + error
 feedback (c = 1), against 1F1B-flush + Muon at the same m, in the regimes the break-even table
-points to: 4× the horizon (3 seeds), a second model family, N = 16 and few micro-batches.
+points to: 4× the horizon (3 seeds), a second model family, N = 16, few micro-batches, and a run
+that trains synchronously first (part ``switch``, tabled by :func:`switch_rows`).
 
-Four resumable sweeps (:func:`~unbubble.experiments.study_specs.pays_study_spec`), trained in the
-order ``default``, ``llama``, ``deep16``, ``few`` into ``OUT/<part>``; ``default`` reuses
+Five resumable sweeps (:func:`~unbubble.experiments.study_specs.pays_study_spec`), trained in the
+order ``default``, ``llama``, ``deep16``, ``few``, ``switch`` into ``OUT/<part>``; ``default`` reuses
 horizon-study's published 4× runs of identical settings. The metrics are overhead-study's
 (:func:`~unbubble.experiments.overhead.overhead_rows`): per seed, the budget at which PACI's final
 loss meets its twin's (interpolated in log tokens), and the time to that loss on the simulated
@@ -85,6 +86,14 @@ def _ratios(throughput: float, overheads: list[float], relations: list[str]) -> 
     return paired_text([throughput / v for v in overheads], relations, minmax=False)
 
 
+def _time_ratios(throughput: float, per_seed: list[tuple[float, str]]) -> str:
+    """:func:`_ratios` of a method's paired per-seed ``(overhead, relation)``: an overhead above the
+    largest budget bounds that seed's speed-up from above; one where PACI's own run already reached
+    its twin's loss (≤) from below."""
+    flip = [{">": "≤", "≤": "≥"}.get(rel, "=") for _, rel in per_seed]
+    return _ratios(throughput, [v for v, _ in per_seed], flip)
+
+
 def map_rows(measured: list[dict[str, Any]], facts: dict[str, dict]) -> list[dict[str, Any]]:
     """The map a user decides by, one row per (N, m): the simulated throughput of PACI (a = m) over
     the fastest synchronous schedule (gpt2-medium on H200, :func:`break_even_barrier_rows`:
@@ -108,17 +117,55 @@ def map_rows(measured: list[dict[str, Any]], facts: dict[str, dict]) -> list[dic
                              "with clip": f"≥ 1 while overhead < {_ratio(cell['stale vs sync']):.2f}"})
             for r in here:
                 f = facts[r["method"]]
-                values = [v for v, _ in f["per_seed"]]
-                # per seed, paired: an overhead above the largest budget bounds that seed's speed-up from
-                # above; one where PACI's own run already reached its twin's loss (≤) from below
-                flip = [{">": "≤", "≤": "≥"}.get(rel, "=") for _, rel in f["per_seed"]]
                 rows.append({**base, "cell": "measured",
                              "model, horizon": f"{r['model']}, {r['method'].rsplit('@', 1)[-1]}",
                              "token overhead": r["token overhead ÷ flush"], "overhead (mean)": f["overhead"],
                              "bound": f["relation"],
-                             "time-to-target ÷ fastest sync": _ratios(_ratio(cell["none"]), values, flip),
-                             "with clip": _ratios(_ratio(cell["stale vs sync"]), values, flip)})
+                             "time-to-target ÷ fastest sync": _time_ratios(_ratio(cell["none"]), f["per_seed"]),
+                             "with clip": _time_ratios(_ratio(cell["stale vs sync"]), f["per_seed"])})
     return rows
+
+
+def switch_rows(measured: list[dict[str, Any]], facts: dict[str, dict], spec: dict[str, Any]) -> list[dict[str, Any]]:
+    """The switch part's table (:mod:`unbubble.switch`), one row per horizon and synchronous share K
+    (0: PACI throughout): the paired token overhead ÷ flush + Muon and the time-to-target ÷ the
+    fastest synchronous schedule on two clocks. This study's own (``overhead_rows``: the first K of
+    the updates at 1F1B-flush's simulated speed, the rest at PACI's), and gpt2-medium's on N H200
+    (the map's): there 1F1B-flush runs at f and PACI at r times the fastest synchronous schedule's
+    throughput (:func:`~unbubble.experiments.overhead.break_even_barrier_rows`), so a run of o·T
+    tokens takes o·T·(K/f + (1 − K)/r) against the fastest's T: per seed the ratio is
+    1 / (o·(K/f + (1 − K)/r)), the switched run's throughput 1 / (K/f + (1 − K)/r) over its overhead.
+
+    Args:
+        measured: the study's rows of the switch part (``N``, ``a = m``, ``method``, ``token overhead ÷
+            flush``, ``vs fastest synchronous``).
+        facts: overhead_rows' facts by method label (``per_seed``).
+        spec: the switch part's spec (each method's ``switch_at``: K as a fraction of the updates).
+    """
+    from unbubble.experiments.overhead import break_even_barrier_rows
+
+    def paci_over(n: int, m: int, *schedules: tuple[str, ...]) -> float:
+        """PACI's simulated throughput ÷ the fastest of ``schedules`` (default: the map's)."""
+        return _ratio(next(c["none"] for c in break_even_barrier_rows((n,), (m,), *schedules)
+                           if c["setup"].startswith("gpt2")))
+
+    share = {m["label"]: m.get("switch_at", 0.0) for m in spec["methods"] if "baseline" in m}
+    rows = []
+    for r in measured:
+        if r["method"] not in share:
+            continue
+        n, m, k = r["N"], r["a = m"], share[r["method"]]
+        paci = paci_over(n, m)
+        flush = paci / paci_over(n, m, ("1f1b-flush",))  # 1F1B-flush's throughput ÷ the fastest's
+        mixed = 1 / (k / flush + (1 - k) / paci)
+        rows.append({"horizon": r["method"].rsplit("@", 1)[-1], "flush share K": f"{k:.0%}",
+                     "token overhead ÷ flush": r["token overhead ÷ flush"],
+                     "per seed (paired)": r["per seed (paired)"],
+                     "time-to-target ÷ fastest sync (study's clock)": r["vs fastest synchronous"],
+                     "throughput ÷ fastest sync (gpt2-medium, simulated)": f"{mixed:.2f}",
+                     "time-to-target ÷ fastest sync (gpt2-medium)":
+                         _time_ratios(mixed, facts[r["method"]]["per_seed"])})
+    return sorted(rows, key=lambda row: (float(row["horizon"].rstrip("×")), float(row["flush share K"].rstrip("%"))))
 
 
 def map_figure(rows: list[dict[str, Any]], out: Path) -> Path:
@@ -188,6 +235,16 @@ def analyse(out: Path, size: str) -> tuple[str, list[Path], list[dict[str, Any]]
                "(deep-cpu or llama-deep-cpu on the CPU, token overhead against flush + Muon at the same m), the "
                "others simulated only: there the time-to-target ratio is ≥ 1 exactly while the token overhead stays "
                "below the throughput ratio.\n\n" + md_table(grid) + "\n\n![map](pays_study_map.png)")
+    here = [r for r in rows if r["part"] == "switch"]
+    switched = switch_rows(here, facts, pays_study_spec(size, "switch"))
+    if switched:
+        n = here[0]["N"]
+        files.append(write_csv(out / "pays_study_switch.csv", switched))
+        md += ("\n\n**Synchronous, then asynchronous** (part `switch`: 1F1B-flush + Muon for the first K of the "
+               "updates, then PACI + Muon + error feedback; K = 0 is PACI throughout). Time-to-target ÷ the "
+               f"fastest synchronous schedule on the study's {n}-device clock and on gpt2-medium's simulated "
+               f"one on {n} H200 (1F1B-flush and PACI at their own throughput, each for its share of the tokens).\n\n"
+               + md_table(switched))
     return md, files, runs
 
 
