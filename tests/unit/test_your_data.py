@@ -9,6 +9,8 @@ and saved as a ``PreTrainedTokenizerFast``, tiny Llama folders with random weigh
 from __future__ import annotations
 
 import importlib.util
+import logging
+import shutil
 import json
 import time
 from pathlib import Path
@@ -240,7 +242,7 @@ def test_a_compressed_jsonl_corpus_gives_the_tokenizers_own_ids(tmp_path, checkp
         np.testing.assert_array_equal(data.val, val, err_msg=str(corpus))
 
 
-def test_the_cache_is_keyed_by_content_and_tokenizer(tmp_path, checkpoint, docs):
+def test_the_cache_is_keyed_by_content_and_tokenizer(tmp_path, checkpoint, docs, caplog):
     from unbubble.data import prepare_tokens
 
     path = tmp_path / "c.jsonl"
@@ -271,6 +273,15 @@ def test_the_cache_is_keyed_by_content_and_tokenizer(tmp_path, checkpoint, docs)
     tiny.make_tokenizer(other, [*docs, "zebra"], vocab=300)
     again = prepare_tokens(str(path), f"hf:{other}", tmp_path / "cache")
     assert again.meta["key"] != edited.meta["key"] and again.meta["from_cache"] is False
+    # the same tokenizer files in another folder (a model's copy): the same cache, read without a warning
+    # (it was matched by the folder's path: "does not match its meta.json; rebuilding" on every switch)
+    twin = tmp_path / "twin"
+    shutil.copytree(other, twin)
+    with caplog.at_level(logging.WARNING, logger="unbubble"):
+        shared = prepare_tokens(str(path), f"hf:{twin}", tmp_path / "cache")
+    assert shared.meta["key"] == again.meta["key"] and shared.meta["from_cache"] is True
+    assert shared.tokenizer == shared.meta["tokenizer"] == f"hf:{twin}" and not caplog.records
+    np.testing.assert_array_equal(shared.train, again.train)
     # a bad row late in the corpus: an error, and no half-written files left
     path.write_text(path.read_text() + json.dumps({"text": None}) + "\n")
     with pytest.raises(ConfigError, match=rf"row {len(docs)} of column 'text' is null, not text"):

@@ -126,18 +126,20 @@ def _atomic_write_bytes(path: Path, data: bytes | memoryview) -> None:
         raise
 
 
-def _try_load(out: Path, tokenizer: str, vocab_size: int) -> TokenData | None:
-    """Memory-maps a complete cache folder, or returns None if it is absent/stale/corrupt."""
+def _try_load(out: Path, tok: Tokenizer) -> TokenData | None:
+    """Memory-maps a complete cache folder, or returns None if it is absent/stale/corrupt. The
+    tokenizer is matched by its fingerprint, not its name: the same tokenizer files in two model
+    folders share one cache."""
     meta_path = out / "meta.json"
     if not meta_path.is_file():
         return None
     try:
         meta = json.loads(meta_path.read_text(encoding="utf-8"))
-        dtype = token_dtype(vocab_size)
+        dtype = token_dtype(tok.vocab_size)
         ok = (
             meta.get("format") == FORMAT_VERSION
-            and meta.get("tokenizer") == tokenizer
-            and meta.get("vocab_size") == vocab_size
+            and meta.get("tokenizer_fingerprint") == tok.fingerprint
+            and meta.get("vocab_size") == tok.vocab_size
             and meta.get("dtype") == dtype.name
             and (out / "train.bin").stat().st_size == dtype.itemsize * meta["train_tokens"]
             and (out / "val.bin").stat().st_size == dtype.itemsize * meta["val_tokens"]
@@ -157,8 +159,8 @@ def _try_load(out: Path, tokenizer: str, vocab_size: int) -> TokenData | None:
         val=val,
         vocab_size=int(meta["vocab_size"]),
         eos_id=int(meta["eos_id"]),
-        tokenizer=tokenizer,
-        meta={**meta, "dir": str(out), "from_cache": True},
+        tokenizer=tok.name,
+        meta={**meta, "tokenizer": tok.name, "dir": str(out), "from_cache": True},
     )
 
 
@@ -306,7 +308,7 @@ def prepare_tokens(
     out = Path(cache_dir).expanduser() / key
     dtype = token_dtype(tok.vocab_size)
 
-    cached = _try_load(out, tok.name, tok.vocab_size)
+    cached = _try_load(out, tok)
     if cached is not None:
         logger.info(
             "tokens for corpus %r (%s) loaded from %s: %d train, %d val",
@@ -370,7 +372,7 @@ def prepare_tokens(
         corpus, tok.name, meta["n_documents"], n_train, n_val, dtype.name, meta["split"], seconds,
         meta["tokens_per_s"], out,
     )
-    data = _try_load(out, tok.name, tok.vocab_size)
+    data = _try_load(out, tok)
     if data is None:  # pragma: no cover - only if another process corrupted it in between
         raise ConfigError(f"cache_dir='{cache_dir}': {out} changed while being written: retry (set --cache-dir)")
     return TokenData(data.train, data.val, data.vocab_size, data.eos_id, data.tokenizer,
