@@ -155,6 +155,29 @@ def test_a_pretrained_folder_refuses_another_tokenizer_unless_told(tmp_path, che
         "tokenizer.model, …): save its tokenizer into the folder")
 
 
+@pytest.mark.parametrize("layers, what", [
+    (6, "18 parameter(s) missing from its weights (model.layers.4.input_layernorm.weight, "
+        "model.layers.4.mlp.down_proj.weight, model.layers.4.mlp.gate_proj.weight, …)"),
+    (3, "9 parameter(s) in its weights but not in the model (model.layers.3.input_layernorm.weight, "
+        "model.layers.3.mlp.down_proj.weight, model.layers.3.mlp.gate_proj.weight, …)")])
+def test_weights_that_do_not_match_the_folders_config_are_refused(tmp_path, checkpoint, layers, what):
+    """The checkpoint's 4 layers under a config of 6 (layers 4 and 5 would start random: 9 parameters
+    a Llama layer) or of 3 (layer 3's weights dropped): both trained silently before."""
+    from unbubble.models.external import load_external
+
+    folder = tmp_path / "edited"
+    shutil.copytree(checkpoint, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "num_hidden_layers": layers}))
+    with pytest.raises(ConfigError) as err:
+        load_external(f"hf:{folder}", 0)
+    assert str(err.value) == (
+        f"model='hf:{folder}' is invalid: the weights in {folder} do not match its config.json: {what} (give a "
+        "folder whose config.json and weights belong together, as save_pretrained writes them; a folder with "
+        "config.json alone starts from random weights)")
+    assert sum(p.numel() for p in load_external(f"hf:{checkpoint}", 0).parameters()) > 0  # the untouched one loads
+
+
 def test_a_tokenizer_larger_than_the_models_vocabulary_is_refused_before_tokenizing(tmp_path, jsonl, docs):
     folder = tmp_path / "small-vocab"
     tiny.make_tokenizer(folder, docs, vocab=300)

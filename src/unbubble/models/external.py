@@ -112,6 +112,22 @@ def check_external(spec: str) -> None:
                           "the model)")
 
 
+def _check_loaded(spec: str, path: Path, info: dict) -> None:
+    """Refuses a folder whose weights do not cover its model or hold parameters it lacks
+    (``from_pretrained``'s loading info): transformers starts missing parameters from random weights
+    and drops unexpected ones, so a config that disagrees with its weights would train silently."""
+    parts = []
+    for what, keys in (("missing from its weights", info.get("missing_keys")),
+                       ("in its weights but not in the model", info.get("unexpected_keys"))):
+        keys = sorted(keys or ())
+        if keys:
+            parts.append(f"{len(keys)} parameter(s) {what} ({', '.join(keys[:3])}{', …' if len(keys) > 3 else ''})")
+    if parts:
+        raise ConfigError(f"model={spec!r} is invalid: the weights in {path} do not match its config.json: "
+                          f"{'; '.join(parts)} (give a folder whose config.json and weights belong together, as "
+                          "save_pretrained writes them; a folder with config.json alone starts from random weights)")
+
+
 def load_external(spec: str, seed: int) -> nn.Module:
     """Builds the model of ``spec``: an HF folder's weights (``from_pretrained``), or an HF config with
     random weights (``from_config`` after ``torch.manual_seed(seed)``); or ``module.function()``.
@@ -119,7 +135,8 @@ def load_external(spec: str, seed: int) -> nn.Module:
     Raises:
         ConfigError: as :func:`check_external`; transformers missing; a ``model_type`` without a
             causal-LM class in transformers (an encoder, an unknown family); a ``.safetensors`` file
-            of the folder that cannot be read; a factory that returns no module.
+            of the folder that cannot be read; weights that miss parameters of the folder's config or
+            hold ones it lacks; a factory that returns no module.
     """
     check_external(spec)
     torch.manual_seed(seed)
@@ -135,12 +152,17 @@ def load_external(spec: str, seed: int) -> nn.Module:
             # fp32 whatever the files hold (bf16 too): --precision decides how the run computes, and
             # the bf16 mode keeps fp32 master weights of its own
             bars = transformers.utils.logging.is_progress_bar_enabled()
+            verbosity = transformers.utils.logging.get_verbosity()
             transformers.utils.logging.disable_progress_bar()  # a bar per load would break the one-line errors
+            transformers.utils.logging.set_verbosity_error()  # its load report: _check_loaded says it in one line
             try:
-                model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+                model, info = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                                                output_loading_info=True)
             finally:
+                transformers.utils.logging.set_verbosity(verbosity)
                 if bars:
                     transformers.utils.logging.enable_progress_bar()
+            _check_loaded(spec, path, info)
             log.info("%s: pretrained weights loaded (%s parameters)", path,
                      f"{sum(p.numel() for p in model.parameters()):,}")
             return model
