@@ -159,6 +159,12 @@ def _checkpointed() -> nn.Module:
     return model
 
 
+def _activation_checkpointed() -> nn.Module:  # transformers 5's name for the same switch
+    model = tiny("llama")
+    model.activation_checkpointing_enable()
+    return model
+
+
 def _kv_shared() -> nn.Module:
     model = tiny("llama")
     model.config.num_kv_shared_layers = 2  # Gemma3n's and Gemma4's field: the last 2 layers reuse earlier ones' K/V
@@ -182,11 +188,12 @@ def _kv_shared() -> nn.Module:
      "layers): split_model cuts between the layers of such a list"),
     (_shared_between_layers, "model.shared (Linear) holds parameters and runs between the decoder layers: layers on "
      "several stages would share it, which no stage boundary carries"),
-    (_checkpointed, "llama (LlamaForCausalLM) has gradient checkpointing on (gradient_checkpointing_enable()): its "
-     "recomputation reruns a stage's layers outside the stage's forward; turn it off and recompute with unbubble's "
-     "recompute='full' (--recompute full)"),
+    *[(make, "llama (LlamaForCausalLM) has gradient checkpointing on (activation_checkpointing_enable() or "
+       "gradient_checkpointing_enable()): its recomputation reruns a stage's layers outside the stage's forward; turn "
+       "it off and recompute with unbubble's recompute='full' (--recompute full)")
+      for make in (_checkpointed, _activation_checkpointed)],
 ], ids=["per-layer-inputs", "kv-shared", "router-aux-loss", "tied", "encoder-decoder", "no-layer-list",
-        "module-between-layers", "gradient-checkpointing"])
+        "module-between-layers", "gradient-checkpointing", "activation-checkpointing"])
 def test_what_no_stage_boundary_carries_is_refused_in_one_line_naming_it(make, message):
     with pytest.raises(ConfigError) as err:
         split_model(make(), 2)

@@ -122,8 +122,10 @@ def _check_hf_features(model: nn.Module) -> None:
         raise ConfigError(f"{name} shares keys and values across layers (num_kv_shared_layers="
                           f"{text.num_kv_shared_layers}): a layer reads another layer's keys and values, which no stage "
                           "boundary carries")
-    if getattr(model, "is_gradient_checkpointing", False):
-        raise ConfigError(f"{name} has gradient checkpointing on (gradient_checkpointing_enable()): its recomputation "
+    # HF marks each checkpointed module (its is_gradient_checkpointing, deprecated, reads the same marks)
+    if any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules()):
+        raise ConfigError(f"{name} has gradient checkpointing on (activation_checkpointing_enable() or "
+                          "gradient_checkpointing_enable()): its recomputation "
                           "reruns a stage's layers outside the stage's forward; turn it off and recompute with "
                           "unbubble's recompute='full' (--recompute full)")
     if getattr(config, "output_router_logits", False):
