@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import logging
 import os
 import re
 import socket
@@ -241,6 +242,19 @@ def test_prepare_tokens_document_split_round_trip(tmp_path):
     assert on_disk["train_sha256"] == meta["train_sha256"] and "from_cache" not in on_disk
     leftovers = [p.name for p in (tmp_path / "cache" / meta["key"]).iterdir()]
     assert sorted(leftovers) == ["meta.json", "train.bin", "val.bin"]  # no temp files
+
+
+def test_a_text_field_on_a_text_corpus_warns_and_keeps_its_cache(tmp_path, caplog):
+    """--text-field names a table's column: on .txt files it was ignored silently (and keyed a second
+    cache of the same tokens)."""
+    root, _ = _make_folder(tmp_path, 25)
+    first = prepare_tokens(str(root), "byte", tmp_path / "cache")
+    with caplog.at_level(logging.WARNING, logger="unbubble"):
+        again = prepare_tokens(str(root), "byte", tmp_path / "cache", text_field="body")
+    assert [r.getMessage() for r in caplog.records] == [
+        f"text_field='body' has no effect: corpus {str(root)!r} is plain text, not a table (--text-field names a "
+        "table's column)"]
+    assert again.meta["key"] == first.meta["key"] and again.meta["from_cache"] is True
 
 
 def test_prepare_tokens_cache_hit(tmp_path, monkeypatch):

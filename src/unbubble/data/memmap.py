@@ -301,7 +301,12 @@ def prepare_tokens(
     if not 0.0 < val_fraction < 1.0:
         raise ConfigError(f"val_fraction={val_fraction!r} is invalid: must be in (0, 1) (set --val-fraction)")
     tok = tokenizer if isinstance(tokenizer, Tokenizer) else get_tokenizer(tokenizer)
-    if corpus_kind(corpus) == "bin":
+    kind = corpus_kind(corpus)
+    if kind != "table" and text_field != "text":  # a column name means nothing to text files or token ids
+        logger.warning("text_field=%r has no effect: corpus %r is %s, not a table (--text-field names a table's "
+                       "column)", text_field, corpus, "pre-tokenized ids" if kind == "bin" else "plain text")
+        text_field = "text"  # and the cache key stays the text corpus's one
+    if kind == "bin":
         return load_token_folder(Path(corpus).expanduser(), tok)
     fingerprint = corpus_fingerprint(corpus)
     key = _cache_key(fingerprint, tok.fingerprint, val_fraction, text_field)
