@@ -26,8 +26,8 @@ import importlib
 
 __version__ = "0.1.0"
 
-#: each public name -> the module that defines it (its home); a name equal to its home's last part is the
-#: module itself
+#: each public name -> the module that defines it (its home); a name whose home is ``unbubble.<name>`` is
+#: that module itself
 _HOMES = {
     "train_model": "unbubble.train",
     "PipelineJob": "unbubble.runtime.job",

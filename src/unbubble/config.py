@@ -19,7 +19,7 @@ MAX_COUNT = 2**31 - 1
 
 ENGINES = ("emulator", "processes")
 TOKENIZERS = ("auto", "byte", "gpt2")  # or hf:FOLDER
-#: What a stage does with a non-finite micro-batch ([Note: non-finite guard] in runtime/executor.py).
+#: What a stage does with a non-finite micro-batch ([Note: non-finite guard] in docs/architecture.md).
 NAN_POLICIES = ("skip", "lower-lr", "abort", "off")
 #: Weight prediction modes, and the schedules it applies to (the records' ``predicts``: a current-weights
 #: backward with delay).

@@ -14,7 +14,7 @@ from torch import nn
 
 from unbubble.errors import ConfigError
 from unbubble.runtime.checkpoint import Checkpointing
-from unbubble.runtime.clipping import causal_lag, stale_lag
+from unbubble.runtime.clipping import causal_lag
 from unbubble.runtime.emulator import run_emulator
 from unbubble.runtime.job import PipelineJob
 from unbubble.schedules import get_schedule
@@ -212,7 +212,7 @@ def test_each_scope_clips_paci_by_the_norm_its_definition_names(scope):
     make the lag visible: a lag of 1 or 3 would give other weights."""
     steps, max_norm = len(NORMS), 1.0
     sched = get_schedule("paci", 4, steps, a=2)
-    assert stale_lag(sched) == 2
+    assert sched.stale_lag == 2
     job = PipelineJob(stage_fn=shift_stage, loss_fn=linear_loss, batch_fn=shift_batch, optimizer_fn=_plain_sgd,
                       schedule=sched, clip_grad_norm=max_norm, clip_scope=scope)
     result = run_emulator(job)
@@ -250,7 +250,7 @@ def test_stale_lag_is_the_smallest_lag_the_orders_guarantee(name):
             for order in ("deterministic", "dynamic"):
                 orders = run_policies(sched, PipelineCosts(tuple(StageCosts(1, 2, 1, 1) for _ in range(n))),
                                       policies=[sched.policy(r, order) for r in range(n)]).order()
-                assert causal_lag(sched, orders) == stale_lag(sched) == -(-n // a), (name, n, a, order)
+                assert causal_lag(sched, orders) == sched.stale_lag == -(-n // a), (name, n, a, order)
 
 
 def test_flushed_schedules_need_a_lag_of_one():
@@ -259,7 +259,7 @@ def test_flushed_schedules_need_a_lag_of_one():
             continue
         kw = {"m": 8, "v": 2} if name in ("interleaved-1f1b", "looped-bfs", "interleaved-zb") else {"m": 8}
         sched = get_schedule(name, 4, 4, **kw)
-        assert causal_lag(sched, sched.static_order()) == stale_lag(sched) == 1, name
+        assert causal_lag(sched, sched.static_order()) == sched.stale_lag == 1, name
 
 
 @pytest.mark.parametrize("n,a", [(4, 1), (4, 2), (8, 3), (8, 2), (5, 2)])
@@ -268,7 +268,7 @@ def test_on_the_simulators_jittered_timeline_no_update_waits_for_its_stale_norm(
     flight), with log-normal jitter, unequal stages and link latency. (That s − 1 is not guaranteed is
     the causal test above: on a given timeline a smaller lag may happen not to wait.)"""
     sched = get_schedule("paci", n, 40, a=a)
-    s = stale_lag(sched)
+    s = sched.stale_lag
     for seed in range(3):
         costs = PipelineCosts(tuple(StageCosts(1.0 + 0.3 * (i % 3), 2.0 + 0.5 * (i % 2), 1, 1, 0.1) for i in range(n)),
                               latency_s=0.05, jitter=0.3, seed=seed)

@@ -197,8 +197,8 @@ def test_bad_corpus_paths(tmp_path):
     with pytest.raises(ConfigError) as e:
         load_documents(str(missing))
     assert str(e.value) == (
-        f"corpus='{missing}' does not exist: give a text file, a folder of .txt files, a .jsonl/.json/.parquet/.arrow "
-        "file, a datasets.save_to_disk folder, or one of kjv, shakespeare (set --corpus)"
+        f"corpus='{missing}' does not exist: give a text file, a folder of .txt files, a .jsonl/.json (or .gz/.bz2/.xz of "
+        "one)/.parquet/.arrow file, a datasets.save_to_disk folder, or one of kjv, shakespeare (set --corpus)"
     )
     empty = tmp_path / "empty.txt"
     empty.write_text("")

@@ -145,7 +145,7 @@ def test_the_stale_lag_is_ceil_n_over_a_and_covers_the_delay_the_policy_attains(
         m = max(a, n - 1) if info.asynchronous else 2 * n  # pipedream-2bw: m ≥ N − 1; 2N fits every flushed one
         sched = get_schedule(name, n, 6 * n, a=a, m=m)
         mb = sched.mb_per_step
-        lag = info.stale_lag(sched.n_stages, mb)
+        lag = -(-sched.n_stages // mb) if info.asynchronous else 1  # ⌈N/a⌉, or 1 when flushed
         assert GlobalOp("stale").lag_for(sched) == lag == sched.stale_lag
         if not info.asynchronous:
             assert lag == 1 and set(_delays(sched).values()) == {0}, (n, a)
@@ -183,11 +183,9 @@ def test_the_remedies_apply_where_updates_are_delayed_and_the_backward_weights_s
 
 
 def test_the_clip_vocabulary_is_one_for_the_runtime_and_the_simulator():
-    from unbubble.runtime import clipping
     from unbubble.sim import barrier
 
-    assert set(SIM_SCOPES) == {"none", *CLIP_SCOPES} and clipping.CLIP_SCOPES is CLIP_SCOPES
-    assert barrier.SCOPES is SIM_SCOPES and barrier.stale_lag is clipping._lag
+    assert set(SIM_SCOPES) == {"none", *CLIP_SCOPES} and barrier.SCOPES is SIM_SCOPES
     for valid in (CLIP_SCOPES, SIM_SCOPES):
         with pytest.raises(ConfigError, match=r"^clip_scope='glob' is invalid: must be one of .*\(set --clip-scope\)$"):
             check_scope("glob", valid)
@@ -273,3 +271,16 @@ def test_the_old_name_lists_missed_schedules_now_answered_by_their_records(tmp_p
     run = ReportRun(tmp_path, "run", {"schedule": "looped-bfs", "model": "tiny"},
                     {"schedule": "looped-bfs", "stages": N, "mb_per_step": 8}, [], [], None)
     assert _describe(run) == "tiny, looped-bfs, N=4, m=8"
+
+
+def test_a_schedule_under_an_unregistered_name_is_refused_when_built():
+    """Every reader of a Schedule looks its record up by name: a hand-built one with another name
+    failed later with a bare KeyError (activation_bound, a job's per-stage lr)."""
+    from unbubble.schedules.registry import Schedule
+    from unbubble.sim.validate import activation_bound
+
+    with pytest.raises(ConfigError, match=r"^Schedule\(name='custom'\) is not a registered schedule: valid names are "
+                                          r"gpipe, .*\(build one with get_schedule\)$"):
+        Schedule("custom", 2, 1, 2, True)
+    built = Schedule("paci", 4, 2, 3, True)  # a registered name may be built by hand: PACI's bound q_i < N + 1 − i
+    assert [activation_bound(built, s) for s in range(4)] == [4, 3, 2, 1]

@@ -15,7 +15,8 @@ from click.testing import CliRunner
 from unbubble.cli import cli
 from unbubble.errors import ConfigError
 from unbubble.schedules.registry import get_schedule
-from unbubble.sim.barrier import GlobalOp, allreduce_latency, stale_lag
+from unbubble.schedules.clip import stale_lag
+from unbubble.sim.barrier import GlobalOp, allreduce_latency
 from unbubble.sim.costs import UniformCosts
 from unbubble.sim.extrapolate import SYNCHRONOUS, async_over_sync, chunk_costs
 from unbubble.sim.result import simulate

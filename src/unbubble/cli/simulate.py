@@ -202,7 +202,7 @@ class CostSource:
 
     def global_op(self, schedule, scope: str):
         """The per-update global operation of ``scope`` for ``schedule`` ([Note: the barrier] in
-        ``sim/barrier.py``): on the analytic model the all-reduce latency of its hardware over the
+        docs/architecture.md): on the analytic model the all-reduce latency of its hardware over the
         schedule's devices and each stage's local-norm time (gradient bytes ÷ memory bandwidth); on
         unit or measured costs no local-norm time and ``--allreduce-latency`` (default 0). Call after
         :meth:`for_schedule` for the same schedule."""

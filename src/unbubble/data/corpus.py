@@ -21,8 +21,8 @@ logger = logging.getLogger(__name__)
 
 BUILTIN_CORPORA = ("kjv", "shakespeare")
 
-_VALID = (f"give a text file, a folder of .txt files, a .jsonl/.json/.parquet/.arrow file, a datasets.save_to_disk "
-          f"folder, or one of {', '.join(BUILTIN_CORPORA)} (set --corpus)")
+_VALID = (f"give a text file, a folder of .txt files, a .jsonl/.json (or .gz/.bz2/.xz of one)/.parquet/.arrow file, "
+          f"a datasets.save_to_disk folder, or one of {', '.join(BUILTIN_CORPORA)} (set --corpus)")
 
 #: File suffixes read with ``datasets`` -> its packaged builder.
 DATASET_SUFFIXES = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": "arrow"}

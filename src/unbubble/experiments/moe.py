@@ -8,7 +8,7 @@ PipeDream's stashed delays τ_s = N − 1 − s at N = 8, every method at its ow
 penalty of a method is its final validation loss at N = 8 minus that at N = 1 (means over seeds); the
 claim holds here if Basis Rotation's penalty on the MoE model is as small, relative to AdamW's, as on the
 dense one. Basis Rotation rotates each expert of the 3-D expert tensors in its own bases ([Note: batches
-of matrices] in ``optim/basis_rotation.py``).
+of matrices] in docs/architecture.md).
 """
 
 from __future__ import annotations

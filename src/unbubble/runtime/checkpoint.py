@@ -192,7 +192,7 @@ def set_rng_state(state: dict[str, torch.Tensor], device: torch.device | None) -
 # [Note: starting from another layout's checkpoint]
 # ``unbubble train --init-from RUN`` starts a new run — any schedule, depth N or data-parallel degree D — from the
 # complete checkpoint of another run. Stage files are keyed by the model's own parameter names ([Note: stages keep
-# the model's names] in ``models/split.py``), so the source stages' weights merge into the whole model's and are
+# the model's names] in docs/architecture.md), so the source stages' weights merge into the whole model's and are
 # cut again by the new layout; nothing depends on the source's stage boundaries. :func:`init_checkpoint` writes the
 # new run's own checkpoint of step V (the source's version) from them, and the run then resumes it like any other
 # cut ([Note: the checkpoint cut]):

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from unbubble.errors import ConfigError, ScheduleError, check_int
-from unbubble.schedules.clip import CLIP_SCOPES, check_clip  # noqa: F401 - the scopes' vocabulary, torch-free
+from unbubble.schedules.clip import check_clip
 from unbubble.schedules.clip import stale_lag as _lag
 
 log = logging.getLogger(__name__)
@@ -51,13 +51,6 @@ def check_rank_updates(schedule) -> None:
                                   "global clipping needs them adjacent (set --clip-scope stage)")
             else:
                 run = 0
-
-
-def stale_lag(schedule) -> int:
-    """s of ``clip_scope="stale"``: update t is clipped by the global norm of update t − s;
-    ⌈N/a⌉ for the asynchronous schedules (a: micro-batches per update), 1 for the flushed ones
-    ([Note: stale lag]; :attr:`~unbubble.schedules.registry.Schedule.stale_lag`)."""
-    return schedule.stale_lag
 
 
 def tensor_norms(tensors: list[torch.Tensor | None]) -> torch.Tensor:
@@ -187,8 +180,9 @@ class RankClipper:
 
     Args:
         max_norm: X.
-        scope: one of :data:`CLIP_SCOPES`.
-        lag: s of ``stale`` (:func:`stale_lag`).
+        scope: one of :data:`~unbubble.schedules.clip.CLIP_SCOPES`.
+        lag: s of ``stale`` (:attr:`~unbubble.schedules.registry.Schedule.stale_lag`: update t is clipped by
+            the global norm of update t − s, [Note: stale lag]).
         rank: the pipeline rank.
         execs: the rank's executors by stage.
         exchange: :class:`LocalExchange` or :class:`DistExchange` (``None`` for ``stage``).
@@ -306,7 +300,7 @@ def attach_local(job, execs: list) -> dict[int, RankClipper]:
     sched = job.schedule
     sizes = {ex.stage: stage_sizes(ex) for ex in execs}
     exchange = None if job.clip_scope == "stage" else LocalExchange(sched, sizes)
-    clippers = {r: RankClipper(job.clip_grad_norm, job.clip_scope, stale_lag(sched), r,
+    clippers = {r: RankClipper(job.clip_grad_norm, job.clip_scope, sched.stale_lag, r,
                                {s: execs[s] for s in sched.stages_of(r)}, exchange, sizes)
                 for r in range(sched.n_ranks)}
     for c in clippers.values():
@@ -322,7 +316,7 @@ def attach_dist(job, execs: dict, rank: int, group, device: torch.device | None 
     sched = job.schedule
     sizes = DistExchange.gather_sizes(group, sched, rank, {s: stage_sizes(ex) for s, ex in execs.items()}, device)
     exchange = None if job.clip_scope == "stage" else DistExchange(group, sched, sizes, job.clip_scope == "sync")
-    clipper = RankClipper(job.clip_grad_norm, job.clip_scope, stale_lag(sched), rank, execs, exchange, sizes)
+    clipper = RankClipper(job.clip_grad_norm, job.clip_scope, sched.stale_lag, rank, execs, exchange, sizes)
     clipper.restore()
     return clipper
 
@@ -333,7 +327,7 @@ def clip_summary(job, stats: list[dict[str, int]]) -> dict[str, Any] | None:
     if job.clip_grad_norm is None:
         return None
     out = {"scope": job.clip_scope, "max_norm": job.clip_grad_norm,
-           "lag": stale_lag(job.schedule) if job.clip_scope == "stale" else None,
+           "lag": job.schedule.stale_lag if job.clip_scope == "stale" else None,
            "clipped": [s.get("clipped", 0) for s in stats], "skipped": [s.get("skipped", 0) for s in stats]}
     if job.clip_scope == "stale":
         out["local"] = [s.get("local", 0) for s in stats]

@@ -2,7 +2,8 @@
 
 The executor calls ``torch.compile(module)`` (same parameters, names and checkpoints) for every forward;
 the loss stays eager. Why a backward on the current weights survives compilation, and what is refused
-(zb-h1 and zb-h2: one compiled backward cannot be split into I and W):
+(the schedules that split the backward into I and W, :data:`SPLIT_BACKWARD_SCHEDULES`: one compiled
+backward cannot be split):
 [Note: compiled stages] in docs/architecture.md#runtimecompiledpy.
 """
 

@@ -23,7 +23,7 @@ from unbubble.runtime.versions import SavedByReference
 from unbubble.schedules.actions import Action, ActionKind
 
 #: ``batch_fn(k) -> (inputs, targets)``: each a tensor or a pytree of them ([Note: stage boundaries
-#: carry pytrees] in ``pytree.py``).
+#: carry pytrees] in docs/architecture.md).
 BatchFn = Callable[[int], tuple[Any, Any]]
 LossFn = Callable[[Any, Any], torch.Tensor]
 
@@ -43,7 +43,7 @@ class StageExecutor:
         module: the stage's layers, called with one argument. Input: the batch's inputs as
             ``batch_fn`` gives them on the first stage (token ids ``(B, T)`` int64, or a dict),
             else the previous stage's output; output: a tensor or a pytree of tensors
-            ([Note: stage boundaries carry pytrees] in ``pytree.py``).
+            ([Note: stage boundaries carry pytrees] in docs/architecture.md).
         loss_fn: on the last stage, ``loss_fn(output, targets) -> scalar`` mean loss.
         batch_fn: ``batch_fn(k) -> (inputs, targets)`` for global micro-batch id k; the
             first stage reads inputs, the last stage reads targets (deterministic in k, so
@@ -55,7 +55,7 @@ class StageExecutor:
         clip_grad_norm: a plain local clip at this threshold before each update (off if None),
             for direct users of the executor; the engines attach a ``clipping.RankClipper`` as
             ``clipper`` instead (global, stale or per-stage clipping, [Note: clip scopes] in
-            ``runtime/clipping.py``).
+            docs/architecture.md).
         backward_weights: ``"current"`` (PACI, 1F1B: the live weights), ``"stashed"``
             (PipeDream, 2BW: the version the forward used, kept as separate tensors and used
             through ``torch.func.functional_call``; live parameters are never swapped), or
@@ -71,7 +71,7 @@ class StageExecutor:
         nan_lr_factor: with ``"lower-lr"``, the stage's learning rate is multiplied by this
             after each dropped micro-batch.
         precision: ``"fp32"``, ``"bf16-autocast"`` or ``"bf16"`` ([Note: precision and version
-            semantics] in ``precision.py``).
+            semantics] in docs/architecture.md).
         masters: with ``"bf16"``, the fp32 master copies of the (bf16) parameters, in
             ``module.parameters()`` order: the tensors ``optimizer`` steps
             (``precision.to_bf16``). Gradients accumulate in their ``.grad`` (fp32).
@@ -623,7 +623,7 @@ class StageExecutor:
         averaged over the replicas and the last stage's step loss becomes the replicas' mean; with a
         ``clipper`` the gradients are then clipped, or the update is skipped (no optimizer step, no
         error feedback, no bf16 copy) when the norm it clips by is non-finite ([Note: clip scopes]
-        in ``runtime/clipping.py``).
+        in docs/architecture.md).
         """
         self.prepare_update()
         ctx, self._ctx = self._ctx, None

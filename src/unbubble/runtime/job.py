@@ -12,12 +12,12 @@ from torch import nn
 from unbubble.runtime.checkpoint import Checkpointing, DamagedCheckpoint, check_fingerprint, fingerprint, load_stage, \
     rng_state, save_stage, set_rng_state
 from unbubble.runtime.clipping import check_rank_updates
-from unbubble.schedules.clip import check_clip
 from unbubble.runtime.compiled import check_compile
 from unbubble.runtime.data_parallel import replica_batch
 from unbubble.runtime.executor import BatchFn, LossFn, StageExecutor
 from unbubble.runtime.precision import check_modes, to_bf16
 from unbubble.optim.lr_rescheduling import PipeDreamLR, StalenessLR
+from unbubble.schedules.clip import check_clip
 from unbubble.schedules.policy import Cuts, check_order
 from unbubble.schedules.registry import Schedule
 

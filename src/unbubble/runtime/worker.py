@@ -56,7 +56,7 @@ def run_stage(job: PipelineJob, rank: int, sink: Sink, replay: list[Action] | No
     the replicas' mean), ``("snapshot", stage, (version, bytes))`` for evaluation, and
     ``("final", stage, (state_bytes, wall_s, optimizer_bytes, memory, clip_stats))`` at the end (memory: the executor's
     ``memory_bytes()`` and this process's ``process_rss_bytes``, ``process_peak_rss_bytes``; clip_stats: the
-    executor's ``clip_stats``, [Note: clip scopes] in ``clipping.py``); other replicas,
+    executor's ``clip_stats``, [Note: clip scopes] in docs/architecture.md); other replicas,
     whose weights equal replica 0's, report only ``("done", stage, wall_s)``. Times are seconds
     since a start shared by all ranks. ``("event", stage, event)`` reports a micro-batch the
     non-finite guard dropped (every replica reports its own); ``("stopped", stage, T)`` before

@@ -125,11 +125,6 @@ class ScheduleInfo:
         (clip-study, docs/results.md: the same loss as ``sync``, no barrier), ``sync`` on the flushed ones."""
         return "stale" if self.asynchronous else "sync"
 
-    def stale_lag(self, n_stages: int, mb_per_update: int) -> int:
-        """s of ``clip_scope="stale"`` on ``n_stages`` stages: ⌈N/a⌉ (a = ``mb_per_update``) if
-        asynchronous, else 1 (:func:`unbubble.schedules.clip.stale_lag`)."""
-        return stale_lag(n_stages, mb_per_update, self.asynchronous)
-
 
 def _check_2bw(n: int, m: int) -> None:
     if m < n - 1:
@@ -249,6 +244,9 @@ class Schedule:
         virtual: stages per rank (interleaved 1F1B, V-shaped schedules), else 1.
         backward_weights: which weights B uses (see :data:`BackwardWeights`).
         placement: which rank holds each stage (:data:`Placement`; :meth:`rank_of`).
+
+    Raises:
+        ConfigError: a ``name`` the registry does not hold (:func:`get_schedule` builds one by name).
     """
 
     name: str
@@ -259,6 +257,12 @@ class Schedule:
     virtual: int = 1
     backward_weights: BackwardWeights = "current"
     placement: Placement = "loop"
+
+    def __post_init__(self):
+        # the runtime, simulator and checks read the schedule's record by name (:attr:`info`)
+        if self.name not in REGISTRY:
+            raise ConfigError(f"Schedule(name={self.name!r}) is not a registered schedule: valid names are "
+                              f"{', '.join(REGISTRY)} (build one with get_schedule)")
 
     @property
     def n_ranks(self) -> int:

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from unbubble.errors import ConfigError, check_int
-from unbubble.schedules.clip import GLOBAL_SCOPES, SIM_SCOPES, stale_lag
+from unbubble.schedules.clip import GLOBAL_SCOPES, SIM_SCOPES
 from unbubble.schedules.clip import check_scope as _check_scope
 
 #: ``--clip-scope`` values of the simulator: ``none`` (no global operation), and the runtime's three
@@ -57,7 +57,7 @@ class GlobalOp:
             rank (≥ 0).
         norm_s: ν, seconds a stage takes to form its local squared norm: one number for every stage,
             or one per stage (N·v for chunked schedules).
-        lag: s of ``stale`` (≥ 1); ``None``: :func:`stale_lag` of the schedule (the runtime's: ⌈N/a⌉,
+        lag: s of ``stale`` (≥ 1); ``None``: the schedule's ``stale_lag`` (the runtime's: ⌈N/a⌉,
             a = its micro-batches per update, for asynchronous schedules; 1 for flushed ones).
     """
 
@@ -82,10 +82,10 @@ class GlobalOp:
         return self.scope != "none"
 
     def lag_for(self, schedule) -> int:
-        """s for ``schedule``: ``lag``, or :func:`stale_lag` (N = its stages, a = its micro-batches per update)."""
+        """s for ``schedule``: ``lag``, or the schedule's own (``Schedule.stale_lag``)."""
         if self.lag is not None:
             return self.lag
-        return stale_lag(schedule.n_stages, schedule.mb_per_step, schedule.asynchronous)
+        return schedule.stale_lag
 
     def norms(self, n_stages: int) -> list[float]:
         """ν of each of ``n_stages`` stages.

@@ -347,7 +347,7 @@ def run_policies(schedule: Schedule, costs: CostModel, execute: Execute | None =
         fast: allow the compiled kernel where it applies ([Note: engine fast paths]); ``False``
             always runs the reference.
         global_op: a per-update global operation (:class:`~unbubble.sim.barrier.GlobalOp`, e.g. the
-            gradient-norm all-reduce of global clipping; [Note: the barrier] in ``sim/barrier.py``);
+            gradient-norm all-reduce of global clipping; [Note: the barrier] in docs/architecture.md);
             runs on the reference path, its log in ``Trace.global_op_log``. ``None`` or scope
             ``none``: no such operation.
 
@@ -442,7 +442,7 @@ def _update_run(pol, view, stage: int) -> list[int]:
 def _run_reference(schedule, pols, costs, table, noise, fdelay, bdelay, execute, stashed, global_op=None):
     """The engine's semantics: ask each idle rank's policy; see [Note: engine fast paths]. With a
     ``global_op``, each ``U`` also waits for the all-reduce its step needs ([Note: the barrier] in
-    ``sim/barrier.py``)."""
+    docs/architecture.md)."""
     n, n_ranks, total = schedule.n_stages, schedule.n_ranks, schedule.total_mb
     states = [StageState(s, n, total) for s in range(n)]
     stages_of = [_stages_of(schedule, r) for r in range(n_ranks)]

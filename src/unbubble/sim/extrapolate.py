@@ -181,7 +181,7 @@ def speedups(model: str, hardware: Hardware, n_stages: int = 8, ms: Sequence[int
 #: overlapped pairs at the cost model's ``overlap`` (0 unless set: the parts one after the other).
 SYNCHRONOUS = ("1f1b-flush", "zb-h1", "zb-h2", "interleaved-1f1b", "looped-bfs", "interleaved-zb", "zbv", "dualpipev")
 
-#: Chunks per rank of the schedules in :data:`VIRTUAL` in these comparisons: the registry's default
+#: Chunks per rank of the schedules in :data:`~unbubble.schedules.registry.VIRTUAL` in these comparisons: the registry's default
 #: (``--v``), Megatron's usual choice; every chunk does 1/v of its rank's stage (:func:`chunk_costs`).
 COMPARE_V = 2
 
@@ -205,7 +205,7 @@ def _chunk_links(value, n_stages: int, v: int, placement: str = "loop"):
 
 
 def chunk_costs(costs, n_stages: int, v: int, placement: str = "loop"):
-    """Costs of the N·v chunks of a schedule in :data:`VIRTUAL` (or a V-shaped one, ``placement="v"``,
+    """Costs of the N·v chunks of a schedule in :data:`~unbubble.schedules.registry.VIRTUAL` (or a V-shaped one, ``placement="v"``,
     v = 2), assuming each rank's stage splits evenly into v chunks (chunk j on rank r does 1/v of
     stage r's F, B, I, W and U; r = j mod N, or min(j, 2N − 1 − j) in a V; links as in
     :func:`_chunk_links`). ``UniformCosts`` get every duration divided by v; ``v = 1`` returns
@@ -237,7 +237,7 @@ def chunk_costs(costs, n_stages: int, v: int, placement: str = "loop"):
 @functools.lru_cache(maxsize=512)
 def peak_activations(name: str, n_stages: int, m: int, v: int = COMPARE_V) -> float | None:
     """Activation memory of the busiest device in one step of synchronous schedule ``name``, in
-    stage-sized micro-batches (a chunk of a :data:`VIRTUAL` schedule counts 1/v): the simulator's
+    stage-sized micro-batches (a chunk of a :data:`~unbubble.schedules.registry.VIRTUAL` schedule counts 1/v): the simulator's
     memory model (:func:`unbubble.sim.memory.peak_memory`) on unit costs, with a split backward
     holding a micro-batch's activations until its W (the upper bound). The per-rank action order
     is fixed, so the count does not depend on the costs. None when ``name`` does not run at (N, m)."""
@@ -295,16 +295,16 @@ def async_over_sync(costs, n_stages: int, m: int, a: int | None = None, schedule
             whose chunks a ``costs`` function cannot build (more chunks than the model has blocks).
         memory: ``"any"``, or ``"1f1b"`` for only the schedules within 1F1B-flush's activation memory
             (:func:`peak_activations`; PACI holds N micro-batches, 1F1B-flush min(m, N)).
-        v: chunks per rank of the schedules in :data:`VIRTUAL`.
+        v: chunks per rank of the schedules in :data:`~unbubble.schedules.registry.VIRTUAL`.
         paci_op, sync_op: the per-update global operation of PACI's run and of the synchronous
             schedules' (:class:`~unbubble.sim.barrier.GlobalOp`, e.g. the gradient-norm all-reduce of
-            global clipping with scope ``sync`` or ``stale``; [Note: the barrier] in ``sim/barrier.py``),
+            global clipping with scope ``sync`` or ``stale``; [Note: the barrier] in docs/architecture.md),
             or a function ``schedule -> GlobalOp`` (each schedule's own per-chunk local-norm times);
             ``None``: none, the table without a barrier.
 
     Returns:
         ``(ratio, fastest synchronous schedule)``; ratios over 1 mean PACI is faster; a schedule in
-        :data:`VIRTUAL` is named with its v (``"interleaved-zb v=2"``).
+        :data:`~unbubble.schedules.registry.VIRTUAL` is named with its v (``"interleaved-zb v=2"``).
     """
     a = m if a is None else a
     costs_for = costs if callable(costs) else \
@@ -329,7 +329,7 @@ def async_over_sync(costs, n_stages: int, m: int, a: int | None = None, schedule
 
 
 def sync_label(name: str, v: int = COMPARE_V) -> str:
-    """``name``, with `` v=…`` for the schedules in :data:`VIRTUAL`."""
+    """``name``, with `` v=…`` for the schedules in :data:`~unbubble.schedules.registry.VIRTUAL`."""
     return f"{name} v={v}" if "v" in schedule_info(name).takes else name
 
 

@@ -437,7 +437,7 @@ def plan(model: "str | ModelConfig", cluster: Cluster, global_batch_tokens: int,
         max_micro_batches: largest m (or a) tried (default: every divisor of the sequences per replica).
         clip_scope: the per-update global operation of every configuration (``none``; ``stage``, ``sync``
             or ``stale`` as ``unbubble train --clip-scope``; see the module docstring).
-        clip_lag: s of ``stale`` (default the runtime's, :func:`unbubble.sim.barrier.stale_lag`: ⌈N/a⌉ for
+        clip_lag: s of ``stale`` (default the runtime's, :func:`unbubble.schedules.clip.stale_lag`: ⌈N/a⌉ for
             asynchronous schedules, 1 for flushed ones).
 
     Returns:

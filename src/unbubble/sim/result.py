@@ -176,7 +176,7 @@ def simulate(schedule: Schedule, costs: CostModel, memory: MemorySpec | None = N
             the throughput includes the checkpoints' cost (writing the files is not modelled).
         global_op: a per-update global operation (:class:`~unbubble.sim.barrier.GlobalOp`: the
             gradient-norm all-reduce of global clipping, ``sync``, ``stale`` or ``stage``; [Note: the
-            barrier] in ``sim/barrier.py``); ``None``: none.
+            barrier] in docs/architecture.md); ``None``: none.
 
     Raises:
         ScheduleError: the schedule deadlocks.
