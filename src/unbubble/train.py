@@ -311,16 +311,6 @@ def resume_config(run_dir: str | Path, overrides: dict | None = None) -> TrainCo
     return cfg
 
 
-def refuse_finished(run_dir: Path, steps: int) -> None:
-    """Raises ConfigError when the run in ``run_dir`` finished all ``steps`` (its summary.json):
-    checked before the corpus and the model are read, so the answer comes at once."""
-    summary = run_dir / "summary.json"
-    done = json.loads(summary.read_text()) if summary.exists() else {}
-    if done.get("steps_done") == steps and done.get("stopped_at_step") is None:
-        raise ConfigError(f"run {str(run_dir)!r} already finished: its summary.json has all {steps} steps (start a new "
-                          "run to train longer)")
-
-
 def attach_checkpoints(job: PipelineJob, cfg: TrainConfig, run_dir: Path, resume: bool) -> PipelineJob:
     """Sets ``job.checkpoint`` for ``run_dir/checkpoints``; when resuming, picks the newest
     complete checkpoint and checks every stage's file against ``job`` before anything runs.
@@ -361,7 +351,11 @@ def attach_checkpoints(job: PipelineJob, cfg: TrainConfig, run_dir: Path, resume
     if resume:
         for leftover in directory.glob("step-*/.stage-*.tmp-*"):  # a write cut short by a second signal
             leftover.unlink(missing_ok=True)
-        refuse_finished(run_dir, job.schedule.steps)
+        summary = run_dir / "summary.json"
+        done = json.loads(summary.read_text()) if summary.exists() else {}
+        if done.get("steps_done") == job.schedule.steps and done.get("stopped_at_step") is None:
+            raise ConfigError(f"run {str(run_dir)!r} already finished: its summary.json has all {job.schedule.steps} "
+                              "steps (start a new run to train longer)")
         steps = complete_steps(directory, n)
         if not steps:  # stopped or crashed before its first checkpoint: start again from step 0
             log.warning("run %s has no complete checkpoint in %s: it restarts from step 0", run_dir, directory)
@@ -511,7 +505,6 @@ def train(cfg: TrainConfig | None = None, listener_factory=None, resume: str | P
     started_at = time.time() if started_at is None else started_at
     if resume is not None:
         cfg = resume_config(resume, resume_overrides)
-        refuse_finished(Path(resume), cfg.steps)
     if on_divergence not in ("raise", "record"):
         raise ConfigError(f"on_divergence={on_divergence!r} is invalid: must be 'raise' or 'record'")
     cfg.validate()
