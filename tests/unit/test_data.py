@@ -197,8 +197,9 @@ def test_bad_corpus_paths(tmp_path):
     with pytest.raises(ConfigError) as e:
         load_documents(str(missing))
     assert str(e.value) == (
-        f"corpus='{missing}' does not exist: give a text file, a folder of .txt files, a .jsonl/.json (or .gz/.bz2/.xz of "
-        "one)/.parquet/.arrow file, a datasets.save_to_disk folder, or one of kjv, shakespeare (set --corpus)"
+        f"corpus='{missing}' does not exist: give a text file, a folder of .txt files, a .jsonl/.json (or "
+        ".gz/.bz2/.xz of one)/.parquet/.arrow file, a datasets.save_to_disk folder, or one of kjv, shakespeare "
+        "(set --corpus)"
     )
     empty = tmp_path / "empty.txt"
     empty.write_text("")
@@ -327,7 +328,8 @@ def test_load_bin(tmp_path):
         load_bin(good, 70000)
     # a bool is no vocabulary size, though Python counts True as 1 (it passed as 1 before)
     for bad in (True, 0, 2.0):
-        with pytest.raises(ConfigError, match=rf"^vocab_size={bad!r} is invalid: must be an integer ≥ 1 \(set --vocab-size\)$"):
+        with pytest.raises(ConfigError,
+                           match=rf"^vocab_size={bad!r} is invalid: must be an integer ≥ 1 \(set --vocab-size\)$"):
             load_bin(good, bad)
     assert load_bin(good, np.int64(50257)).tolist() == [1, 2, 50256, 7]
 

@@ -9,9 +9,9 @@ and saved as a ``PreTrainedTokenizerFast``, tiny Llama folders with random weigh
 from __future__ import annotations
 
 import importlib.util
+import json
 import logging
 import shutil
-import json
 import time
 from pathlib import Path
 
@@ -175,7 +175,12 @@ def test_weights_that_do_not_match_the_folders_config_are_refused(tmp_path, chec
         f"model='hf:{folder}' is invalid: the weights in {folder} do not match its config.json: {what} (give a "
         "folder whose config.json and weights belong together, as save_pretrained writes them; a folder with "
         "config.json alone starts from random weights)")
-    assert sum(p.numel() for p in load_external(f"hf:{checkpoint}", 0).parameters()) > 0  # the untouched one loads
+    # the untouched folder loads with every parameter its file holds, bit for bit (safetensors' own reader)
+    from safetensors.torch import load_file
+
+    saved = load_file(checkpoint / "model.safetensors")
+    loaded = load_external(f"hf:{checkpoint}", 0).state_dict()
+    assert sorted(saved) == sorted(loaded) and all(torch.equal(saved[k], loaded[k]) for k in saved)
 
 
 def test_a_tokenizer_larger_than_the_models_vocabulary_is_refused_before_tokenizing(tmp_path, jsonl, docs):

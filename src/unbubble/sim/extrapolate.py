@@ -181,8 +181,9 @@ def speedups(model: str, hardware: Hardware, n_stages: int = 8, ms: Sequence[int
 #: overlapped pairs at the cost model's ``overlap`` (0 unless set: the parts one after the other).
 SYNCHRONOUS = ("1f1b-flush", "zb-h1", "zb-h2", "interleaved-1f1b", "looped-bfs", "interleaved-zb", "zbv", "dualpipev")
 
-#: Chunks per rank of the schedules in :data:`~unbubble.schedules.registry.VIRTUAL` in these comparisons: the registry's default
-#: (``--v``), Megatron's usual choice; every chunk does 1/v of its rank's stage (:func:`chunk_costs`).
+#: Chunks per rank of the schedules in :data:`~unbubble.schedules.registry.VIRTUAL` in these comparisons:
+#: the registry's default (``--v``), Megatron's usual choice; every chunk does 1/v of its rank's stage
+#: (:func:`chunk_costs`).
 COMPARE_V = 2
 
 #: The ``memory`` choices of :func:`synchronous_options`.
@@ -205,10 +206,10 @@ def _chunk_links(value, n_stages: int, v: int, placement: str = "loop"):
 
 
 def chunk_costs(costs, n_stages: int, v: int, placement: str = "loop"):
-    """Costs of the N·v chunks of a schedule in :data:`~unbubble.schedules.registry.VIRTUAL` (or a V-shaped one, ``placement="v"``,
-    v = 2), assuming each rank's stage splits evenly into v chunks (chunk j on rank r does 1/v of
-    stage r's F, B, I, W and U; r = j mod N, or min(j, 2N − 1 − j) in a V; links as in
-    :func:`_chunk_links`). ``UniformCosts`` get every duration divided by v; ``v = 1`` returns
+    """Costs of the N·v chunks of a schedule in :data:`~unbubble.schedules.registry.VIRTUAL` (or a V-shaped
+    one, ``placement="v"``, v = 2), assuming each rank's stage splits evenly into v chunks (chunk j on
+    rank r does 1/v of stage r's F, B, I, W and U; r = j mod N, or min(j, 2N − 1 − j) in a V; links as
+    in :func:`_chunk_links`). ``UniformCosts`` get every duration divided by v; ``v = 1`` returns
     ``costs``."""
     from unbubble.sim.costs import PipelineCosts, StageCosts, Straggler, UniformCosts
 
@@ -237,8 +238,8 @@ def chunk_costs(costs, n_stages: int, v: int, placement: str = "loop"):
 @functools.lru_cache(maxsize=512)
 def peak_activations(name: str, n_stages: int, m: int, v: int = COMPARE_V) -> float | None:
     """Activation memory of the busiest device in one step of synchronous schedule ``name``, in
-    stage-sized micro-batches (a chunk of a :data:`~unbubble.schedules.registry.VIRTUAL` schedule counts 1/v): the simulator's
-    memory model (:func:`unbubble.sim.memory.peak_memory`) on unit costs, with a split backward
+    stage-sized micro-batches (a chunk of a :data:`~unbubble.schedules.registry.VIRTUAL` schedule counts
+    1/v): the simulator's memory model (:func:`unbubble.sim.memory.peak_memory`) on unit costs, with a split backward
     holding a micro-batch's activations until its W (the upper bound). The per-rank action order
     is fixed, so the count does not depend on the costs. None when ``name`` does not run at (N, m)."""
     from unbubble.sim.costs import UniformCosts
