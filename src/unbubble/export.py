@@ -32,7 +32,7 @@ from unbubble.errors import ConfigError, check_int
 from unbubble.models.split import MODEL_DIR, MODEL_INFO
 from unbubble.pipeline import merge_state_dicts
 from unbubble.runtime.checkpoint import complete_steps, load_stage, stage_path
-from unbubble.safety import atomic_save
+from unbubble.safety import atomic_save, lock_holder
 
 #: the ``_metadata`` key of a ``.pt`` export that lists the weights tied in the model but trained untied
 UNTIED_KEY = "unbubble_untied"
@@ -281,6 +281,7 @@ def export(run_dir: str | Path, out: str | Path, step: int | None = None, force:
     out = Path(out)
     directory = checkpoint_dir(run_dir)
     check_out(run_dir, out, force)
+    _say_if_training(directory, step)
     if _is_hf(directory) and out.suffix != ".pt":
         model = load_model(run_dir, step)
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -320,6 +321,19 @@ def export(run_dir: str | Path, out: str | Path, step: int | None = None, force:
                         "refuses that)", out, pair)
     _say_replaced(out.parent, [out.name] if existed else [])
     return out
+
+
+def _say_if_training(directory: Path, step: int | None) -> None:
+    """Warns when the run still trains: its newest checkpoint is not its last ([Note: what an export writes])."""
+    run = directory.parent if directory.name == "checkpoints" else directory
+    who = lock_holder(run)
+    if who is None:
+        return
+    steps = complete_steps(directory, _n_stages(directory))
+    at = step if step is not None else (steps[-1] if steps else None)
+    log.warning("%s is still training (process %s on %s, started %s): this export holds step %s, not the run's final "
+                "weights; export again when it ends", run, who.get("pid", "?"), who.get("host", "?"),
+                who.get("started", "?"), at)
 
 
 def _copy_tokenizer(model_dir: Path, out: Path) -> None:

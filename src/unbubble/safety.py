@@ -189,6 +189,13 @@ class RunLock:
         self.release()
 
 
+def lock_holder(run_dir: str | os.PathLike) -> dict | None:
+    """Who holds ``RUN/.lock`` now (``pid``, ``host``, ``started``; ``{}`` while it is being written),
+    or None when the folder is free or its holder is gone ([Note: the run folder's lock])."""
+    info = _read_lock(Path(run_dir) / LOCK_NAME)
+    return None if info is None or RunLock._stale(info) else info
+
+
 def _held_line(path: Path, info: dict) -> str:
     who = f"process {info.get('pid', '?')} on {info.get('host', '?')} (started {info.get('started', '?')})"
     return (f"run folder {str(path.parent)!r} is in use by {who}: one process writes a run folder at a time; wait "

@@ -125,14 +125,12 @@ def external_stages(cfg: TrainConfig, tokens: TokenData, n_stages: int, model: t
         ConfigError: a ``python`` run without its model object, a vocabulary smaller than the
             tokenizer's, seq_len beyond the model's positions, or what ``split_model`` refuses.
     """
-    from unbubble.models.external import PYTHON_MODEL, ModelShape, load_external
+    from unbubble.models.external import ModelShape, load_external
     from unbubble.models.split import count_layers, split_model
 
     given_in_python = model is not None  # train_model(model, untie=True); else --model hf:/module:, --untie
     if model is None:
-        if cfg.model == PYTHON_MODEL:
-            raise ConfigError("model='python': this run's model was given in Python; give it again "
-                              "(unbubble.train_model(model, resume=RUN_DIR))")
+        refuse_python_model(cfg)
         model = load_external(cfg.model, cfg.seed)
     n_layer, chunks = count_layers(model), n_stages // cfg.stages  # chunks: 2 on a V-shaped schedule
     if n_stages > n_layer:  # split_model's own message names its Python arguments
@@ -145,8 +143,10 @@ def external_stages(cfg: TrainConfig, tokens: TokenData, n_stages: int, model: t
             raise ConfigError(f"document_mask=True is for Hugging Face models (their attention reads packed rows from "
                               f"the position ids): model {cfg.model!r} is not one (drop --document-mask)")
         # The whole model builds a cache when use_cache, and HF then reads no packed rows from the position ids.
-        model.config.use_cache = False
+        kept, model.config.use_cache = {"use_cache": model.config.use_cache}, False
     split = split_model(model, n_stages, untie=cfg.untie, untie_option="untie=True" if given_in_python else "--untie")
+    if cfg.document_mask:  # the export generates with the cache its own config asks for
+        split.config_for_export = kept
     shape = ModelShape.of(model, sum(len(layers) for layers in split.plan.layers))
     if shape.block_size is not None and cfg.seq_len > shape.block_size:
         raise ConfigError(f"seq_len={cfg.seq_len} is invalid: model {cfg.model!r} has {shape.block_size} positions "
@@ -311,6 +311,25 @@ def resume_config(run_dir: str | Path, overrides: dict | None = None) -> TrainCo
     return cfg
 
 
+def refuse_python_model(cfg: TrainConfig) -> None:
+    """Raises ConfigError when ``cfg`` is a run whose model was given in Python (``train_model``)
+    and no model object came with it."""
+    from unbubble.models.external import PYTHON_MODEL
+
+    if cfg.model == PYTHON_MODEL:
+        raise ConfigError("model='python': this run's model was given in Python; give it again "
+                          "(unbubble.train_model(model, resume=RUN_DIR))")
+
+
+def refuse_finished(run_dir: Path, steps: int) -> None:
+    """Raises ConfigError when the run in ``run_dir`` trained all ``steps`` (its summary.json)."""
+    summary = run_dir / "summary.json"
+    done = json.loads(summary.read_text()) if summary.exists() else {}
+    if done.get("steps_done") == steps and done.get("stopped_at_step") is None:
+        raise ConfigError(f"run {str(run_dir)!r} already finished: its summary.json has all {steps} steps (start a new "
+                          "run to train longer)")
+
+
 def attach_checkpoints(job: PipelineJob, cfg: TrainConfig, run_dir: Path, resume: bool) -> PipelineJob:
     """Sets ``job.checkpoint`` for ``run_dir/checkpoints``; when resuming, picks the newest
     complete checkpoint and checks every stage's file against ``job`` before anything runs.
@@ -351,11 +370,7 @@ def attach_checkpoints(job: PipelineJob, cfg: TrainConfig, run_dir: Path, resume
     if resume:
         for leftover in directory.glob("step-*/.stage-*.tmp-*"):  # a write cut short by a second signal
             leftover.unlink(missing_ok=True)
-        summary = run_dir / "summary.json"
-        done = json.loads(summary.read_text()) if summary.exists() else {}
-        if done.get("steps_done") == job.schedule.steps and done.get("stopped_at_step") is None:
-            raise ConfigError(f"run {str(run_dir)!r} already finished: its summary.json has all {job.schedule.steps} "
-                              "steps (start a new run to train longer)")
+        refuse_finished(run_dir, job.schedule.steps)
         steps = complete_steps(directory, n)
         if not steps:  # stopped or crashed before its first checkpoint: start again from step 0
             log.warning("run %s has no complete checkpoint in %s: it restarts from step 0", run_dir, directory)
@@ -503,47 +518,51 @@ def train(cfg: TrainConfig | None = None, listener_factory=None, resume: str | P
             summary.json whose ``status`` says how it ended.
     """
     started_at = time.time() if started_at is None else started_at
-    if resume is not None:
-        cfg = resume_config(resume, resume_overrides)
-    if on_divergence not in ("raise", "record"):
-        raise ConfigError(f"on_divergence={on_divergence!r} is invalid: must be 'raise' or 'record'")
-    cfg.validate()
-    if cfg.switch_after and resume is None:
-        from unbubble.switch import train_switched
-
-        return train_switched(cfg, functools.partial(train, listener_factory=listener_factory, started_at=started_at,
-                                                     model=model))
-    if resume is None:  # the run folder's config.yaml then works from any folder
-        cfg = cfg.with_absolute_paths()
-    check_loggers(cfg)
     rank0 = not under_torchrun() or int(__import__("os").environ.get("RANK", "0")) == 0
-    # only rank 0 owns the run folder: the others would find it already created (torchrun)
-    if resume is not None:
-        run_dir = Path(resume)
-    else:
-        run_dir = RunWriter.choose_dir(cfg) if rank0 else None
-    cfg, tokenizer = resolve_run_tokenizer(cfg)
-    tokens = prepare_tokens(cfg.corpus, tokenizer, Path(cfg.cache_dir).expanduser(), text_field=cfg.text_field)
-    job, model = build_job(cfg, tokens, model)
-    if under_torchrun() and cfg.checkpoints and cfg.run_dir is None and resume is None:
-        raise ConfigError("checkpoints under torchrun need --run-dir: every rank writes its stage's checkpoint "
-                          "there (a folder all machines share), or give --no-checkpoints")
-    if run_dir is None and cfg.run_dir is not None:  # torchrun rank > 0: same folder as rank 0
-        run_dir = Path(cfg.run_dir)
-    if not under_torchrun() and isinstance(model, ModelConfig.__args__):  # before any stage is built
-        check_memory(cfg.model, model, job.schedule.n_stages, cfg.seq_len, cfg.micro_batch_size, cfg.optimizer,
-                     cfg.precision, cfg.dp)
-    lock = None
-    created = resume is None and rank0 and run_dir is not None and not run_dir.exists()
-    if rank0 and run_dir is not None:  # one process writes a run folder ([Note: the run folder's lock])
-        if resume is None:
-            try:
+    lock, created, run_dir = None, False, None
+    try:
+        if resume is not None:
+            cfg = resume_config(resume, resume_overrides)
+            if model is None:
+                refuse_python_model(cfg)
+            if rank0:  # taken before the corpus is read: a busy or finished run is answered at once
+                lock = RunLock(resume)  # a second writer is refused here, naming the first one's pid
+                refuse_finished(Path(resume), cfg.steps)
+        if on_divergence not in ("raise", "record"):
+            raise ConfigError(f"on_divergence={on_divergence!r} is invalid: must be 'raise' or 'record'")
+        cfg.validate()
+        if cfg.switch_after and resume is None:
+            from unbubble.switch import train_switched
+
+            return train_switched(cfg, functools.partial(train, listener_factory=listener_factory,
+                                                         started_at=started_at, model=model))
+        if resume is None:  # the run folder's config.yaml then works from any folder
+            cfg = cfg.with_absolute_paths()
+        check_loggers(cfg)
+        # only rank 0 owns the run folder: the others would find it already created (torchrun)
+        if resume is not None:
+            run_dir = Path(resume)
+        else:
+            run_dir = RunWriter.choose_dir(cfg) if rank0 else None
+        cfg, tokenizer = resolve_run_tokenizer(cfg)
+        tokens = prepare_tokens(cfg.corpus, tokenizer, Path(cfg.cache_dir).expanduser(), text_field=cfg.text_field)
+        job, model = build_job(cfg, tokens, model)
+        if under_torchrun() and cfg.checkpoints and cfg.run_dir is None and resume is None:
+            raise ConfigError("checkpoints under torchrun need --run-dir: every rank writes its stage's checkpoint "
+                              "there (a folder all machines share), or give --no-checkpoints")
+        if run_dir is None and cfg.run_dir is not None:  # torchrun rank > 0: same folder as rank 0
+            run_dir = Path(cfg.run_dir)
+        if not under_torchrun() and isinstance(model, ModelConfig.__args__):  # before any stage is built
+            check_memory(cfg.model, model, job.schedule.n_stages, cfg.seq_len, cfg.micro_batch_size, cfg.optimizer,
+                         cfg.precision, cfg.dp)
+        created = resume is None and rank0 and run_dir is not None and not run_dir.exists()
+        if rank0 and run_dir is not None and resume is None:  # one process writes a run folder
+            try:  # ([Note: the run folder's lock])
                 run_dir.mkdir(parents=True, exist_ok=True)
             except OSError as exc:
                 raise ConfigError(f"run_dir={str(run_dir)!r} cannot be created: {os_cause(exc)} (set --run-dir)"
                                   ) from None
-        lock = RunLock(run_dir)  # a second writer is refused here, naming the first one's pid
-    try:
+            lock = RunLock(run_dir)
         return _train_locked(cfg, job, model, tokens, tokenizer, run_dir, resume, rank0, listener_factory,
                              started_at, on_divergence)
     except BaseException:

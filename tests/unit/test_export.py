@@ -6,6 +6,10 @@ run's export stays untied."""
 import dataclasses
 import json
 import logging
+import os
+import socket
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -109,6 +113,28 @@ def test_force_replaces_a_file_and_says_so(run, tmp_path, caplog):
         assert export(run, full, force=True) == full / "model.pt"  # a preset run: a state dict inside the folder
     assert [r for r in caplog.records if r.name == "unbubble.export"] == []
     assert (full / "notes.txt").read_text() == "mine"
+
+
+def test_exporting_a_run_that_still_trains_says_which_step_it_holds(run, tmp_path, caplog):
+    lock = run / ".lock"
+    try:
+        for pid, says in ((os.getpid(), True), (_gone_pid(), False)):  # a live holder; a stale lock
+            lock.write_text(json.dumps({"pid": pid, "host": socket.gethostname(), "started": "2026-12-06 10:00:00"}))
+            caplog.clear()
+            with caplog.at_level(logging.WARNING, logger="unbubble.export"):
+                export(run, tmp_path / f"{pid}.pt")
+            lines = [r.getMessage() for r in caplog.records if r.name == "unbubble.export"]
+            assert lines == ([f"{run} is still training (process {pid} on {socket.gethostname()}, started 2026-12-06 "
+                              "10:00:00): this export holds step 2, not the run's final weights; export again when "
+                              "it ends"] if says else [])
+    finally:
+        lock.unlink(missing_ok=True)
+
+
+def _gone_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", ""])
+    proc.wait()
+    return proc.pid
 
 
 def test_no_checkpoint_names_the_flag_that_would_have_written_one(tmp_path):

@@ -3,6 +3,7 @@ stages, trained on the emulator against a plain single-process loop of the unspl
 
 import copy
 import dataclasses
+import itertools
 import logging
 import warnings
 
@@ -81,6 +82,27 @@ def test_stage_modules_keep_the_original_names_and_layers_split_by_parameter_cou
         split_model(model, cuts=[3, 2])
     with pytest.raises(ConfigError, match="n_stages=7 is invalid: must be 1…6"):
         split_model(model, 7)
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_a_large_vocabularys_head_counts_on_the_last_stage_and_the_embedding_lookup_does_not(tie):
+    # the head's V·C = 19,200 weights cost 2.5 layers (7,680 matrix weights each: attention 2C² + 2C·16,
+    # SwiGLU 3·C·48, C = 32): by layer count alone the last stage held 2 layers + head, 1.55× the others
+    L, N, C, V = 8, 4, 32, 600
+    cfg = transformers.LlamaConfig(num_hidden_layers=L, num_attention_heads=4, num_key_value_heads=2, hidden_size=C,
+                                   intermediate_size=48, vocab_size=V, max_position_embeddings=16, bos_token_id=0,
+                                   eos_token_id=0, pad_token_id=0, tie_word_embeddings=tie)
+    torch.manual_seed(0)
+    plan = split_model(transformers.LlamaForCausalLM(cfg), N, untie=tie).plan
+    layer, head = 2 * C * C + 2 * C * 16 + 3 * C * 48, V * C  # forward FLOPs per token ÷ 2 (Kaplan et al. Table 1)
+
+    def largest(counts):
+        return max(k * layer + (head if s == N - 1 else 0) for s, k in enumerate(counts))
+
+    every = [c for c in itertools.product(range(1, L + 1), repeat=N) if sum(c) == L]
+    counts = [len(group) for group in plan.layers]
+    assert largest(counts) == min(map(largest, every)) == layer + head < largest([2, 2, 2, 2])
+    assert counts == [2, 2, 3, 1]  # the ties among the best go to the fewest layers on the earliest stages
 
 
 def test_tied_weights_across_stages_are_refused_and_untie_trains_two_copies(caplog):

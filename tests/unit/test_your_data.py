@@ -465,6 +465,13 @@ def test_document_mask_trains_an_hf_model_and_presets_refuse_it(tmp_path, checkp
     assert restarts >= 1  # the windows do pack documents
     summary = json.loads((run / "summary.json").read_text())
     assert summary["initial_val_loss"] == pytest.approx(sum(total) / len(total), abs=1e-5)
+    # trained without the cache, exported with it (the export's generate ran without one)
+    from unbubble.export import export
+
+    own = json.loads((checkpoint / "config.json").read_text()).get("use_cache", True)
+    out = export(run, tmp_path / "export")
+    assert own is True and json.loads((out / "config.json").read_text())["use_cache"] is own
+    assert transformers.AutoModelForCausalLM.from_pretrained(out).config.use_cache is own
     assert _error("--document-mask", "--model", "llama-tiny", "--corpus", str(short), "--steps", "1").startswith(
         "document_mask=True is not supported by model='llama-tiny': its attention spans the whole packed row; "
         "--document-mask is for the GPT-2 presets (tiny, ")

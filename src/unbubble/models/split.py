@@ -294,9 +294,13 @@ def count_layers(model: nn.Module) -> int:
 
 def plan_split(model: nn.Module, n_stages: int | None = None, cuts: Sequence[int] | None = None,
                module_names_per_stage: Sequence[Sequence[str]] | None = None) -> Plan:
-    """Which modules each stage owns: embeddings on the first, decoder layers split evenly by
-    parameter count (``partition_by_cost``: the smallest largest stage) or at ``cuts``, final norm and
-    head on the last.
+    """Which modules each stage owns: embeddings on the first, decoder layers split by cost
+    (``partition_by_cost``: the smallest largest stage) or at ``cuts``, final norm and head on the last.
+
+    A module's cost is its :func:`matmul_params` (forward FLOPs per token are about twice it), and the
+    last stage's includes the head's V·C: with a large vocabulary the head stage gets fewer layers
+    (Llama-3-8B's head costs 2.4 of its layers; splitting by layer parameters alone left that stage
+    at 1.3× the others on 4 stages).
 
     Args:
         model: the whole model.
@@ -341,8 +345,9 @@ def plan_split(model: nn.Module, n_stages: int | None = None, cuts: Sequence[int
         if n_stages is None or n_stages < 1 or n_stages > n_layer:
             raise ConfigError(f"n_stages={n_stages} is invalid: must be 1…{n_layer} (the model has {n_layer} layers)"
                               " or give cuts=[…]")
-        costs = [float(sum(p.numel() for p in layers._modules[k].parameters())) for k in keys]
-        groups = partition_by_cost(costs, n_stages)
+        costs = [matmul_params(layers._modules[k]) for k in keys]
+        ends = [math.fsum(matmul_params(model.get_submodule(n)) for n in names) for names in (first, last)]
+        groups = partition_by_cost(costs, n_stages, first_extra=ends[0], last_extra=ends[1])
     n = len(groups)
     names, idx = [], []
     for s, group in enumerate(groups):
@@ -355,6 +360,14 @@ def plan_split(model: nn.Module, n_stages: int | None = None, cuts: Sequence[int
         names.append(tuple(own))
         idx.append(tuple(int(keys[i]) if keys[i].isdigit() else i for i in group))
     return Plan(layout, tuple(names), tuple(idx), trace)
+
+
+def matmul_params(module: nn.Module) -> float:
+    """Parameters of ``module`` a token multiplies with (a tied head's weight included), leaving out
+    ``nn.Embedding`` tables: a lookup costs no matmul, while the head's ``(V, C)`` weight costs 2·V·C
+    FLOPs per token ([Note: the stage split's costs] in docs/architecture.md)."""
+    return float(sum(p.numel() for m in module.modules() if not isinstance(m, nn.Embedding)
+                     for p in m.parameters(recurse=False)))
 
 
 def _check_names_cover(model: nn.Module, plan: Plan) -> None:
@@ -660,11 +673,14 @@ class SplitModel:
         plan: the :class:`Plan`.
         untie: tied weights across stages were untied (each stage its own copy).
         probe: what :func:`verify_split` measured (None when it did not run).
+        config_for_export: config values training changed that the model's own config.json keeps
+            (``--document-mask`` trains with ``use_cache=False``; the exported model generates with its cache).
     """
 
     def __init__(self, model: nn.Module, plan: Plan, untie: bool = False):
         self.model, self.plan, self.untie = model, plan, untie
         self.probe: Probe | None = None  # split_model's check (verify_split), when it ran
+        self.config_for_export: dict[str, Any] = {}
         self._tensors: dict[str, torch.Tensor] | None = None  # set when unpickled: self.model is then meta
 
     def __getstate__(self) -> dict:
@@ -685,7 +701,7 @@ class SplitModel:
 
     def save_model_files(self, directory: str) -> None:
         """Writes what export needs beside the checkpoints (an HF model's config; ``unbubble.export``)."""
-        save_model_files(directory, self.model, self.untie)
+        save_model_files(directory, self.model, self.untie, self.config_for_export)
 
 
 #: Largest |difference| the probe accepts, relative to max(1, max |logit| of the whole model), by
@@ -830,7 +846,7 @@ def split_model(model: nn.Module, n_stages: int | None = None, *, cuts: Sequence
             each stage runs its own forward, [Note: a stage runs the model's own forward]), a torchtitan-layout model
             (``tok_embeddings``, ``layers`` as a ``ModuleDict``, ``norm``, ``output``; its own ``forward``
             must skip modules that are ``None``), or any model with ``module_names_per_stage``.
-        n_stages: N: layers split evenly by parameter count.
+        n_stages: N: layers split by cost (:func:`plan_split`: the head's V·C counts on the last stage).
         cuts: the first layer index of stages 1 … N−1 instead.
         module_names_per_stage: per-stage module names (any model; the pruned model's own forward runs).
         untie: give each stage its own copy of a weight tied across stages (GPT-2's ``wte`` / ``lm_head``),
@@ -877,10 +893,12 @@ MODEL_DIR = "model"
 MODEL_INFO = "unbubble-model.json"
 
 
-def save_model_files(directory: str | Path, model: torch.nn.Module, untied: bool) -> None:
-    """Writes ``directory/model/`` once: an HF model's ``config.json``, and :data:`MODEL_INFO`
-    (the model class and, with ``untied``, the names of each tensor the model ties, which
-    :func:`unbubble.export.untied_names` reads). A model that is neither HF nor untied gets nothing."""
+def save_model_files(directory: str | Path, model: torch.nn.Module, untied: bool,
+                     config_for_export: dict[str, Any] | None = None) -> None:
+    """Writes ``directory/model/`` once: an HF model's ``config.json`` (with ``config_for_export``'s
+    values), and :data:`MODEL_INFO` (the model class and, with ``untied``, the names of each tensor the
+    model ties, which :func:`unbubble.export.untied_names` reads). A model that is neither HF nor
+    untied gets nothing."""
     out = Path(directory) / MODEL_DIR
     hf = hasattr(getattr(model, "config", None), "save_pretrained")
     groups: dict[int, list[str]] = {}
@@ -892,9 +910,11 @@ def save_model_files(directory: str | Path, model: torch.nn.Module, untied: bool
         return
     out.mkdir(parents=True, exist_ok=True)
     if hf:
-        config = model.config
+        config, changes = model.config, dict(config_for_export or {})
         if untied and getattr(config, "tie_word_embeddings", False):
-            config = type(config).from_dict({**config.to_dict(), "tie_word_embeddings": False})
+            changes["tie_word_embeddings"] = False
+        if changes:
+            config = type(config).from_dict({**config.to_dict(), **changes})
         config.save_pretrained(out)
     cls = type(model)
     (out / MODEL_INFO).write_text(json.dumps({"class": f"{cls.__module__}.{cls.__qualname__}", "tied": tied}) + "\n")
