@@ -105,6 +105,30 @@ def test_a_large_vocabularys_head_counts_on_the_last_stage_and_the_embedding_loo
     assert counts == [2, 2, 3, 1]  # the ties among the best go to the fewest layers on the earliest stages
 
 
+def test_a_head_whose_module_and_its_children_all_hold_weights_counts_each_weight_once():
+    # BertLMHeadModel's last stage owns cls.predictions (its own bias) and the children that hold the
+    # transform and the decoder: summed module by module the head's V·C counted twice (2 × 2.1 layers)
+    # and 6 layers on 2 stages split 5/1 (largest stage 5 layers) instead of 4/2 (4.1: 2 layers and the head)
+    L, N = 6, 2
+    cfg = transformers.BertConfig(num_hidden_layers=L, hidden_size=32, num_attention_heads=4, intermediate_size=64,
+                                  vocab_size=512, max_position_embeddings=64, is_decoder=True)
+    torch.manual_seed(0)
+    model = transformers.BertLMHeadModel(cfg)
+    split = split_model(model, N, untie=True)
+    # torch's own parameters() counts a tensor once; the embeddings' LayerNorm runs on stage 0
+    layer = sum(p.numel() for p in model.bert.encoder.layer[0].parameters())
+    head, first = (sum(p.numel() for p in m.parameters()) for m in (model.cls, model.bert.embeddings.LayerNorm))
+    assert head == 32 * 32 + 32 + 2 * 32 + 512 * 32 + 512  # transform dense, its LayerNorm, decoder and bias
+
+    def largest(counts):
+        return max(k * layer + (first if s == 0 else 0) + (head if s == N - 1 else 0) for s, k in enumerate(counts))
+
+    every = [c for c in itertools.product(range(1, L + 1), repeat=N) if sum(c) == L]
+    counts = [len(group) for group in split.plan.layers]
+    assert largest(counts) == min(map(largest, every)) == 2 * layer + head < largest([5, 1])
+    assert counts == [4, 2]
+
+
 def test_tied_weights_across_stages_are_refused_and_untie_trains_two_copies(caplog):
     model = hf_gpt2(tie=True)
     assert model.lm_head.weight is model.transformer.wte.weight

@@ -346,7 +346,8 @@ def plan_split(model: nn.Module, n_stages: int | None = None, cuts: Sequence[int
             raise ConfigError(f"n_stages={n_stages} is invalid: must be 1…{n_layer} (the model has {n_layer} layers)"
                               " or give cuts=[…]")
         costs = [matmul_params(layers._modules[k]) for k in keys]
-        ends = [math.fsum(matmul_params(model.get_submodule(n)) for n in names) for names in (first, last)]
+        # one sum over each end's modules: a BERT-style head lists cls.predictions and its children
+        ends = [matmul_params(*(model.get_submodule(n) for n in names)) for names in (first, last)]
         groups = partition_by_cost(costs, n_stages, first_extra=ends[0], last_extra=ends[1])
     n = len(groups)
     names, idx = [], []
@@ -362,12 +363,14 @@ def plan_split(model: nn.Module, n_stages: int | None = None, cuts: Sequence[int
     return Plan(layout, tuple(names), tuple(idx), trace)
 
 
-def matmul_params(module: nn.Module) -> float:
-    """Parameters of ``module`` a token multiplies with (a tied head's weight included), leaving out
+def matmul_params(*modules: nn.Module) -> float:
+    """Parameters of ``modules`` a token multiplies with (a tied head's weight included), leaving out
     ``nn.Embedding`` tables: a lookup costs no matmul, while the head's ``(V, C)`` weight costs 2·V·C
-    FLOPs per token ([Note: the stage split's costs] in docs/architecture.md)."""
-    return float(sum(p.numel() for m in module.modules() if not isinstance(m, nn.Embedding)
-                     for p in m.parameters(recurse=False)))
+    FLOPs per token ([Note: the stage split's costs] in docs/architecture.md). Each parameter counts
+    once, however many of the modules hold it (a module and its child, a bias shared by two modules)."""
+    numel = {id(p): p.numel() for module in modules for m in module.modules() if not isinstance(m, nn.Embedding)
+             for p in m.parameters(recurse=False)}
+    return float(sum(numel.values()))
 
 
 def _check_names_cover(model: nn.Module, plan: Plan) -> None:
