@@ -281,7 +281,7 @@ def export(run_dir: str | Path, out: str | Path, step: int | None = None, force:
     out = Path(out)
     directory = checkpoint_dir(run_dir)
     check_out(run_dir, out, force)
-    _say_if_training(directory, step)
+    step = _say_if_training(directory, step)
     if _is_hf(directory) and out.suffix != ".pt":
         model = load_model(run_dir, step)
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -323,17 +323,26 @@ def export(run_dir: str | Path, out: str | Path, step: int | None = None, force:
     return out
 
 
-def _say_if_training(directory: Path, step: int | None) -> None:
-    """Warns when the run still trains: its newest checkpoint is not its last ([Note: what an export writes])."""
+def _say_if_training(directory: Path, step: int | None) -> int | None:
+    """Warns when the run still trains: its newest checkpoint is not its last ([Note: what an export writes]).
+
+    Returns:
+        The step to export: ``step``, or while the run trains the newest complete one, the step the
+        warning names (the run may complete a newer checkpoint before the files are read).
+    """
     run = directory.parent if directory.name == "checkpoints" else directory
     who = lock_holder(run)
     if who is None:
-        return
+        return step
     steps = complete_steps(directory, _n_stages(directory))
-    at = step if step is not None else (steps[-1] if steps else None)
+    if step is None and steps:
+        step = steps[-1]
+    if step not in steps:  # none yet, or no such step: merged_state_dict's error says which there are
+        return step
     log.warning("%s is still training (process %s on %s, started %s): this export holds step %s, not the run's final "
                 "weights; export again when it ends", run, who.get("pid", "?"), who.get("host", "?"),
-                who.get("started", "?"), at)
+                who.get("started", "?"), step)
+    return step
 
 
 def _copy_tokenizer(model_dir: Path, out: Path) -> None:

@@ -131,6 +131,46 @@ def test_exporting_a_run_that_still_trains_says_which_step_it_holds(run, tmp_pat
         lock.unlink(missing_ok=True)
 
 
+def test_an_export_while_the_run_trains_holds_the_step_its_warning_names(run, tmp_path, caplog):
+    import shutil
+
+    from unbubble.runtime.checkpoint import stage_path
+
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    (copy / ".lock").write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started": "now"}))
+    directory = copy / "checkpoints"
+
+    class Trainer(logging.Handler):  # the run completes step 3's checkpoint right after the warning is said
+        def emit(self, record):
+            if "still training" in record.getMessage() and not (directory / "step-00000003").exists():
+                shutil.copytree(directory / "step-00000002", directory / "step-00000003")
+                path = stage_path(directory, 3, 1)
+                payload = torch.load(path, weights_only=False)
+                for t in payload["executor"]["model"].values():
+                    t.add_(1)
+                torch.save(payload, path)
+
+    logger = logging.getLogger("unbubble.export")
+    logger.addHandler(trainer := Trainer(logging.WARNING))
+    try:
+        with caplog.at_level(logging.WARNING, logger="unbubble.export"):
+            export(copy, tmp_path / "w.pt")
+            said = [r.getMessage() for r in caplog.records if r.name == "unbubble.export"]
+            assert len(said) == 1 and "this export holds step 2," in said[0]
+            state = torch.load(tmp_path / "w.pt", weights_only=True)
+            step2 = load_stage(directory, 2, 1)["executor"]["model"]
+            assert all(torch.equal(state[k], v) for k, v in step2.items())  # step 3 has every weight + 1
+            step3 = load_stage(directory, 3, 1)["executor"]["model"]
+            assert not any(torch.equal(state[k], v) for k, v in step3.items())
+            caplog.clear()  # a step with no checkpoint: the error lists the complete ones, no warning names it
+            with pytest.raises(ConfigError, match=r"^step=99 has no complete checkpoint .*: complete steps are 2, 3 "):
+                export(copy, tmp_path / "x.pt", step=99)
+            assert [r for r in caplog.records if r.name == "unbubble.export"] == []
+    finally:
+        logger.removeHandler(trainer)
+
+
 def _gone_pid() -> int:
     proc = subprocess.Popen([sys.executable, "-c", ""])
     proc.wait()
