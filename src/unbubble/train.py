@@ -117,9 +117,11 @@ def stage_optimizer(name: str, lr: float, betas: tuple[float, float], weight_dec
                            br_stage_delays=list(delays), **dict(br_options))
 
 
-def external_stages(cfg: TrainConfig, tokens: TokenData, n_stages: int, model: torch.nn.Module | None = None):
+def external_stages(cfg: TrainConfig, tokens: TokenData, n_stages: int, model: torch.nn.Module | None = None,
+                    written: Path | None = None):
     """``(split_model of cfg.model, ModelShape)`` for an ``hf:`` / ``module:function`` model or a model
-    object given in Python (``train_model``).
+    object given in Python (``train_model``); ``written``: a resumed run's checkpoint folder, whose
+    stages keep the layers they were written with (:func:`written_cuts`).
 
     Raises:
         ConfigError: a ``python`` run without its model object, a vocabulary smaller than the
@@ -144,7 +146,9 @@ def external_stages(cfg: TrainConfig, tokens: TokenData, n_stages: int, model: t
                               f"the position ids): model {cfg.model!r} is not one (drop --document-mask)")
         # The whole model builds a cache when use_cache, and HF then reads no packed rows from the position ids.
         kept, model.config.use_cache = {"use_cache": model.config.use_cache}, False
-    split = split_model(model, n_stages, untie=cfg.untie, untie_option="untie=True" if given_in_python else "--untie")
+    cuts = written_cuts(written, model, n_stages) if written is not None else None
+    split = split_model(model, n_stages, cuts=cuts, untie=cfg.untie,
+                        untie_option="untie=True" if given_in_python else "--untie")
     if cfg.document_mask:  # the export generates with the cache its own config asks for
         split.config_for_export = kept
     shape = ModelShape.of(model, sum(len(layers) for layers in split.plan.layers))
@@ -152,6 +156,29 @@ def external_stages(cfg: TrainConfig, tokens: TokenData, n_stages: int, model: t
         raise ConfigError(f"seq_len={cfg.seq_len} is invalid: model {cfg.model!r} has {shape.block_size} positions "
                           f"(set --seq-len ≤ {shape.block_size})")
     return split, shape
+
+
+def written_cuts(directory: Path, model: torch.nn.Module, n_stages: int) -> list[int] | None:
+    """The first decoder layer of stages 1 … N−1 in the newest readable complete checkpoint of
+    ``directory`` (from its stage files' parameter names; the tensors are not read), or None when there
+    is none. A resumed run keeps the split its checkpoints hold: the split's costs may have changed since
+    it started ([Note: the stage split's costs] in docs/architecture.md), and its stage files would then
+    hold other layers than its stages."""
+    import re
+
+    from unbubble.models.split import count_layers, layer_container
+
+    layer, n_layer = re.compile(re.escape(layer_container(model)) + r"\.(\d+)\."), count_layers(model)
+    for step in reversed(complete_steps(directory, n_stages)):
+        try:
+            names = [load_stage(directory, step, s)["executor"]["model"] for s in range(n_stages)]
+        except (ConfigError, KeyError, TypeError):  # damaged: attach_checkpoints says so, or passes over it
+            continue
+        firsts = [min((int(m.group(1)) for k in stage if (m := layer.match(k))), default=None) for stage in names]
+        if None in firsts or firsts[0] != 0 or firsts != sorted(set(firsts)) or firsts[-1] >= n_layer:
+            return None  # not a split of this model's layers: attach_checkpoints names the mismatch
+        return firsts[1:]
+    return None
 
 
 def embedding_rows(model: torch.nn.Module) -> int | None:
@@ -195,11 +222,11 @@ def stage_ranges(job: PipelineJob, model, seq_len: int) -> list[range]:
     return partition_layers(model, job.schedule.n_stages, seq_len)
 
 
-def build_job(cfg: TrainConfig, tokens: TokenData, model_object: torch.nn.Module | None = None
-              ) -> tuple[PipelineJob, ModelConfig]:
+def build_job(cfg: TrainConfig, tokens: TokenData, model_object: torch.nn.Module | None = None,
+              written: Path | None = None) -> tuple[PipelineJob, ModelConfig]:
     """The pipeline job for ``cfg`` on prepared ``tokens``: a GPT-2 / Llama / MoE preset, or an
     external model (``hf:PATH``, ``module:function``, or ``model_object``) split by
-    :func:`~unbubble.models.split.split_model`.
+    :func:`~unbubble.models.split.split_model` (as its checkpoints in ``written`` are, when resuming).
 
     Returns:
         ``(job, model)``: ``model`` the preset's config or the external model's
@@ -213,7 +240,7 @@ def build_job(cfg: TrainConfig, tokens: TokenData, model_object: torch.nn.Module
     external = model_object is not None or is_external(cfg.model)
     schedule = get_schedule(cfg.schedule, cfg.stages, cfg.steps, a=cfg.a, m=cfg.m, v=cfg.v)
     if external:  # split_model checks the stages against the layers, external_stages seq_len
-        split, model = external_stages(cfg, tokens, schedule.n_stages, model_object)
+        split, model = external_stages(cfg, tokens, schedule.n_stages, model_object, written)
     else:
         model = make_config(cfg.model, tokens.vocab_size)
     if not external and cfg.seq_len > model.block_size:
@@ -546,7 +573,7 @@ def train(cfg: TrainConfig | None = None, listener_factory=None, resume: str | P
             run_dir = RunWriter.choose_dir(cfg) if rank0 else None
         cfg, tokenizer = resolve_run_tokenizer(cfg)
         tokens = prepare_tokens(cfg.corpus, tokenizer, Path(cfg.cache_dir).expanduser(), text_field=cfg.text_field)
-        job, model = build_job(cfg, tokens, model)
+        job, model = build_job(cfg, tokens, model, run_dir / "checkpoints" if resume is not None else None)
         if under_torchrun() and cfg.checkpoints and cfg.run_dir is None and resume is None:
             raise ConfigError("checkpoints under torchrun need --run-dir: every rank writes its stage's checkpoint "
                               "there (a folder all machines share), or give --no-checkpoints")

@@ -414,6 +414,40 @@ def test_train_model_gives_a_model_object_the_run_folder_checkpoints_resume_and_
     assert report.exit_code == 0, report.output
 
 
+def test_a_resumed_run_keeps_the_split_its_checkpoints_were_written_with(tmp_path, cache_dir, monkeypatch):
+    """A run whose checkpoints were cut by layer parameters alone (as before the head's V·C counted)
+    resumes with its own stages and ends where the whole run ends; it was refused as another model."""
+    import json
+    import shutil
+
+    import unbubble
+    from unbubble.export import merged_state_dict
+    from unbubble.models import split as split_module
+
+    def gpt2():  # the head's V·C = 65,536 weights cost 5 of its 12,704-weight layers
+        torch.manual_seed(0)
+        return transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=4, n_head=2, n_embd=32, vocab_size=2048,
+                                                                    n_positions=64, tie_word_embeddings=False))
+
+    by_layers = split_module.partition_by_cost
+    monkeypatch.setattr(split_module, "partition_by_cost", lambda costs, n, **ends: by_layers(costs, n))
+    options = dict(stages=2, a=2, seq_len=16, eval_interval=0, eval_batches=1, engine="emulator",
+                   checkpoint_every=2, cache_dir=cache_dir, progress=False)
+    whole, run = unbubble.train_model(gpt2(), run_dir=tmp_path / "run", steps=4, **options)
+    assert json.loads((run / "summary.json").read_text())["stage_layers"] == [[0, 2], [2, 4]]
+    cut = tmp_path / "cut"
+    shutil.copytree(run, cut)
+    shutil.rmtree(cut / "checkpoints" / "step-00000004")
+    (cut / "summary.json").unlink()  # as a run stopped at step 2 by a crash
+    monkeypatch.undo()
+    assert [list(g) for g in split_module.plan_split(gpt2(), 2).layers] == [[0, 1, 2], [3]]  # today's split
+    resumed, _ = unbubble.train_model(gpt2(), resume=cut, progress=False)
+    assert json.loads((cut / "summary.json").read_text())["stage_layers"] == [[0, 2], [2, 4]]
+    assert resumed.step_losses == whole.step_losses[2:]
+    want, got = merged_state_dict(run, 4), merged_state_dict(cut, 4)
+    assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
+
+
 def _user_lines(code: str) -> int:
     return sum(1 for line in code.splitlines() if line.strip() and not line.strip().startswith("#"))
 

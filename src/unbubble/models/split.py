@@ -288,8 +288,16 @@ def count_layers(model: nn.Module) -> int:
 
     Raises:
         ConfigError: a model of no known layout (as :func:`split_model`)."""
-    layout = detect_layout(model)
-    return len(model.get_submodule(_layer_list(model) if layout == "hf" else "layers"))
+    return len(model.get_submodule(layer_container(model)))
+
+
+def layer_container(model: nn.Module) -> str:
+    """The name of the decoder layers' container of a model :func:`split_model` takes (``model.layers``,
+    ``transformer.h``, …; torchtitan's ``layers``): a stage's parameter names start with it and a layer index.
+
+    Raises:
+        ConfigError: a model of no known layout (as :func:`split_model`)."""
+    return _layer_list(model) if detect_layout(model) == "hf" else "layers"
 
 
 def plan_split(model: nn.Module, n_stages: int | None = None, cuts: Sequence[int] | None = None,
