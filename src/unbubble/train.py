@@ -11,6 +11,7 @@ import dataclasses
 import functools
 import json
 import logging
+import re
 import shutil
 import signal
 import time
@@ -164,8 +165,6 @@ def written_cuts(directory: Path, model: torch.nn.Module, n_stages: int) -> list
     is none. A resumed run keeps the split its checkpoints hold: the split's costs may have changed since
     it started ([Note: the stage split's costs] in docs/architecture.md), and its stage files would then
     hold other layers than its stages."""
-    import re
-
     from unbubble.models.split import count_layers, layer_container
 
     layer, n_layer = re.compile(re.escape(layer_container(model)) + r"\.(\d+)\."), count_layers(model)
@@ -692,6 +691,8 @@ def train_model(model: torch.nn.Module, schedule: str = "paci", run_dir: str | P
     if bad:
         raise ConfigError(f"{bad[0]}={options[bad[0]]!r} is not an option of train_model: give TrainConfig fields "
                           "(as unbubble train --help lists them, with _ for -)")
+    config = getattr(model, "config", None)  # --document-mask trains with use_cache=False: the caller keeps its own
+    own_cache = getattr(config, "use_cache", None)
     try:
         if resume is not None:
             result, run_dir = train(listener_factory=factory if progress else None, resume=resume, model=model)
@@ -702,6 +703,8 @@ def train_model(model: torch.nn.Module, schedule: str = "paci", run_dir: str | P
         if result is not None and listeners:
             listeners[-1].finish(json.loads((run_dir / "summary.json").read_text()))
     finally:
+        if own_cache is not None:
+            config.use_cache = own_cache
         for lst in listeners:
             lst.close()
         root.handlers[:], root.level, root.propagate = configured[0], configured[1], configured[2]

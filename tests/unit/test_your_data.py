@@ -477,6 +477,20 @@ def test_document_mask_trains_an_hf_model_and_presets_refuse_it(tmp_path, checkp
         "--document-mask is for the GPT-2 presets (tiny, ")
 
 
+def test_train_model_with_document_mask_gives_the_caller_its_model_with_its_own_cache(tmp_path, checkpoint, short):
+    """train_model(model, document_mask=True) trains with use_cache=False; the caller's model then generates with
+    the cache its config asked for (it was left False)."""
+    import unbubble
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint)
+    assert model.config.use_cache is True
+    result, _ = unbubble.train_model(model, schedule="1f1b-flush", run_dir=tmp_path / "run", corpus=str(short),
+                                     tokenizer=f"hf:{checkpoint}", document_mask=True, steps=1, stages=2, m=2,
+                                     seq_len=16, micro_batch_size=2, eval_batches=1, engine="emulator",
+                                     tensorboard=False, cache_dir=str(tmp_path / "cache"), progress=False)
+    assert result is not None and model.config.use_cache is True
+
+
 def test_document_mask_on_a_gpt2_preset_equals_each_document_alone(tmp_path, short):
     """The tiny preset with --document-mask on 2 stages: its version-0 validation loss is the whole model
     (one stage, the same seed's weights) run on each packed document alone, causal as usual, EOS targets
